@@ -1,0 +1,211 @@
+"""Split tensors into bucket-sized byte chunks and merge them back, bitwise.
+
+The split also plans the bucket layout: it assigns each chunk its byte `offset` in the bucket,
+filling every bucket to the last byte (a tensor that does not fit in what is left of a bucket is
+cut at the bucket boundary, not pushed whole into the next one). The sender therefore only copies
+`chunk -> bucket[offset:offset + chunk_size]` and starts a new bucket when the offset goes back to
+the start; nothing about the layout is decided twice.
+
+Chunk lifetime: a chunk yielded by `split_weight_chunks` is a uint8 *view* of the caller's tensor
+(or of a contiguous copy of it when the tensor is not contiguous). It is valid until the consumer
+asks the iterator for the next item; the next `(name, tensor)` pair is only pulled from the
+caller's iterable after every chunk of the current tensor has been consumed, so a producer may
+reuse or free its tensor as soon as it yields the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from .dtypes import itemsize
+from .errors import ProtocolError
+
+T = TypeVar("T")
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+Chunks = Iterable[tuple["TensorMeta", torch.Tensor]] | AsyncIterable[tuple["TensorMeta", torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one byte range of one tensor goes.
+
+    `chunk_offset`/`chunk_size` are bytes within the whole tensor; `offset` is the position of
+    the chunk in its bucket (set by the split/sender, `None` for chunks not yet placed).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunk_offset: int
+    chunk_size: int
+    offset: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def is_first(self) -> bool:
+        return self.chunk_offset == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.chunk_offset + self.chunk_size == self.nbytes
+
+
+async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
+    """Iterate a sync or async iterable uniformly."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of `tensor`'s bytes (a copy only when it is not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+async def split_weight_chunks(
+    weights: NamedTensors, bucket_size: int
+) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
+    """Yield `(meta, uint8 view)` chunks of at most `bucket_size` bytes, packed back to back.
+
+    Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
+    filled = 0  # bytes already planned into the current bucket
+    async for name, tensor in aiter_any(weights):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        data = as_bytes(tensor)
+        shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
+        chunk_offset = 0
+        while True:
+            if filled == bucket_size:
+                filled = 0
+            size = min(nbytes - chunk_offset, bucket_size - filled)
+            meta = TensorMeta(name, shape, dtype, chunk_offset, size, offset=filled)
+            yield meta, data[chunk_offset : chunk_offset + size]
+            filled += size
+            chunk_offset += size
+            if chunk_offset >= nbytes:
+                break
+
+
+class _Assembly:
+    """One tensor being merged: its destination bytes and the next byte expected."""
+
+    def __init__(self, meta: TensorMeta, dest: torch.Tensor, owned: bool) -> None:
+        self.meta = meta
+        self.dest = dest
+        self.dest_bytes = as_bytes(dest) if dest.is_contiguous() else None
+        if self.dest_bytes is None:
+            raise ProtocolError(f"destination for {meta.name!r} must be contiguous")
+        self.owned = owned
+        self.next_offset = 0
+
+    def same_tensor(self, meta: TensorMeta) -> bool:
+        return meta.shape == self.meta.shape and meta.dtype == self.meta.dtype
+
+
+def _check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
+    if not isinstance(dest, torch.Tensor):
+        raise ProtocolError(f"into() returned {type(dest).__name__} for {meta.name!r}, not a Tensor")
+    if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
+        raise ProtocolError(
+            f"destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
+            f"but the stream carries {meta.dtype}{list(meta.shape)}"
+        )
+    if not dest.is_contiguous():
+        raise ProtocolError(f"destination for {meta.name!r} must be contiguous")
+
+
+async def merge_weight_chunks(
+    chunks: Chunks,
+    bucket_size: int,
+    *,
+    into: Callable[[TensorMeta], torch.Tensor | None] | None = None,
+    device: torch.device | str | None = None,
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Reassemble chunks into whole tensors, yielding each `(name, tensor)` once it is complete.
+
+    With `into(meta)` returning a tensor, chunks are copied straight into it (no staging copy of
+    the whole weight) and that tensor is yielded; returning `None` falls back to a fresh tensor.
+    Yielded tensors never alias the chunk buffers, so the caller may reuse those at once.
+    Any gap, overlap, reorder, shape/dtype change mid-tensor, duplicate name or early end raises
+    `ProtocolError`.
+    """
+    current: _Assembly | None = None
+    seen: set[str] = set()
+    async for meta, data in aiter_any(chunks):
+        if meta.chunk_size != data.numel() or data.dtype != torch.uint8:
+            raise ProtocolError(
+                f"chunk of {meta.name!r} declares {meta.chunk_size} bytes but carries "
+                f"{data.numel()} {data.dtype} elements"
+            )
+        if meta.chunk_size > bucket_size:
+            raise ProtocolError(f"chunk of {meta.name!r} is {meta.chunk_size} bytes > bucket_size {bucket_size}")
+        if meta.chunk_offset < 0 or meta.chunk_offset + meta.chunk_size > meta.nbytes:
+            raise ProtocolError(
+                f"chunk [{meta.chunk_offset}, +{meta.chunk_size}) of {meta.name!r} is outside its "
+                f"{meta.nbytes} bytes"
+            )
+        if current is not None and meta.name != current.meta.name:
+            raise ProtocolError(
+                f"stream moved to {meta.name!r} while {current.meta.name!r} was incomplete "
+                f"({current.next_offset}/{current.meta.nbytes} bytes)"
+            )
+        if current is None:
+            if meta.name in seen:
+                raise ProtocolError(f"tensor {meta.name!r} appears twice in one version")
+            if meta.chunk_offset != 0:
+                raise ProtocolError(
+                    f"first chunk of {meta.name!r} starts at byte {meta.chunk_offset}, expected 0 "
+                    "(chunk lost or out of order)"
+                )
+            dest = into(meta) if into is not None else None
+            if dest is None:
+                current = _Assembly(meta, torch.empty(meta.shape, dtype=meta.dtype, device=device), True)
+            else:
+                _check_destination(meta, dest)
+                current = _Assembly(meta, dest, False)
+            seen.add(meta.name)
+        else:
+            if not current.same_tensor(meta):
+                raise ProtocolError(
+                    f"{meta.name!r} changed from {current.meta.dtype}{list(current.meta.shape)} to "
+                    f"{meta.dtype}{list(meta.shape)} mid-tensor"
+                )
+            if meta.chunk_offset != current.next_offset:
+                kind = "gap" if meta.chunk_offset > current.next_offset else "overlap"
+                raise ProtocolError(
+                    f"{kind} in {meta.name!r}: chunk starts at byte {meta.chunk_offset}, "
+                    f"expected {current.next_offset}"
+                )
+        if meta.chunk_size:
+            assert current.dest_bytes is not None
+            end = meta.chunk_offset + meta.chunk_size
+            current.dest_bytes[meta.chunk_offset : end].copy_(data, non_blocking=False)
+        current.next_offset += meta.chunk_size
+        if current.next_offset == current.meta.nbytes:
+            done, current = current, None
+            yield done.meta.name, done.dest
+    if current is not None:
+        raise ProtocolError(
+            f"stream ended mid-tensor: {current.meta.name!r} has {current.next_offset} of "
+            f"{current.meta.nbytes} bytes"
+        )

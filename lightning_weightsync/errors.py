@@ -1,0 +1,38 @@
+"""One exception hierarchy, so callers can catch `WeightSyncError` and know it came from us.
+
+Messages name the offending value and the config knob that fixes it.
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(RuntimeError):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(WeightSyncError, ValueError):
+    """A config value is unknown, out of range or inconsistent; raised at load time."""
+
+
+class ProtocolError(WeightSyncError):
+    """A chunk stream or control message is malformed, out of order, or unauthenticated."""
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A bounded wait expired; the message names what was awaited and from whom."""
+
+
+class PeerError(WeightSyncError):
+    """A peer reported a failure or went away mid-version."""
+
+
+class VersionAborted(PeerError):
+    """The sender aborted the version in flight; nothing of it may be applied."""
+
+
+class SinkError(WeightSyncError):
+    """A sink cannot accept a tensor (unknown name, wrong shape or dtype) or failed to apply."""
+
+
+class BackendUnavailable(WeightSyncError, ImportError):
+    """An optional backend's dependency or hardware is missing; names the extra to install."""
