@@ -1,0 +1,133 @@
+"""The one multi-process test helper: free ports, spawned workers, timeouts, cleanup.
+
+Every multi-process test goes through here so that no test binds a fixed port, waits forever,
+or leaves a process behind when it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    """Ask the OS for a free TCP port on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _trampoline(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, index: int) -> None:
+    try:
+        result = fn(*args)
+        queue.put((index, True, result))
+    except BaseException:
+        queue.put((index, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    args_per_worker: Sequence[tuple[Any, ...]],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run `fn(*args)` in one spawned process per args tuple; return their results in order.
+
+    `fn` must be importable (module level). Any worker exception or a timeout fails the test with
+    the worker's traceback, and every worker is killed before returning.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_trampoline, args=(fn, a, queue, i), daemon=True) for i, a in enumerate(args_per_worker)
+    ]
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    grace_until: float | None = None  # a dead worker's traceback may still be in the queue
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < len(procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise WorkerFailed(f"workers timed out after {timeout_s}s; finished: {sorted(results)}")
+            if grace_until is not None and now > grace_until:
+                codes = {i: p.exitcode for i, p in enumerate(procs) if i not in results}
+                raise WorkerFailed(f"worker(s) died without a report; exit codes {codes}")
+            try:
+                index, ok, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                if grace_until is None and any(p.exitcode not in (None, 0) for p in procs):
+                    grace_until = time.monotonic() + 3.0
+                continue
+            if not ok:
+                raise WorkerFailed(f"worker {index} failed:\n{value}")
+            results[index] = value
+        return [results[i] for i in range(len(procs))]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        queue.close()
+
+
+@contextlib.contextmanager
+def spawned(fn: Callable[..., Any], *args: Any) -> Iterator[mp.process.BaseProcess]:
+    """A background worker process that is always killed when the block exits."""
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=fn, args=args, daemon=True)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+@contextlib.contextmanager
+def popen(cmd: Sequence[str], *, env: dict[str, str] | None = None, **kwargs: Any) -> Iterator[subprocess.Popen[str]]:
+    """A subprocess (e.g. the CLI) in its own process group, killed with its children on exit."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        list(cmd),
+        env=full_env,
+        start_new_session=True,
+        text=True,
+        stdout=kwargs.pop("stdout", subprocess.PIPE),
+        stderr=kwargs.pop("stderr", subprocess.STDOUT),
+        **kwargs,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=10)
+
+
+PYTHON = sys.executable
