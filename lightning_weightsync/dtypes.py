@@ -38,4 +38,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element; `dtype.itemsize` (torch >= 2.1) allocates nothing, unlike a probe tensor."""
+    return dtype.itemsize
