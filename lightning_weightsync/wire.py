@@ -61,9 +61,14 @@ class Register(msgspec.Struct, tag="register", frozen=True):
 
 
 class Prepare(msgspec.Struct, tag="prepare", frozen=True):
-    """Sender -> receiver: a version is about to start; answer `Ready` to be in its group."""
+    """Sender -> receiver: a version is about to start; answer `Ready` to be in its group.
+
+    `session` is new for every sender process: versions are monotonic within a session, and a
+    restarted trainer (new session) may start over.
+    """
 
     version: int
+    session: str
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -75,6 +80,7 @@ class Plan(msgspec.Struct, tag="plan", frozen=True):
     """Sender -> receiver: your rank, and how to join the data-plane group for this version."""
 
     version: int
+    session: str
     generation: int
     rank: int
     world_size: int
@@ -181,7 +187,7 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
     """Range checks that the type schema cannot express."""
     if hasattr(msg, "version"):
         _check_nonneg("version", msg.version)
-    for attr in ("identity", "host", "device", "reason", "error", "backend", "store_host"):
+    for attr in ("identity", "host", "device", "reason", "error", "backend", "store_host", "session"):
         _check_text(attr, getattr(msg, attr, None))
     if isinstance(msg, Plan):
         if not (0 <= msg.rank < msg.world_size):

@@ -1,0 +1,240 @@
+"""Colocated backends: the two bucket slots live in memory every process can map (POSIX shared
+memory for `shm`, CUDA IPC for `cuda_ipc`), so nothing is copied over a network at all.
+
+"Broadcast" is a handshake: the sender packs a slot and publishes its metadata (control plane);
+each receiver reads the slot in place and sends a signed `BucketDone` to the sender's release
+socket (ZeroMQ PUSH -> PULL). The sender's `broadcast()` returns once every receiver released the
+bucket, which is exactly when the slot may be packed again (double buffering as for gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import time
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import zmq
+
+from ..errors import ProtocolError, WeightSyncTimeout
+from ..wire import BucketDone, Plan, decode, encode
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class SharedBucketBackend(Backend):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ctx: zmq.Context[Any] | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self._release_addr = ""
+        self._released: dict[int, set[str]] = {}
+        self._identity = ""
+
+    # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
+    @abstractmethod
+    def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
+        """Sender: allocate the slots and return them with their handles (strings for the plan)."""
+
+    @abstractmethod
+    def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
+        """Receiver: map the sender's slots from their handles."""
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self, host: str, store_port: int) -> None:
+        self.buckets, self._handles = self._create_slots()
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PULL)
+        self._socket.linger = 0
+        port = self._socket.bind_to_random_port(f"tcp://{host}") if store_port == 0 else store_port
+        if store_port:
+            self._socket.bind(f"tcp://{host}:{store_port}")
+        self._release_addr = f"tcp://{host}:{port}"
+
+    def plan_info(self, generation: int) -> dict[str, str]:
+        return {"release_addr": self._release_addr, **{f"slot{i}": h for i, h in enumerate(self._handles)}}
+
+    def _receiver_buckets(self, plan: Plan) -> list[torch.Tensor]:
+        handles = [plan.info.get(f"slot{i}", "") for i in range(2)]
+        if not all(handles) or "release_addr" not in plan.info:
+            raise ProtocolError(f"plan for backend {self.name} lacks slot handles (sender uses {plan.backend}?)")
+        return self._attach_slots(handles, plan.bucket_size)
+
+    def _build_group(self, plan: Plan) -> None:
+        if self.is_sender:
+            return
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket.linger = 1000
+        self._socket.connect(plan.info["release_addr"])
+
+    def set_identity(self, identity: str) -> None:
+        self._identity = identity
+
+    # -- data path --------------------------------------------------------------------------
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
+        if not self.is_sender:
+            return  # the bytes are already in the mapped slot
+        self.wait_fence(slot)
+        self._await_releases(bucket_index, self.world_size - 1)
+
+    def _await_releases(self, bucket_index: int, expected: int) -> None:
+        assert self._socket is not None
+        deadline = time.monotonic() + self.timeout_s
+        done = self._released.setdefault(bucket_index, set())
+        while len(done) < expected:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._socket.poll(int(min(left, 1.0) * 1000)):
+                if left <= 0:
+                    raise WeightSyncTimeout(
+                        f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
+                        f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
+                    )
+                continue
+            try:
+                msg = decode(self._socket.recv_multipart(), self.auth_key)
+            except ProtocolError as exc:
+                logger.warning("dropped a bad release message: %s", exc)
+                continue
+            if isinstance(msg, BucketDone):
+                self._released.setdefault(msg.bucket_index, set()).add(msg.identity)
+        del self._released[bucket_index]
+
+    def release(self, slot: int, bucket_index: int) -> None:
+        assert self._socket is not None
+        self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
+        self._socket.send_multipart(encode(BucketDone(self._identity, 0, bucket_index), self.auth_key))
+
+    def _drop_group(self) -> None:
+        self._released.clear()
+
+    def close(self) -> None:
+        super().close()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+class ShmBackend(SharedBucketBackend):
+    """Trainer and rollout on one host, CPU buckets in POSIX shared memory."""
+
+    name = "shm"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._segments: list[Any] = []
+
+    def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
+        from multiprocessing.shared_memory import SharedMemory
+
+        self._segments = [SharedMemory(create=True, size=max(self.bucket_size, 1)) for _ in range(2)]
+        return [self._view(s, self.bucket_size) for s in self._segments], [s.name for s in self._segments]
+
+    def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
+        # Map with shm_open + mmap rather than SharedMemory(name=...): the latter registers the
+        # segment with the resource tracker, which the sender may share (spawned processes), and
+        # would unlink the sender's segment when we exit. The segment is the sender's to unlink.
+        import _posixshmem
+        import mmap
+
+        self._close_segments()
+        self._segments = []
+        for name in handles:
+            if not name.replace("_", "").isalnum() or len(name) > 64:
+                raise ProtocolError(f"shared-memory segment name {name[:64]!r} is malformed")
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    raise ProtocolError(f"shared-memory segment {name} has {size} bytes < bucket_size {nbytes}")
+                self._segments.append(_Mapped(mmap.mmap(fd, size)))
+            finally:
+                os.close(fd)
+        return [self._view(s, nbytes) for s in self._segments]
+
+    @staticmethod
+    def _view(segment: Any, nbytes: int) -> torch.Tensor:
+        return (
+            torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+
+    def _close_segments(self) -> None:
+        self.buckets = []
+        gc.collect()
+        for segment in self._segments:
+            with contextlib.suppress(BufferError, OSError):
+                segment.close()
+            if self.is_sender and hasattr(segment, "unlink"):
+                with contextlib.suppress(FileNotFoundError):
+                    segment.unlink()
+
+    def close(self) -> None:
+        super().close()
+        self._close_segments()
+        self._segments = []
+
+
+class _Mapped:
+    """A receiver's mapping of a sender segment, shaped like SharedMemory (`.buf`, `.close()`)."""
+
+    def __init__(self, mm: Any) -> None:
+        self.buf = mm
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+class CudaIpcBackend(SharedBucketBackend):
+    """Trainer and rollout on one GPU: CUDA buckets shared by IPC handle (no pickle: the handle's
+    fields travel as hex strings). The sender synchronizes the device before a bucket is announced,
+    so a receiver never reads a slot whose copies are still queued."""
+
+    name = "cuda_ipc"
+
+    def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
+        slots = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return slots, [_encode_ipc(t) for t in slots]
+
+    def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
+        return [_decode_ipc(h, nbytes, self.device) for h in handles]
+
+    def fence(self, slot: int) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def _encode_ipc(tensor: torch.Tensor) -> str:
+    fields = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+    parts = []
+    for f in fields:
+        if isinstance(f, bytes):
+            parts.append("b" + f.hex())
+        elif isinstance(f, bool):
+            parts.append("t" if f else "f")
+        else:
+            parts.append("i" + str(int(f)))
+    return ":".join(parts)
+
+
+def _decode_ipc(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    fields: list[Any] = []
+    for part in handle.split(":"):
+        kind, body = part[:1], part[1:]
+        if kind == "b":
+            fields.append(bytes.fromhex(body))
+        elif kind in ("t", "f"):
+            fields.append(kind == "t")
+        elif kind == "i":
+            fields.append(int(body))
+        else:
+            raise ProtocolError(f"malformed CUDA IPC handle field {part[:16]!r}")
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)  # type: ignore[attr-defined]
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)[:nbytes]

@@ -1,0 +1,299 @@
+"""WeightReceiver: one version per `receive_weights()` call, bucket by bucket, merged into tensors.
+
+    wait for Prepare (heartbeating) -> Ready -> Plan -> join the group
+    producer: for bucket k: wait until slot k % 2 is free, read its metadata, run its broadcast
+              (executor thread) -> hand (metadata, slot) to the consumer
+    consumer: chunks of the bucket -> merge_weight_chunks(into=...) -> yield (name, tensor);
+              the slot is released as soon as its last chunk was copied out
+
+So bucket k + 1 is on the wire while bucket k is merged. If the consumer stops early or fails,
+the receiver keeps taking part in the version's remaining broadcasts (discarding them) so the
+sender and the other receivers are not stalled, then reports the failure in its ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from .chunking import TensorMeta, merge_weight_chunks
+from .collective import Backend, build_backend
+from .config import auth_token, load_config
+from .device import resolve_device
+from .errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
+from .executor import SerialExecutor
+from .rendezvous import ReceiverControl, default_identity
+from .wire import Ack, BucketMeta, Plan, Prepare, Ready
+
+logger = logging.getLogger(__name__)
+
+Into = Callable[[TensorMeta], "torch.Tensor | None"]
+
+
+@dataclass
+class ReceiveStats:
+    version: int
+    nbytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightReceiver:
+    """Receives versions from one `WeightSender`.
+
+    Args:
+        cfg: the weightsync config; uses `transport.*` and `rollout.identity` / `rollout.device`
+            (where merged tensors are allocated when no `into` destination is given).
+    """
+
+    def __init__(self, cfg: DictConfig | None = None, *, identity: str | None = None) -> None:
+        self.cfg = cfg if cfg is not None else load_config()
+        t = self.cfg.transport
+        self.identity = identity or self.cfg.rollout.identity or default_identity()
+        self.timeout_s = float(t.timeout_s)
+        self.device = resolve_device(t.backend, t.device)
+        self.output_device = torch.device(self.cfg.rollout.device)
+        self._key = auth_token(self.cfg)
+        self._control = ReceiverControl(t.host, int(t.port), self._key, self.identity, str(self.device))
+        self._backend: Backend | None = None
+        self._executor: SerialExecutor | None = None
+        self._session: str | None = None
+        self.version: int | None = None  # version of the stream received last (or in flight)
+        self.last_complete_version: int | None = None
+        self.last_stats: ReceiveStats | None = None
+        self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
+        self._acked = True
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._executor = SerialExecutor("weightsync-recv")
+        await self._control.start()
+
+    async def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        await self._control.close()
+
+    async def __aenter__(self) -> WeightReceiver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def dropped_messages(self) -> int:
+        return self._control.dropped_messages
+
+    # -- one version ------------------------------------------------------------------------------
+    async def wait_version(self, wait_s: float | None = None) -> Plan:
+        """Block until the sender starts a version, join its group, and return the plan."""
+        t = self.cfg.transport
+        while True:
+            prepare = await self._control.wait_prepare(float(t.heartbeat_interval_s), wait_s)
+            if not self._is_new(prepare):
+                logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
+                continue
+            await self._control.send(Ready(self.identity, prepare.version))
+            try:
+                plan = await self._control.wait_plan(prepare, self.timeout_s)
+            except VersionAborted as exc:
+                logger.info("%s", exc)
+                continue
+            break
+        if self._backend is None or self._backend.name != plan.backend:
+            if self._backend is not None:
+                self._backend.close()
+            self._backend = build_backend(
+                plan.backend,
+                bucket_size=plan.bucket_size,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                is_sender=False,
+                session=plan.session,
+                auth_key=self._key,
+            )
+            if hasattr(self._backend, "set_identity"):
+                self._backend.set_identity(self.identity)
+        self._control.bucket_size = plan.bucket_size
+        self._session, self.version = plan.session, plan.version
+        assert self._executor is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._executor.submit(self._backend.join, plan)), self.timeout_s)
+        except BaseException as exc:
+            self._fail_group()
+            await self._send_ack(plan.version, False, f"could not join the group: {exc}")
+            if isinstance(exc, asyncio.TimeoutError):
+                raise WeightSyncTimeout(f"version {plan.version}: joining the {plan.backend} group timed out") from None
+            raise
+        return plan
+
+    def _is_new(self, prepare: Prepare) -> bool:
+        return prepare.session != self._session or self.version is None or prepare.version > self.version
+
+    async def receive_weights(
+        self, *, into: Into | None = None, auto_ack: bool = True, wait_s: float | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield every `(name, tensor)` of the next version, then (by default) ack it.
+
+        Raises `VersionAborted` when the sender drops the version mid-way, `WeightSyncTimeout`
+        when a wait expires; in both cases nothing of the version may be applied.
+        """
+        plan = await self.wait_version(wait_s)
+        stats = ReceiveStats(version=plan.version)
+        start = time.perf_counter()
+        pipeline = _BucketPipeline(self, plan)
+        self._acked = not auto_ack
+        try:
+            async for name, tensor in merge_weight_chunks(
+                pipeline.chunks(stats), plan.bucket_size, into=into, device=self.output_device
+            ):
+                stats.num_tensors += 1
+                yield name, tensor
+        except GeneratorExit:
+            await pipeline.drain()
+            await self._send_ack(plan.version, False, "consumer stopped before the version was complete")
+            raise
+        except asyncio.CancelledError:
+            pipeline.cancel()
+            self._fail_group()
+            raise
+        except (WeightSyncTimeout, VersionAborted, PeerError) as exc:
+            pipeline.cancel()
+            self._fail_group()
+            await self._send_ack(plan.version, False, str(exc))
+            raise
+        except Exception as exc:
+            # local failure (merge found a corrupt stream, the consumer's sink raised): stay in step
+            await pipeline.drain()
+            await self._send_ack(plan.version, False, f"{type(exc).__name__}: {exc}")
+            raise
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        self.last_complete_version = plan.version
+        self._control.last_version = plan.version
+        logger.debug("version %d received: %d tensors, %.3fs", plan.version, stats.num_tensors, stats.seconds)
+        if auto_ack:
+            await self._send_ack(plan.version, True, None)
+
+    async def ack(self, ok: bool = True, error: str | None = None) -> None:
+        """Acknowledge the version just received (with `receive_weights(auto_ack=False)`)."""
+        if self.version is None:
+            raise WeightSyncError("ack() before any version was received")
+        await self._send_ack(self.version, ok, error)
+
+    async def _send_ack(self, version: int, ok: bool, error: str | None) -> None:
+        if self._acked:
+            return
+        self._acked = True
+        await self._control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
+
+    def _fail_group(self) -> None:
+        if self._backend is not None:
+            self._backend.broken()
+        if self._executor is not None:  # a broadcast may be stuck there until the gloo timeout
+            self._executor.shutdown()
+            self._executor = SerialExecutor("weightsync-recv")
+
+
+class _BucketPipeline:
+    """Receives bucket k + 1 while the consumer merges bucket k."""
+
+    def __init__(self, receiver: WeightReceiver, plan: Plan) -> None:
+        assert receiver._backend is not None and receiver._executor is not None
+        self.receiver, self.plan = receiver, plan
+        self.backend, self.executor = receiver._backend, receiver._executor
+        self.ready: asyncio.Queue[tuple[BucketMeta, int] | BaseException] = asyncio.Queue()
+        self.free = [asyncio.Event(), asyncio.Event()]
+        for event in self.free:
+            event.set()
+        self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
+        self.finished = False
+
+    async def _produce(self) -> None:
+        control, plan, timeout_s = self.receiver._control, self.plan, self.receiver.timeout_s
+        try:
+            index = 0
+            while True:
+                slot = index % 2
+                await self.free[slot].wait()
+                self.free[slot].clear()
+                meta = await control.next_bucket(plan.version, index, timeout_s)
+                if meta.nbytes > plan.bucket_size:
+                    raise ProtocolError(f"bucket {index} declares {meta.nbytes} bytes > bucket_size {plan.bucket_size}")
+                try:
+                    await asyncio.wait_for(
+                        asyncio.shield(self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index)),
+                        timeout_s,
+                    )
+                except asyncio.TimeoutError:
+                    raise WeightSyncTimeout(
+                        f"version {plan.version}: broadcast of bucket {index} from the sender not complete within "
+                        f"transport.timeout_s={timeout_s}s"
+                    ) from None
+                except RuntimeError as exc:
+                    raise PeerError(f"version {plan.version}: broadcast of bucket {index} failed: {exc}") from exc
+                self.ready.put_nowait((meta, slot))
+                if meta.is_last:
+                    return
+                index += 1
+        except BaseException as exc:
+            self.ready.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    async def _next(self) -> tuple[BucketMeta, int]:
+        item = await self.ready.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def _release(self, meta: BucketMeta, slot: int) -> None:
+        self.backend.fence(slot)
+        self.backend.release(slot, meta.bucket_index)
+        self.free[slot].set()
+
+    async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
+        while not self.finished:
+            meta, slot = await self._next()
+            bucket = self.backend.buckets[slot]
+            stats.num_buckets += 1
+            stats.nbytes += meta.nbytes
+            if self.receiver.on_bucket is not None:
+                self.receiver.on_bucket(meta)
+            for entry in meta.entries:
+                yield entry.to_meta(), bucket[entry.offset : entry.offset + entry.chunk_size]
+            self._release(meta, slot)
+            self.finished = meta.is_last
+
+    async def drain(self) -> None:
+        """Take part in the rest of the version without keeping anything."""
+        with contextlib.suppress(WeightSyncError):
+            while not self.finished:
+                meta, slot = await self._next()
+                self._release(meta, slot)
+                self.finished = meta.is_last
+
+    def cancel(self) -> None:
+        self.finished = True
+        self.task.cancel()
+
+
+__all__ = ["ReceiveStats", "WeightReceiver"]
