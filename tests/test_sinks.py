@@ -208,7 +208,7 @@ def test_module_sink_factory_errors_are_one_line() -> None:
         with pytest.raises(ConfigError, match=pattern) as info:
             build_sink(cfg)
         assert "\n" not in str(info.value) and "rollout.sink.factory" in str(info.value)
-    with pytest.raises(ConfigError, match="rollout.sink.factory is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.factory is not set"):
         build_sink(load_config(overrides=["rollout.sink.type=module"]))
 
 
@@ -306,7 +306,7 @@ def test_safetensors_sink_removes_temp_files_of_dead_writers(tmp_path: Path) -> 
 
 
 def test_safetensors_sink_needs_a_dir() -> None:
-    with pytest.raises(ConfigError, match="rollout.sink.dir is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.dir is not set"):
         build_sink(load_config(overrides=["rollout.sink.type=safetensors"]))
 
 
@@ -382,7 +382,7 @@ async def test_callable_sink_function_error_is_a_sink_error(apply: str) -> None:
 def test_callable_sink_bad_target() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.sink\.target='tests\.test_sinks:nothing_here'.*no attribute"):
         build_sink(callable_cfg("atomic", "tests.test_sinks:nothing_here"))
-    with pytest.raises(ConfigError, match="rollout.sink.target is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set"):
         build_sink(load_config(overrides=["rollout.sink.type=callable"]))
 
 
@@ -406,5 +406,5 @@ def test_vllm_sink_without_vllm_names_the_extra() -> None:
 
 
 def test_vllm_sink_needs_a_model() -> None:
-    with pytest.raises(ConfigError, match="rollout.sink.options.model is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.options\.model is not set"):
         build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
