@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -108,7 +109,10 @@ def load_config(
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p}")
-            loaded = OmegaConf.load(p)
+            try:
+                loaded = OmegaConf.load(p)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"config file {p} is not valid YAML: {_first_line(exc)}") from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {p} must hold a mapping at top level")
             cfg = OmegaConf.merge(cfg, loaded)
@@ -116,7 +120,14 @@ def load_config(
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            for override in overrides:  # one at a time, so a YAML error names its override
+                try:
+                    dotlist = OmegaConf.from_dotlist([override])
+                except yaml.YAMLError as exc:
+                    raise ConfigError(
+                        f"override {override!r}: value is not valid YAML ({_first_line(exc)}); quote it"
+                    ) from None
+                cfg = OmegaConf.merge(cfg, dotlist)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         raise ConfigError(f"invalid config key {key!r}: {_first_line(exc)}") from None
