@@ -75,6 +75,7 @@ class RolloutConfig:
     apply: str = "atomic"
     sink: SinkConfig = field(default_factory=SinkConfig)
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     identity: str | None = None
     device: str = "cpu"
     progress: bool = True
@@ -173,6 +174,10 @@ def validate_config(cfg: DictConfig) -> None:
     _port("transport.port", t.port, allow_zero=True)
     _port("transport.store_port", t.store_port, allow_zero=True)
     _port("rollout.metrics_port", ro.metrics_port, allow_zero=True)
+    if not ro.metrics_host:
+        raise ConfigError(
+            "rollout.metrics_host is empty; use 127.0.0.1, or 0.0.0.0 to serve metrics on every interface"
+        )
     for key in ("timeout_s", "ready_timeout_s", "heartbeat_interval_s"):
         _positive(f"transport.{key}", t[key])
     if not t.host:

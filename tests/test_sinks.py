@@ -406,5 +406,5 @@ def test_vllm_sink_without_vllm_names_the_extra() -> None:
 
 
 def test_vllm_sink_needs_a_model() -> None:
-    with pytest.raises(ConfigError, match=r"rollout\.sink\.options\.model is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set.*model to serve"):
         build_sink(load_config(overrides=["rollout.sink.type=vllm"]))

@@ -14,7 +14,8 @@ its methods on all workers at once with `LLM.collective_rpc(method, args=...)`. 
   GPU); `atomic` holds the whole version on the worker's device first (one extra model copy).
 - `weight_policy_version()` reports the version the worker's model holds.
 
-The host side (`VLLMSink`) builds `vllm.LLM(worker_extension_cls=..., **rollout.sink.options)`,
+The host side (`VLLMSink`) builds `vllm.LLM(model=rollout.sink.target, worker_extension_cls=...,
+**rollout.sink.options)`,
 drives one version at a time, resets the prefix cache after every applied version (cached KV blocks
 were computed with old weights) and exposes `llm` for generation.
 
@@ -226,10 +227,12 @@ class VLLMSink(RemoteSink):
         options = OmegaConf.to_container(cfg.rollout.sink.options, resolve=True) or {}
         assert isinstance(options, dict)
         if not options.get("model"):
-            raise ConfigError(
-                "rollout.sink.options.model is not set; the vllm sink needs the model to serve "
-                "(e.g. rollout.sink.options.model=Qwen/Qwen3-8B)"
-            )
+            if not cfg.rollout.sink.target:
+                raise ConfigError(
+                    "rollout.sink.target is not set; the vllm sink needs the model to serve "
+                    "(e.g. rollout.sink.target=Qwen/Qwen3-8B, or rollout.sink.options.model)"
+                )
+            options["model"] = str(cfg.rollout.sink.target)
         if "worker_extension_cls" in options:
             raise ConfigError("rollout.sink.options.worker_extension_cls is set by the vllm sink itself; remove it")
         factory = llm_factory if llm_factory is not None else _import_llm()

@@ -1,0 +1,182 @@
+"""`lightning-weightsync`: the rollout daemon, config inspection, the demo and the benchmarks.
+
+    lightning-weightsync rollout --config recipe.yaml key=value ...
+    lightning-weightsync config show [--config recipe.yaml] [key=value ...]
+    lightning-weightsync demo
+    lightning-weightsync bench [--json]
+
+Config and connection problems end the command with one line saying what is wrong and one saying
+how to fix it (exit code 2), never a traceback: they are the user's to fix, not bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from .errors import BackendUnavailable, ConfigError, PeerError, SinkError, WeightSyncTimeout
+
+PROG = "lightning-weightsync"
+EXIT_USAGE = 2
+
+FIX_CONFIG = f"fix the value in --config or as key=value; `{PROG} config show` prints the resolved config"
+FIX_BACKEND = "install the extra named above, or pick another transport.backend / rollout.sink.type"
+FIX_CONNECTION = (
+    "check that the trainer is running and that transport.host / transport.port (and transport.auth_token) "
+    "match on both sides"
+)
+
+
+class UserError(Exception):
+    """A problem the user fixes (bad config, missing extra, unreachable peer): printed, not traced."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+def _fail(message: str, fix: str) -> int:
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    print(f"{PROG}: error: {first}", file=sys.stderr)
+    print(f"  fix: {fix}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .daemon import run_daemon
+
+    cfg = load_config(args.config, args.overrides)
+    _setup_logging(args.log_level)
+    run_daemon(cfg, stats_path=args.stats_jsonl, dump_path=args.dump_on_exit)
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from .config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"# resolved and validated{f' from {args.config}' if args.config else ''}")
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
+
+
+BENCHMARKS = ("bench_chunking", "bench_engine")
+
+
+def _find_benchmark(name: str) -> ModuleType | None:
+    """`benchmarks/<name>.py` ships with the source checkout: import it from the CWD or the checkout."""
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", f"benchmarks.{name}"):
+            raise
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        path = root / "benchmarks" / f"{name}.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    names = args.only or list(BENCHMARKS)
+    missing = []
+    for name in names:
+        module = _find_benchmark(name)
+        if module is None or not callable(getattr(module, "run", None)):
+            what = "has no run(json_out)" if module is not None else "was not found"
+            print(f"{PROG}: benchmarks/{name}.py {what}; run from a source checkout of lightning_weightsync")
+            missing.append(name)
+            continue
+        if not args.json:
+            print(f"== {name}")
+        module.run(json_out=args.json)
+    return 1 if missing else 0
+
+
+# --- parser ----------------------------------------------------------------------------------------
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE.yaml", help="YAML config merged onto the defaults")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. transport.port=29600")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Stream trainer weights to RL rollout processes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{rollout,config,demo,bench}")
+
+    p = sub.add_parser("rollout", help="run the rollout daemon: receive every version into the configured sink")
+    _add_config_args(p)
+    p.add_argument("--stats-jsonl", metavar="FILE", help="append one JSON line per version outcome")
+    p.add_argument("--dump-on-exit", metavar="FILE.safetensors", help="module sink: write what it holds on exit")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("config", help="inspect configuration")
+    config_sub = p.add_subparsers(dest="config_command", required=True, metavar="{show}")
+    show = config_sub.add_parser("show", help="print the resolved, validated config")
+    _add_config_args(show)
+    show.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("demo", help="CPU demo: FSDP training over gloo syncing into a rollout daemon, verified")
+    p.add_argument("--steps", type=int, default=4, help="training steps (one version each, plus version 0)")
+    p.add_argument("--workdir", metavar="DIR", help="keep the demo's files here (default: a temp dir)")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="give up after this long (default 240)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout) and print their ratios")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        return _fail(str(exc), FIX_CONFIG)
+    except BackendUnavailable as exc:
+        return _fail(str(exc), FIX_BACKEND)
+    except SinkError as exc:
+        return _fail(str(exc), FIX_CONFIG)
+    except (WeightSyncTimeout, PeerError) as exc:
+        return _fail(str(exc), FIX_CONNECTION)
+    except UserError as exc:
+        return _fail(str(exc), exc.fix)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
