@@ -159,7 +159,7 @@ class WeightReceiver:
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
         pipeline = _BucketPipeline(self, plan)
-        self._acked = not auto_ack
+        self._acked = False  # failure paths below ack themselves; the final ok ack is ours or the caller's
         try:
             async for name, tensor in merge_weight_chunks(
                 pipeline.chunks(stats), plan.bucket_size, into=into, device=self.output_device
