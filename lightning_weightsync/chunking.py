@@ -16,14 +16,14 @@ reuse or free its tensor as soon as it yields the next one.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from .dtypes import itemsize
-from .errors import ProtocolError
+from .errors import ConfigError, ProtocolError
 
 T = TypeVar("T")
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
@@ -86,20 +86,47 @@ async def split_weight_chunks(
     Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0.
     """
     if bucket_size < 1:
-        raise ValueError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
-    filled = 0  # bytes already planned into the current bucket
-    async for name, tensor in aiter_any(weights):
+        raise ConfigError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
+    plan = _BucketPlan(bucket_size)
+    # Two loops instead of `aiter_any`: one async-generator layer less per tensor on the hot path.
+    if isinstance(weights, AsyncIterable):
+        async for name, tensor in weights:
+            for chunk in plan.chunks(name, tensor):
+                yield chunk
+    else:
+        for name, tensor in weights:
+            for chunk in plan.chunks(name, tensor):
+                yield chunk
+
+
+class _BucketPlan:
+    """Assigns chunks their bucket offsets; `filled` carries over from one tensor to the next."""
+
+    __slots__ = ("bucket_size", "filled")
+
+    def __init__(self, bucket_size: int) -> None:
+        self.bucket_size = bucket_size
+        self.filled = 0  # bytes already planned into the current bucket
+
+    def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         data = as_bytes(tensor)
         shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
+        bucket_size, filled = self.bucket_size, self.filled
+        if filled == bucket_size:
+            filled = 0
+        if nbytes <= bucket_size - filled:  # fits whole (the common case): no slicing
+            self.filled = filled + nbytes
+            yield TensorMeta(name, shape, dtype, 0, nbytes, filled), data
+            return
         chunk_offset = 0
         while True:
             if filled == bucket_size:
                 filled = 0
             size = min(nbytes - chunk_offset, bucket_size - filled)
-            meta = TensorMeta(name, shape, dtype, chunk_offset, size, offset=filled)
-            yield meta, data[chunk_offset : chunk_offset + size]
+            self.filled = filled + size
+            yield TensorMeta(name, shape, dtype, chunk_offset, size, filled), data[chunk_offset : chunk_offset + size]
             filled += size
             chunk_offset += size
             if chunk_offset >= nbytes:
@@ -109,17 +136,13 @@ async def split_weight_chunks(
 class _Assembly:
     """One tensor being merged: its destination bytes and the next byte expected."""
 
-    def __init__(self, meta: TensorMeta, dest: torch.Tensor, owned: bool) -> None:
+    __slots__ = ("dest", "dest_bytes", "meta", "next_offset")
+
+    def __init__(self, meta: TensorMeta, dest: torch.Tensor, dest_bytes: torch.Tensor, next_offset: int) -> None:
         self.meta = meta
         self.dest = dest
-        self.dest_bytes = as_bytes(dest) if dest.is_contiguous() else None
-        if self.dest_bytes is None:
-            raise ProtocolError(f"destination for {meta.name!r} must be contiguous")
-        self.owned = owned
-        self.next_offset = 0
-
-    def same_tensor(self, meta: TensorMeta) -> bool:
-        return meta.shape == self.meta.shape and meta.dtype == self.meta.dtype
+        self.dest_bytes = dest_bytes
+        self.next_offset = next_offset
 
 
 def _check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
@@ -130,8 +153,96 @@ def _check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
             f"destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
             f"but the stream carries {meta.dtype}{list(meta.shape)}"
         )
-    if not dest.is_contiguous():
+    if not dest.is_contiguous():  # as_bytes would copy, and the chunks would land in the copy
         raise ProtocolError(f"destination for {meta.name!r} must be contiguous")
+
+
+class _Merger:
+    """The merge state machine, one chunk at a time; `push` returns a tensor once it is complete."""
+
+    __slots__ = ("bucket_size", "current", "device", "into", "seen")
+
+    def __init__(
+        self,
+        bucket_size: int,
+        into: Callable[[TensorMeta], torch.Tensor | None] | None,
+        device: torch.device | str | None,
+    ) -> None:
+        self.bucket_size = bucket_size
+        self.into = into
+        self.device = device
+        self.current: _Assembly | None = None
+        self.seen: set[str] = set()
+
+    def push(self, meta: TensorMeta, data: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        size, offset = meta.chunk_size, meta.chunk_offset
+        if size != data.numel() or data.dtype != torch.uint8:
+            raise ProtocolError(
+                f"chunk of {meta.name!r} declares {size} bytes but carries {data.numel()} {data.dtype} elements"
+            )
+        if size > self.bucket_size:
+            raise ProtocolError(f"chunk of {meta.name!r} is {size} bytes > bucket_size {self.bucket_size}")
+        nbytes = meta.nbytes
+        if offset < 0 or offset + size > nbytes:
+            raise ProtocolError(f"chunk [{offset}, +{size}) of {meta.name!r} is outside its {nbytes} bytes")
+        current = self.current
+        if current is None:
+            return self._first(meta, data)
+        if meta.name != current.meta.name:
+            raise ProtocolError(
+                f"stream moved to {meta.name!r} while {current.meta.name!r} was incomplete "
+                f"({current.next_offset}/{current.meta.nbytes} bytes)"
+            )
+        if meta.shape != current.meta.shape or meta.dtype != current.meta.dtype:
+            raise ProtocolError(
+                f"{meta.name!r} changed from {current.meta.dtype}{list(current.meta.shape)} to "
+                f"{meta.dtype}{list(meta.shape)} mid-tensor"
+            )
+        if offset != current.next_offset:
+            kind = "gap" if offset > current.next_offset else "overlap"
+            raise ProtocolError(
+                f"{kind} in {meta.name!r}: chunk starts at byte {offset}, expected {current.next_offset}"
+            )
+        end = offset + size
+        if size:
+            current.dest_bytes[offset:end].copy_(data)
+        current.next_offset = end
+        if end == nbytes:
+            self.current = None
+            return meta.name, current.dest
+        return None
+
+    def _first(self, meta: TensorMeta, data: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        name, size = meta.name, meta.chunk_size
+        if name in self.seen:
+            raise ProtocolError(f"tensor {name!r} appears twice in one version")
+        if meta.chunk_offset != 0:
+            raise ProtocolError(
+                f"first chunk of {name!r} starts at byte {meta.chunk_offset}, expected 0 (chunk lost or out of order)"
+            )
+        dest = self.into(meta) if self.into is not None else None
+        if dest is None:
+            dest = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        else:
+            _check_destination(meta, dest)
+        self.seen.add(name)
+        dest_bytes = as_bytes(dest)
+        if size == dest_bytes.numel():  # the whole tensor in one chunk (the common case)
+            if size:
+                dest_bytes.copy_(data)
+            return name, dest
+        if size:
+            dest_bytes[:size].copy_(data)
+        self.current = _Assembly(meta, dest, dest_bytes, size)
+        return None
+
+    def finish(self) -> None:
+        current = self.current
+        if current is not None:
+            raise ProtocolError(
+                f"stream ended mid-tensor: {current.meta.name!r} has {current.next_offset} of "
+                f"{current.meta.nbytes} bytes"
+            )
 
 
 async def merge_weight_chunks(
@@ -149,63 +260,15 @@ async def merge_weight_chunks(
     Any gap, overlap, reorder, shape/dtype change mid-tensor, duplicate name or early end raises
     `ProtocolError`.
     """
-    current: _Assembly | None = None
-    seen: set[str] = set()
-    async for meta, data in aiter_any(chunks):
-        if meta.chunk_size != data.numel() or data.dtype != torch.uint8:
-            raise ProtocolError(
-                f"chunk of {meta.name!r} declares {meta.chunk_size} bytes but carries "
-                f"{data.numel()} {data.dtype} elements"
-            )
-        if meta.chunk_size > bucket_size:
-            raise ProtocolError(f"chunk of {meta.name!r} is {meta.chunk_size} bytes > bucket_size {bucket_size}")
-        if meta.chunk_offset < 0 or meta.chunk_offset + meta.chunk_size > meta.nbytes:
-            raise ProtocolError(
-                f"chunk [{meta.chunk_offset}, +{meta.chunk_size}) of {meta.name!r} is outside its "
-                f"{meta.nbytes} bytes"
-            )
-        if current is not None and meta.name != current.meta.name:
-            raise ProtocolError(
-                f"stream moved to {meta.name!r} while {current.meta.name!r} was incomplete "
-                f"({current.next_offset}/{current.meta.nbytes} bytes)"
-            )
-        if current is None:
-            if meta.name in seen:
-                raise ProtocolError(f"tensor {meta.name!r} appears twice in one version")
-            if meta.chunk_offset != 0:
-                raise ProtocolError(
-                    f"first chunk of {meta.name!r} starts at byte {meta.chunk_offset}, expected 0 "
-                    "(chunk lost or out of order)"
-                )
-            dest = into(meta) if into is not None else None
-            if dest is None:
-                current = _Assembly(meta, torch.empty(meta.shape, dtype=meta.dtype, device=device), True)
-            else:
-                _check_destination(meta, dest)
-                current = _Assembly(meta, dest, False)
-            seen.add(meta.name)
-        else:
-            if not current.same_tensor(meta):
-                raise ProtocolError(
-                    f"{meta.name!r} changed from {current.meta.dtype}{list(current.meta.shape)} to "
-                    f"{meta.dtype}{list(meta.shape)} mid-tensor"
-                )
-            if meta.chunk_offset != current.next_offset:
-                kind = "gap" if meta.chunk_offset > current.next_offset else "overlap"
-                raise ProtocolError(
-                    f"{kind} in {meta.name!r}: chunk starts at byte {meta.chunk_offset}, "
-                    f"expected {current.next_offset}"
-                )
-        if meta.chunk_size:
-            assert current.dest_bytes is not None
-            end = meta.chunk_offset + meta.chunk_size
-            current.dest_bytes[meta.chunk_offset : end].copy_(data, non_blocking=False)
-        current.next_offset += meta.chunk_size
-        if current.next_offset == current.meta.nbytes:
-            done, current = current, None
-            yield done.meta.name, done.dest
-    if current is not None:
-        raise ProtocolError(
-            f"stream ended mid-tensor: {current.meta.name!r} has {current.next_offset} of "
-            f"{current.meta.nbytes} bytes"
-        )
+    merger = _Merger(bucket_size, into, device)
+    if isinstance(chunks, AsyncIterable):
+        async for meta, data in chunks:
+            done = merger.push(meta, data)
+            if done is not None:
+                yield done
+    else:
+        for meta, data in chunks:
+            done = merger.push(meta, data)
+            if done is not None:
+                yield done
+    merger.finish()

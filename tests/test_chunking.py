@@ -221,6 +221,8 @@ def test_only_empty_tensors() -> None:
         pytest.param(lambda: make_tensor((8, 10), torch.bfloat16)[::2, 1:7], id="strided-slice"),
         pytest.param(lambda: make_tensor((4, 5, 6), torch.int16).permute(2, 0, 1), id="permuted"),
         pytest.param(lambda: make_tensor((20,), torch.float64)[5:15], id="offset-slice"),
+        pytest.param(lambda: make_tensor((20,), torch.float32)[::3], id="1d-strided"),
+        pytest.param(lambda: make_tensor((20,), torch.uint8)[1::2], id="1d-strided-bytes"),
         pytest.param(lambda: make_tensor((1, 7), torch.complex64).expand(4, 7), id="expanded"),
         pytest.param(lambda: make_tensor((9, 9), torch.float8_e4m3fn).t()[2:, ::3], id="float8-transposed"),
     ],
@@ -606,3 +608,23 @@ def test_roundtrip_property(weights, bucket_size: int, use_async: bool) -> None:
     assert [n for n, _ in got] == [n for n, _ in named]
     for (name, want), (_, t) in zip(named, got, strict=True):
         assert_bitwise(t, want, name)
+
+
+# ----------------------------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The microbenchmark runs, checks its own bytes, and reports every field (no timing asserted)."""
+    import json
+
+    from benchmarks.bench_chunking import run as run_bench
+
+    result = run_bench(True, sizes=[64 * 1024, 1 << 20], bucket_size=300_000, total_bytes=2 << 20, repeats=1)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["results"] == json.loads(json.dumps(result["results"]))
+    assert [r["tensor_size"] for r in result["results"]] == [64 * 1024, 1 << 20]
+    for r in result["results"]:
+        assert r["nbytes"] == 2 << 20
+        for key in ("split_pack_ratio", "merge_into_ratio", "merge_fresh_ratio", "memcpy_pack_gbps"):
+            assert r[key] > 0
+    assert result["results"][1]["num_chunks"] > result["results"][1]["num_tensors"]  # 1 MiB > bucket: chunked
