@@ -154,6 +154,11 @@ class WeightSyncCallback(pl.Callback):
         return model
 
     # -- state -----------------------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        # stable across subclasses and config changes, so a resumed run finds its state
+        return f"WeightSyncCallback{{'module_attr': {self.module_attr!r}}}"
+
     def state_dict(self) -> dict[str, Any]:
         return {"last_synced_version": self.last_synced_version, "failures": self.failures}
 
