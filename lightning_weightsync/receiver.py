@@ -75,6 +75,7 @@ class WeightReceiver:
         self.last_stats: ReceiveStats | None = None
         self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
         self._acked = True
+        self._pipeline: _BucketPipeline | None = None
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,13 +105,15 @@ class WeightReceiver:
     # -- one version ------------------------------------------------------------------------------
     async def wait_version(self, wait_s: float | None = None) -> Plan:
         """Block until the sender starts a version, join its group, and return the plan."""
+        await self._finish_abandoned()
         t = self.cfg.transport
         while True:
             prepare = await self._control.wait_prepare(float(t.heartbeat_interval_s), wait_s)
             if not self._is_new(prepare):
                 logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
                 continue
-            await self._control.send(Ready(self.identity, prepare.version))
+            generation = self._backend.generation if self._backend is not None else -1
+            await self._control.send(Ready(self.identity, prepare.version, generation))
             try:
                 plan = await self._control.wait_plan(prepare, self.timeout_s)
             except VersionAborted as exc:
@@ -144,6 +147,28 @@ class WeightReceiver:
             raise
         return plan
 
+    async def _finish_abandoned(self) -> None:
+        """A consumer that left `receive_weights` early (break, exception) leaves its version
+        half-received; take part in the rest of it so the sender and the others are not stalled.
+
+        Both the generator's own finalizer and the next `wait_version` may get here; they share
+        one drain, and nothing reads the control socket for a new version before it is done.
+        """
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        if pipeline.drain_task is None:
+            pipeline.drain_task = asyncio.ensure_future(self._drain(pipeline))
+        await asyncio.shield(pipeline.drain_task)
+        if self._pipeline is pipeline:
+            self._pipeline = None
+
+    async def _drain(self, pipeline: _BucketPipeline) -> None:
+        if not pipeline.finished:
+            logger.warning("version %d was not consumed to the end; draining it", pipeline.plan.version)
+            await pipeline.drain()
+        await self._send_ack(pipeline.plan.version, False, "consumer stopped before the version was complete")
+
     def _is_new(self, prepare: Prepare) -> bool:
         return prepare.session != self._session or self.version is None or prepare.version > self.version
 
@@ -158,7 +183,7 @@ class WeightReceiver:
         plan = await self.wait_version(wait_s)
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
-        pipeline = _BucketPipeline(self, plan)
+        pipeline = self._pipeline = _BucketPipeline(self, plan)
         self._acked = False  # failure paths below ack themselves; the final ok ack is ours or the caller's
         try:
             async for name, tensor in merge_weight_chunks(
@@ -167,23 +192,28 @@ class WeightReceiver:
                 stats.num_tensors += 1
                 yield name, tensor
         except GeneratorExit:
-            await pipeline.drain()
-            await self._send_ack(plan.version, False, "consumer stopped before the version was complete")
+            await self._finish_abandoned()
             raise
         except asyncio.CancelledError:
             pipeline.cancel()
             self._fail_group()
             raise
-        except (WeightSyncTimeout, VersionAborted, PeerError) as exc:
+        except VersionAborted as exc:
+            # the sender dropped the version; whether the group survived is its call (next Plan)
+            pipeline.cancel()
+            await self._send_ack(plan.version, False, str(exc))
+            raise
+        except (WeightSyncTimeout, PeerError, ProtocolError) as exc:
             pipeline.cancel()
             self._fail_group()
             await self._send_ack(plan.version, False, str(exc))
             raise
         except Exception as exc:
             # local failure (merge found a corrupt stream, the consumer's sink raised): stay in step
-            await pipeline.drain()
             await self._send_ack(plan.version, False, f"{type(exc).__name__}: {exc}")
+            await self._finish_abandoned()
             raise
+        self._pipeline = None
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         self.last_complete_version = plan.version
@@ -225,6 +255,7 @@ class _BucketPipeline:
             event.set()
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
         self.finished = False
+        self.drain_task: asyncio.Future[None] | None = None
 
     async def _produce(self) -> None:
         control, plan, timeout_s = self.receiver._control, self.plan, self.receiver.timeout_s

@@ -40,6 +40,7 @@ class Peer:
     device: str
     last_version: int
     last_seen: float
+    group_generation: int = -1  # as reported in the peer's last `Ready`
 
     @property
     def key(self) -> tuple[str, int]:
@@ -186,6 +187,7 @@ class SenderControl:
             identity, msg = got
             if isinstance(msg, Ready) and msg.version == version and identity in self.peers:
                 ready[identity] = self.peers[identity]
+                ready[identity].group_generation = msg.generation
 
     async def collect_acks(self, version: int, peers: list[Peer], timeout_s: float) -> dict[str, Ack | None]:
         """Acks for `version` from `peers`; a missing one is None after `timeout_s`."""

@@ -63,6 +63,7 @@ class _Drainable:
     def __init__(self, weights: NamedTensors) -> None:
         self._it: AsyncIterator[tuple[str, torch.Tensor]] = aiter_any(weights)
         self.exhausted = False
+        self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
 
     def __aiter__(self) -> _Drainable:
         return self
@@ -72,6 +73,9 @@ class _Drainable:
             return await self._it.__anext__()
         except StopAsyncIteration:
             self.exhausted = True
+            raise
+        except BaseException:
+            self.exhausted = self.failed = True
             raise
 
     async def drain(self) -> None:
@@ -101,6 +105,7 @@ class WeightSender:
         self._group: tuple[tuple[str, int], ...] = ()
         self._generation = 0
         self._last_version: int | None = None
+        self._pending: list[asyncio.Future[None] | None] = [None, None]  # broadcast per slot
 
     # -- life cycle -----------------------------------------------------------------------------
     @property
@@ -172,12 +177,13 @@ class WeightSender:
             stats.receivers = len(peers)
             if not peers:
                 logger.info("version %d: no receivers registered; nothing sent", version)
+                await source.drain()
                 return stats
             await self._join(version, peers)
             await self._stream(source, version, peers, stats)
             acks = await self._control.collect_acks(version, peers, self.timeout_s)
         except BaseException as exc:
-            await self._abandon(version, peers, exc)
+            await self._abandon(version, peers, exc, transport_failed=not source.failed)
             await source.drain()
             raise
         finally:
@@ -202,7 +208,8 @@ class WeightSender:
         """Tell every receiver its rank, then build (or reuse) the data-plane group."""
         assert self._backend is not None and self._executor is not None
         members = tuple(p.key for p in peers)
-        if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0:
+        lost = any(p.group_generation != self._generation for p in peers)
+        if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
             self._generation += 1
             self._group = members
         info = self._backend.plan_info(self._generation)
@@ -227,7 +234,7 @@ class WeightSender:
         assert self._backend is not None and self._executor is not None
         backend, executor = self._backend, self._executor
         non_blocking = self.device.type != "cpu"
-        pending: list[asyncio.Future[None] | None] = [None, None]
+        pending = self._pending = [None, None]
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
 
@@ -274,21 +281,33 @@ class WeightSender:
         except Exception as exc:
             raise PeerError(f"version {version}: broadcast of bucket {index} failed (a receiver died?): {exc}") from exc
 
-    async def _abandon(self, version: int, peers: list[Peer], exc: BaseException) -> None:
-        """After a failure: tell the group to drop the version and forget the (possibly broken) group."""
+    async def _abandon(self, version: int, peers: list[Peer], exc: BaseException, *, transport_failed: bool) -> None:
+        """After a failure: tell the group to drop the version.
+
+        If the caller's iterable failed, the group is healthy: let the broadcasts in flight finish
+        (receivers are inside them) and keep the group. If the transport failed, forget the group.
+        """
         reason = f"{type(exc).__name__}: {exc}"[:1000]
         logger.warning("version %d abandoned: %s", version, reason)
+        if not transport_failed:
+            try:
+                for slot in (0, 1):
+                    await self._complete(self._pending, slot, version, -1)
+            except (WeightSyncError, asyncio.CancelledError):
+                transport_failed = True
+        self._pending = [None, None]
         for peer in peers:
             try:
                 await self._control.send(peer.identity, Abort(version, reason))
             except PeerError:
                 pass
-        if self._backend is not None:
-            self._backend.broken()
-        # A broadcast may still be stuck in the executor thread; give later versions a fresh one.
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = SerialExecutor("weightsync-broadcast")
+        if transport_failed:
+            if self._backend is not None:
+                self._backend.broken()
+            # A broadcast may still be stuck in the executor thread; give later versions a fresh one.
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = SerialExecutor("weightsync-broadcast")
 
 
 class BlockingWeightSender:

@@ -72,8 +72,12 @@ class Prepare(msgspec.Struct, tag="prepare", frozen=True):
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """Receiver -> sender. `generation` is the data-plane group the receiver still holds (-1:
+    none), so the sender rebuilds the group when any member lost it."""
+
     identity: str
     version: int
+    generation: int = -1
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True):
