@@ -4,9 +4,7 @@ step to a real WeightReceiver in another process, whose final weights equal the 
 
 from __future__ import annotations
 
-import asyncio
 import csv
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -17,16 +15,16 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.loggers import Logger  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-from lightning_weightsync import WeightReceiver, WeightSyncTimeout, load_config  # noqa: E402
+from lightning_weightsync import WeightSyncTimeout, load_config  # noqa: E402
 from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.integrations.lightning import WeightSyncCallback  # noqa: E402
 from tests.mp import PYTHON, free_port, popen, spawned  # noqa: E402
+from tests.receiver_util import assert_same_weights, received_versions, receiver_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny_lm_cpu.yaml"
-RUN_TIMEOUT_S = 150
+RUN_TIMEOUT_S = 150  # one training subprocess
 
 
 # ------------------------------------------------------------------ single process: the schedule
@@ -164,34 +162,6 @@ def test_weights_outside_fit_is_an_error() -> None:
 # ------------------------------------------------------------------ 2 processes + a real receiver
 
 
-def _receiver_main(port: int, expect: int, out_dir: str) -> None:
-    """Receive `expect` versions (any sessions); save the last one and the version list."""
-    cfg = load_config(
-        overrides=[
-            f"transport.port={port}",
-            "transport.timeout_s=60",
-            "transport.heartbeat_interval_s=0.2",
-            "rollout.identity=rollout-0",
-        ]
-    )
-
-    async def main() -> None:
-        versions: list[int] = []
-        last: dict[str, torch.Tensor] = {}
-        async with WeightReceiver(cfg) as receiver:
-            while len(versions) < expect:
-
-                async def one() -> dict[str, torch.Tensor]:
-                    return {n: t.clone() async for n, t in receiver.receive_weights()}
-
-                last = await asyncio.wait_for(one(), RUN_TIMEOUT_S)
-                versions.append(int(receiver.version))  # type: ignore[arg-type]
-                Path(out_dir, "versions.json").write_text(json.dumps(versions))
-        save_file(last, str(Path(out_dir, "received.safetensors")))
-
-    asyncio.run(main())
-
-
 def _train(tmp: Path, port: int, *extra: str) -> str:
     cmd = [
         PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(RECIPE),
@@ -213,29 +183,19 @@ def _wait(proc: Any, timeout_s: float = 30) -> None:
     assert proc.exitcode == 0, f"receiver exit code {proc.exitcode}"
 
 
-def _assert_same(received: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> None:
-    assert list(received) and sorted(received) == sorted(final)
-    for name, t in final.items():
-        r = received[name]
-        assert r.dtype == t.dtype and r.shape == t.shape, name
-        assert torch.equal(r, t), name
-
-
 @pytest.mark.slow
 def test_two_process_fsdp2_run_every_step_to_receiver(tmp_path: Path) -> None:
     port = free_port()
     steps, accumulate = 3, 2
-    with spawned(_receiver_main, port, steps + 1, str(tmp_path)) as receiver:
+    with spawned(receiver_main, port, steps + 1, str(tmp_path)) as receiver:
         out = _train(
             tmp_path, port, f"recipe.steps={steps}", f"recipe.accumulate_grad_batches={accumulate}",
             f"recipe.save_final={tmp_path / 'final.safetensors'}",
         )  # fmt: skip
         _wait(receiver)
     # every optimizer step (plus version 0), no extra sync for the accumulation micro-batches
-    assert json.loads((tmp_path / "versions.json").read_text()) == [0, 1, 2, 3]
-    received = load_file(str(tmp_path / "received.safetensors"))
-    final = load_file(str(tmp_path / "final.safetensors"))
-    _assert_same(received, final)
+    assert received_versions(tmp_path) == [0, 1, 2, 3]
+    final = assert_same_weights(tmp_path / "received.safetensors", tmp_path / "final.safetensors")
     # names are what the rollout model expects; the weights moved away from the initial ones
     init = build_model().state_dict()
     assert sorted(final) == sorted(init)
@@ -252,7 +212,7 @@ def test_two_process_fsdp2_run_every_step_to_receiver(tmp_path: Path) -> None:
 def test_two_process_resume_from_checkpoint(tmp_path: Path) -> None:
     port = free_port()
     ckpt = tmp_path / "tiny.ckpt"
-    with spawned(_receiver_main, port, 3 + 3, str(tmp_path)) as receiver:
+    with spawned(receiver_main, port, 3 + 3, str(tmp_path)) as receiver:
         _train(tmp_path, port, "recipe.steps=2", f"recipe.save_checkpoint={ckpt}")
         state = torch.load(ckpt, weights_only=True)["callbacks"]
         assert [v["last_synced_version"] for k, v in state.items() if "WeightSyncCallback" in k] == [2]
@@ -263,6 +223,6 @@ def test_two_process_resume_from_checkpoint(tmp_path: Path) -> None:
         )  # fmt: skip
         _wait(receiver)
     # first run: 0, 1, 2; the resumed run re-sends its restored step-2 weights, then 3, 4
-    assert json.loads((tmp_path / "versions.json").read_text()) == [0, 1, 2, 2, 3, 4]
+    assert received_versions(tmp_path) == [0, 1, 2, 2, 3, 4]
     assert "4 steps, last synced version 4" in out
-    _assert_same(load_file(str(tmp_path / "received.safetensors")), load_file(str(tmp_path / "final.safetensors")))
+    assert_same_weights(tmp_path / "received.safetensors", tmp_path / "final.safetensors")

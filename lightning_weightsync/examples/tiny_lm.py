@@ -169,8 +169,14 @@ class RecipeConfig:
     model: dict[str, Any] = field(default_factory=dict)  # TinyLMConfig overrides
 
 
-def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, DictConfig]:
-    """(recipe, weightsync cfg) from one YAML file + `key=value` overrides (``recipe.*`` -> recipe)."""
+def load_recipe(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, schema: type[Any] = RecipeConfig
+) -> tuple[Any, DictConfig]:
+    """(recipe, weightsync cfg) from one YAML file + `key=value` overrides (``recipe.*`` -> recipe).
+
+    `schema` is the dataclass of the ``recipe:`` section (other recipes reuse this loader with their
+    own); unknown keys in either part are a `ConfigError`.
+    """
     raw: DictConfig = OmegaConf.create()
     if path is not None:
         p = Path(path)
@@ -184,7 +190,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     sync_over = [o for o in overrides if not o.startswith("recipe.")]
     recipe_section = raw.pop("recipe", None) or {}
     try:
-        rc = OmegaConf.merge(OmegaConf.structured(RecipeConfig), recipe_section)
+        rc = OmegaConf.merge(OmegaConf.structured(schema), recipe_section)
         if recipe_over:
             bad = [o for o in recipe_over if "=" not in o]
             if bad:
@@ -193,9 +199,9 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         raise ConfigError(f"invalid recipe key 'recipe.{key}': {str(exc).strip().splitlines()[0]}") from None
-    recipe = RecipeConfig(**OmegaConf.to_container(rc, resolve=True))  # type: ignore[arg-type]
+    recipe = schema(**OmegaConf.to_container(rc, resolve=True))  # type: ignore[arg-type]
     for key in ("steps", "batch_size", "seq_len", "devices", "accumulate_grad_batches"):
-        if getattr(recipe, key) < 1:
+        if hasattr(recipe, key) and getattr(recipe, key) < 1:
             raise ConfigError(f"recipe.{key}={getattr(recipe, key)} must be >= 1")
     cfg = load_config(overrides=sync_over, base=raw)
     return recipe, cfg
