@@ -149,15 +149,12 @@ def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool)
     assert not torch.equal(got["embed.weight"], init["embed.weight"])
 
 
-def test_recipe_module_loads() -> None:
+def test_recipe_module_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location("accelerate_tiny", RECIPE)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.modules.pop(spec.name, None)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # type hints resolve through sys.modules
+    spec.loader.exec_module(mod)
     from lightning_weightsync.examples.tiny_lm import load_recipe
 
     recipe, cfg = load_recipe(RECIPE.with_suffix(".yaml"), ["recipe.steps=2"], schema=mod.AccelerateRecipe)
