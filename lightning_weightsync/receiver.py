@@ -255,6 +255,7 @@ class _BucketPipeline:
             event.set()
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
         self.finished = False
+        self.current: tuple[BucketMeta, int] | None = None  # bucket being consumed, not yet released
         self.drain_task: asyncio.Future[None] | None = None
 
     async def _produce(self) -> None:
@@ -303,7 +304,7 @@ class _BucketPipeline:
 
     async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
         while not self.finished:
-            meta, slot = await self._next()
+            meta, slot = self.current = await self._next()
             bucket = self.backend.buckets[slot]
             stats.num_buckets += 1
             stats.nbytes += meta.nbytes
@@ -311,16 +312,21 @@ class _BucketPipeline:
                 self.receiver.on_bucket(meta)
             for entry in meta.entries:
                 yield entry.to_meta(), bucket[entry.offset : entry.offset + entry.chunk_size]
+            self._release_current()
+
+    def _release_current(self) -> None:
+        if self.current is not None:
+            (meta, slot), self.current = self.current, None
             self._release(meta, slot)
             self.finished = meta.is_last
 
     async def drain(self) -> None:
         """Take part in the rest of the version without keeping anything."""
+        self._release_current()  # the bucket the consumer was in the middle of
         with contextlib.suppress(WeightSyncError):
             while not self.finished:
-                meta, slot = await self._next()
-                self._release(meta, slot)
-                self.finished = meta.is_last
+                self.current = await self._next()
+                self._release_current()
 
     def cancel(self) -> None:
         self.finished = True

@@ -21,7 +21,7 @@ def engine_cfg(port: int, *, backend: str = "gloo", bucket_size_mb: float = 0.06
         "transport.ready_timeout_s=3",
         "transport.heartbeat_interval_s=0.2",
     ]
-    overrides += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+    overrides += [f"{k.replace('__', '.')}={'null' if v is None else v}" for k, v in extra.items()]
     return load_config(overrides=overrides)
 
 

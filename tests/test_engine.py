@@ -105,7 +105,12 @@ async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None
     stream_kw = stream_kw or {}
     sender = WeightSender(cfg)
     await sender.start()
-    cfg_r = engine_cfg(sender.port, bucket_size_mb=cfg.transport.bucket_size_mb, backend=cfg.transport.backend)
+    cfg_r = engine_cfg(
+        sender.port,
+        bucket_size_mb=cfg.transport.bucket_size_mb,
+        backend=cfg.transport.backend,
+        transport__auth_token=cfg.transport.auth_token,
+    )
     receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(n_receivers)]
     for r in receivers:
         await r.start()
