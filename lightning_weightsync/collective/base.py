@@ -64,9 +64,16 @@ class Backend(ABC):
         if not self.is_sender and (len(self.buckets) != NUM_SLOTS or self.bucket_size != plan.bucket_size):
             self.bucket_size = plan.bucket_size
             self.buckets = self._receiver_buckets(plan)
-        if plan.generation != self.generation or plan.world_size != self.world_size or plan.rank != self.rank:
+        # a restarted sender (new session) numbers its generations afresh: never reuse a group across sessions
+        if (
+            plan.session != self.session
+            or plan.generation != self.generation
+            or plan.world_size != self.world_size
+            or plan.rank != self.rank
+        ):
             self._drop_group()
             self._build_group(plan)
+            self.session = plan.session
             self.generation, self.rank, self.world_size = plan.generation, plan.rank, plan.world_size
             logger.debug(
                 "%s group generation %d: rank %d of %d", self.name, plan.generation, plan.rank, plan.world_size
