@@ -293,3 +293,24 @@ async def test_receiver_restart_gets_next_version():
                 )
                 assert_bitwise(got, stream(version))
                 assert stats.receivers == 1
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+async def test_restarted_sender_serves_the_same_receiver(backend):
+    """A trainer restart = a new sender session on the same port: the receiver re-registers by
+    heartbeat and joins a fresh group (for shm: maps the new sender's new segments)."""
+    port = free_port()
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 64)
+    async with WeightReceiver(cfg, identity="rollout-0") as receiver:
+        for run in range(2):
+            async with WeightSender(cfg) as sender:
+                versions = [1, 2] if run == 0 else [1]  # a restarted trainer may start its numbering over
+                for version in versions:
+                    kw = {"scale": 128, "max_tensors": 40 + run}
+                    got, stats = await with_timeout(
+                        asyncio.gather(
+                            receive_once(receiver), sender.send_weights(stream(version, **kw), version=version)
+                        )
+                    )
+                    assert_bitwise(got, stream(version, **kw))
+                    assert stats.receivers == 1

@@ -61,7 +61,9 @@ class Backend(ABC):
 
     def join(self, plan: Plan) -> None:
         """All ranks: make the group of `plan.generation` ready (blocking, bounded by timeout_s)."""
-        if not self.is_sender and (len(self.buckets) != NUM_SLOTS or self.bucket_size != plan.bucket_size):
+        stale = len(self.buckets) != NUM_SLOTS or self.bucket_size != plan.bucket_size
+        # shared-memory slots belong to one sender session: a restarted sender has new ones
+        if not self.is_sender and (stale or plan.session != self.session):
             self.bucket_size = plan.bucket_size
             self.buckets = self._receiver_buckets(plan)
         # a restarted sender (new session) numbers its generations afresh: never reuse a group across sessions
