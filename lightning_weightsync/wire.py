@@ -24,6 +24,7 @@ MAX_NAME_LEN = 1024
 MAX_NDIM = 16
 MAX_ENTRIES = 1_000_000
 MAX_TEXT_LEN = 4096
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
 PROTOCOL_VERSION = 1
 
@@ -222,6 +223,8 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         if len(e.shape) > MAX_NDIM or any(d < 0 for d in e.shape):
             raise ProtocolError(f"shape {e.shape} of {e.name!r} is invalid")
         nbytes = math.prod(e.shape) * itemsize(DTYPES[e.dtype])
+        if nbytes > MAX_TENSOR_BYTES:
+            raise ProtocolError(f"{e.name!r} declares {nbytes} bytes (limit {MAX_TENSOR_BYTES}); refusing to allocate")
         if e.chunk_offset < 0 or e.chunk_size < 0 or e.chunk_offset + e.chunk_size > nbytes:
             raise ProtocolError(f"chunk [{e.chunk_offset}, +{e.chunk_size}) of {e.name!r} outside {nbytes} bytes")
         if e.offset < 0 or e.offset + e.chunk_size > msg.nbytes:

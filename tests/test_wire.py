@@ -455,3 +455,12 @@ def test_decode_does_not_reach_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
     for msg in MESSAGES:
         for key in (None, KEY):
             assert decode(encode(msg, key), key) == msg
+
+
+def test_absurd_declared_tensor_size_is_refused():
+    from lightning_weightsync.wire import MAX_TENSOR_BYTES, BucketMeta, Entry, ProtocolError, decode, encode
+
+    huge = BucketMeta(1, 0, True, 8, [Entry("w", [1 << 30, 1 << 20], "float32", 0, 8, 0)])
+    assert MAX_TENSOR_BYTES < 4 * (1 << 50)
+    with pytest.raises(ProtocolError, match="refusing to allocate"):
+        decode(encode(huge))
