@@ -219,6 +219,7 @@ class RolloutDaemon:
         sink: a sink to use instead of building one from `rollout.sink` (tests, embedding).
         stats_path: append one JSON line per version outcome to this file.
         dump_path: on shutdown, write what a module sink holds to this safetensors file.
+        handle_signals: stop on SIGTERM / SIGINT (only possible in the main thread).
     """
 
     def __init__(
@@ -228,8 +229,10 @@ class RolloutDaemon:
         sink: Sink | RemoteSink | None = None,
         stats_path: str | os.PathLike[str] | None = None,
         dump_path: str | os.PathLike[str] | None = None,
+        handle_signals: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.handle_signals = handle_signals
         self.sink: Sink | RemoteSink | None = sink
         self.stats_path = Path(stats_path) if stats_path else None
         self.dump_path = Path(dump_path) if dump_path else None
@@ -237,14 +240,13 @@ class RolloutDaemon:
         self.http: HealthServer | None = None
         self.receiver: Any = None
         self.records: list[VersionRecord] = []
-        self._stop: asyncio.Event | None = None
+        self._stop = asyncio.Event()  # not bound to a loop until first awaited (Python >= 3.10)
         self._progress = _Progress(bool(cfg.rollout.progress) and sys.stdout.isatty())
 
     # --- control --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Ask the loop to finish (drops the version in flight); safe from signal handlers."""
-        if self._stop is not None:
-            self._stop.set()
+        """Ask the loop to finish (drops the version in flight); call from the daemon's loop thread."""
+        self._stop.set()
 
     @property
     def metrics_port(self) -> int | None:
@@ -259,9 +261,8 @@ class RolloutDaemon:
     # --- main loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         installed: list[signal.Signals] = []
-        if threading.current_thread() is threading.main_thread():
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
                 installed.append(sig)
@@ -338,7 +339,6 @@ class RolloutDaemon:
 
     async def _one_version(self) -> None:
         """Receive and apply one version, racing the stop signal; log its outcome."""
-        assert self._stop is not None
         work = asyncio.ensure_future(self._receive_remote() if isinstance(self.sink, RemoteSink) else self._receive())
         stopper = asyncio.ensure_future(self._stop.wait())
         try:

@@ -84,6 +84,20 @@ class _LoopThread:
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def cancel_all(self, timeout_s: float = 10.0) -> None:
+        """Cancel whatever runs on the loop (a receive blocked waiting for a version included)."""
+
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.call(cancel(), timeout_s)
+        except Exception as exc:  # best effort: we are tearing down
+            logger.debug("cancelling the receiver's tasks: %s", exc)
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
@@ -193,10 +207,16 @@ class WeightSyncWorkerExtension:
         return {"version": self._weightsync_version, "state": self._weightsync_state}
 
     def close_weight_receiver(self) -> None:
+        """Close the receiver; safe to call from another thread while a receive is blocked.
+
+        A blocked `receive_and_load_version` is cancelled first (it then raises in its own thread),
+        so an engine shutting down never waits for a version that may never come.
+        """
         loop, receiver = self._weightsync_loop, self._weightsync_receiver
         self._weightsync_receiver = None
         self._weightsync_loop = None
         if loop is not None:
+            loop.cancel_all()
             if receiver is not None:
                 try:
                     loop.call(receiver.close(), timeout_s=30)
@@ -240,6 +260,9 @@ class VLLMSink(RemoteSink):
         self.version = None
         self.state = SinkState.EMPTY
         self.workers: list[str] = []
+        self.worker_versions: list[dict[str, Any]] = []  # per worker, from the last receive
+        self._receiving = False
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         cfg_yaml = OmegaConf.to_yaml(self.cfg, resolve=True)
@@ -255,7 +278,19 @@ class VLLMSink(RemoteSink):
             )
 
     def receive_version(self) -> VersionReport:
-        results: list[dict[str, Any]] = list(self.llm.collective_rpc("receive_and_load_version", args=(self.apply,)))
+        with self._lock:
+            llm = self.llm
+            if llm is None:
+                raise SinkError("the vllm sink is closed")
+            self._receiving = True
+        try:
+            results: list[dict[str, Any]] = list(llm.collective_rpc("receive_and_load_version", args=(self.apply,)))
+        finally:
+            with self._lock:
+                self._receiving = False
+        self.worker_versions = [
+            {"version": r.get("version") if r.get("ok") else None, "ok": bool(r.get("ok"))} for r in results
+        ]
         failed = [r for r in results if not r.get("ok")]
         if failed:
             if any(r.get("touched") for r in results):
@@ -281,17 +316,35 @@ class VLLMSink(RemoteSink):
         )
 
     def policy_versions(self) -> list[dict[str, Any]]:
-        """What every worker's model holds (asked through collective_rpc)."""
-        return list(self.llm.collective_rpc("weight_policy_version"))
+        """What every worker's model holds, asked through `collective_rpc`.
+
+        Only when no receive is in flight: a worker runs one RPC at a time, and while the daemon
+        waits for the next version its workers are inside `receive_and_load_version`. The daemon
+        itself reports `version` / `worker_versions` from the last receive instead.
+        """
+        with self._lock:
+            if self._receiving or self.llm is None:
+                raise SinkError("the vLLM workers are busy receiving (or the sink is closed); use worker_versions")
+            llm = self.llm
+        return list(llm.collective_rpc("weight_policy_version"))
 
     def close(self) -> None:
-        llm, self.llm = self.llm, None
+        """Close the workers' receivers, then shut the engine down.
+
+        While a receive is in flight the workers are busy in that RPC (and may wait for a version
+        indefinitely), so no further RPC can reach them: the engine is shut down directly, which
+        ends the worker processes and their receivers with them.
+        """
+        with self._lock:
+            llm, self.llm = self.llm, None
+            receiving = self._receiving
         if llm is None:
             return
-        try:
-            llm.collective_rpc("close_weight_receiver")
-        except Exception as exc:  # shutting down: vLLM may already be tearing its workers down
-            logger.warning("closing the vLLM workers' receivers failed: %s", exc)
+        if not receiving:
+            try:
+                llm.collective_rpc("close_weight_receiver")
+            except Exception as exc:  # shutting down: vLLM may already be tearing its workers down
+                logger.warning("closing the vLLM workers' receivers failed: %s", exc)
         shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
