@@ -225,49 +225,58 @@ def _wrap(net: nn.Module, kind: str) -> nn.Module:
 
 
 def _gather_worker(rank: int, port: int, kind: str) -> dict[str, object]:
+    import gc
+
     import torch.distributed as dist
 
     _init(rank, port)
     try:
-        net = make_net()
-        want = expected_state(net)
-        param_names = {n for n, _ in net.named_parameters()}
-        model = _wrap(net, kind)
-        # 1. before any forward (a fit-start sync): the initial weights
-        got = named_full_state_dict(model, keep_on_rank=0)
-        if rank == 0:
-            assert_bitwise(got, want)
-        else:
-            assert got == {}, "only rank 0 keeps the gathered tensors"
-        # 2. after a real step (lr=0 keeps values) and an in-place change of every shard
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        tokens = torch.randint(0, 37, (4, 5), generator=torch.Generator().manual_seed(rank))
-        model(tokens).float().pow(2).mean().backward()
-        opt.step()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        want_after = {k: (v + 1.0 if k in param_names else v) for k, v in want.items()}
-        got = named_full_state_dict(model, keep_on_rank=None)  # every rank keeps
-        assert_bitwise(got, want_after)
-        # 3. dtype cast and exclusion, in step on both ranks
-        names = {"exclude": ["blocks.1.*"]}
-        got = named_full_state_dict(model, keep_on_rank=1, dtype=torch.bfloat16, names_cfg=names)
-        if rank == 1:
-            want_cast = {
-                k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
-                for k, v in want_after.items()
-                if not k.startswith("blocks.1.")
-            }
-            assert_bitwise(got, want_cast)
-        else:
-            assert got == {}
-        # the model still trains afterwards (FSDP state left consistent)
-        model(tokens).float().pow(2).mean().backward()
-        opt.step()
-        return {"n": len(want)}
+        return _gather_checks(rank, kind)
     finally:
+        # the wrapped model is gone by now: freeing a DDP reducer after its process group was
+        # destroyed can hang in C++ (seen with gloo)
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _gather_checks(rank: int, kind: str) -> dict[str, object]:
+    net = make_net()
+    want = expected_state(net)
+    param_names = {n for n, _ in net.named_parameters()}
+    model = _wrap(net, kind)
+    # 1. before any forward (a fit-start sync): the initial weights
+    got = named_full_state_dict(model, keep_on_rank=0)
+    if rank == 0:
+        assert_bitwise(got, want)
+    else:
+        assert got == {}, "only rank 0 keeps the gathered tensors"
+    # 2. after a real step (lr=0 keeps values) and an in-place change of every shard
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    tokens = torch.randint(0, 37, (4, 5), generator=torch.Generator().manual_seed(rank))
+    model(tokens).float().pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    want_after = {k: (v + 1.0 if k in param_names else v) for k, v in want.items()}
+    got = named_full_state_dict(model, keep_on_rank=None)  # every rank keeps
+    assert_bitwise(got, want_after)
+    # 3. dtype cast and exclusion, in step on both ranks
+    names = {"exclude": ["blocks.1.*"]}
+    got = named_full_state_dict(model, keep_on_rank=1, dtype=torch.bfloat16, names_cfg=names)
+    if rank == 1:
+        want_cast = {
+            k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+            for k, v in want_after.items()
+            if not k.startswith("blocks.1.")
+        }
+        assert_bitwise(got, want_cast)
+    else:
+        assert got == {}
+    # the model still trains afterwards (FSDP state left consistent)
+    model(tokens).float().pow(2).mean().backward()
+    opt.step()
+    return {"n": len(want)}
 
 
 @pytest.mark.slow
