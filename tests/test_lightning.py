@@ -1,6 +1,6 @@
 """WeightSyncCallback: when it syncs (optimizer steps, not micro-batches), failure policy, resume, and
-end to end: a 2-process CPU Lightning run (ModelParallelStrategy = FSDP2 over gloo) sending every
-step to a real WeightReceiver in another process, whose final weights equal the trainer's bitwise."""
+end to end: a 2-process CPU Lightning run (ModelParallelStrategy = FSDP2 over gloo, and DDP) sending
+every step to a real WeightReceiver in another process, whose final weights equal the trainer's bitwise."""
 
 from __future__ import annotations
 
@@ -184,13 +184,14 @@ def _wait(proc: Any, timeout_s: float = 30) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_fsdp2_run_every_step_to_receiver(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["model_parallel", "ddp"])
+def test_two_process_run_every_step_to_receiver(tmp_path: Path, strategy: str) -> None:
     port = free_port()
     steps, accumulate = 3, 2
     with spawned(receiver_main, port, steps + 1, str(tmp_path)) as receiver:
         out = _train(
             tmp_path, port, f"recipe.steps={steps}", f"recipe.accumulate_grad_batches={accumulate}",
-            f"recipe.save_final={tmp_path / 'final.safetensors'}",
+            f"recipe.save_final={tmp_path / 'final.safetensors'}", f"recipe.strategy={strategy}",
         )  # fmt: skip
         _wait(receiver)
     # every optimizer step (plus version 0), no extra sync for the accumulation micro-batches

@@ -159,6 +159,7 @@ class RecipeConfig:
     lr: float = 3e-3
     devices: int = 2  # processes (CPU) or accelerators
     accelerator: str = "cpu"
+    strategy: str = "model_parallel"  # model_parallel (FSDP2 via fully_shard) | ddp
     seed: int = 0
     accumulate_grad_batches: int = 1
     module_attr: str = "model"  # LightningModule attribute synced (its prefix is stripped from names)
@@ -269,11 +270,17 @@ def train(recipe: RecipeConfig, cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [sync]
     if recipe.save_final:
         callbacks.append(_save_final_callback(recipe.save_final, sync))
-    strategy = ModelParallelStrategy(
-        data_parallel_size=recipe.devices,
-        tensor_parallel_size=1,
-        save_distributed_checkpoint=False,  # one file: simple to resume from, small model
-    )
+    strategy: Any
+    if recipe.strategy == "model_parallel":
+        strategy = ModelParallelStrategy(
+            data_parallel_size=recipe.devices,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,  # one file: simple to resume from, small model
+        )
+    elif recipe.strategy == "ddp":
+        strategy = "ddp"
+    else:
+        raise ConfigError(f"recipe.strategy={recipe.strategy!r} is not allowed; choose model_parallel or ddp")
     trainer = pl.Trainer(
         accelerator=recipe.accelerator,
         devices=recipe.devices,
