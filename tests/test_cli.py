@@ -257,3 +257,37 @@ def test_bench_says_when_a_benchmark_is_missing(monkeypatch: pytest.MonkeyPatch,
 def test_module_entry_point_matches_console_script() -> None:
     result = subprocess.run([PYTHON, "-m", "lightning_weightsync.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "rollout" in result.stdout and "demo" in result.stdout
+
+
+# --- the demo ---------------------------------------------------------------------------------
+
+
+def test_demo_runs_and_verifies(tmp_path: Path) -> None:
+    result = run_cli("demo", "--steps", "3", "--workdir", str(tmp_path), timeout_s=170)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "OK: rollout holds exactly the trainer's final weights" in out and "version 3" in out
+    records = read_stats(tmp_path / "versions.jsonl")
+    assert [r["version"] for r in records] == [0, 1, 2, 3] and all(r["ok"] for r in records)
+    assert all(r["num_chunked_tensors"] > 0 for r in records)
+
+
+def test_demo_verification_catches_one_flipped_bit(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_weightsync.demo import verify
+
+    weights = version_weights(1)
+    weights.pop("head.weight")  # tied to embed.weight; safetensors stores each name once
+    save_file(weights, str(tmp_path / "trainer.safetensors"), metadata={"last_synced_version": "7"})
+    save_file(weights, str(tmp_path / "rollout.safetensors"), metadata={"version": "7", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert ok, message
+    flipped = {k: v.clone() for k, v in weights.items()}
+    flipped["proj.weight"].view(torch.int32)[3, 4] ^= 1
+    save_file(flipped, str(tmp_path / "rollout.safetensors"), metadata={"version": "7", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert not ok and "proj.weight: bytes differ" in message
+    save_file(weights, str(tmp_path / "rollout.safetensors"), metadata={"version": "6", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert not ok and "rollout holds version 6, trainer last synced version 7" in message
