@@ -12,8 +12,11 @@ how to fix it (exit code 2), never a traceback: they are the user's to fix, not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -107,18 +110,26 @@ def _find_benchmark(name: str) -> ModuleType | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run each benchmark's `run(json_out)`; with --json, print one JSON object keyed by benchmark."""
     names = args.only or list(BENCHMARKS)
-    missing = []
+    missing: list[str] = []
+    results: dict[str, object] = {}
     for name in names:
         module = _find_benchmark(name)
         if module is None or not callable(getattr(module, "run", None)):
             what = "has no run(json_out)" if module is not None else "was not found"
-            print(f"{PROG}: benchmarks/{name}.py {what}; run from a source checkout of lightning_weightsync")
+            message = f"benchmarks/{name}.py {what}; run from a source checkout of lightning_weightsync"
+            print(f"{PROG}: {message}", file=sys.stderr if args.json else sys.stdout)
             missing.append(name)
             continue
-        if not args.json:
+        if args.json:  # the benchmarks' own tables go nowhere; their returned results become one document
+            with contextlib.redirect_stdout(io.StringIO()):
+                results[name] = module.run(json_out=False)
+        else:
             print(f"== {name}")
-        module.run(json_out=args.json)
+            module.run(json_out=False)
+    if args.json:
+        print(json.dumps({"results": results, "missing": missing}, indent=2, default=str))
     return 1 if missing else 0
 
 
