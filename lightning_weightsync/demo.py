@@ -157,19 +157,19 @@ def run_demo(steps: int = 4, workdir: str | os.PathLike[str] | None = None, time
     print(f"lightning-weightsync demo  (files in {root})")
     print(f"[1/4] rollout daemon: module sink ({FACTORY}), control port {port}, bucket {BUCKET_MB * 1024:g} KiB")
     ok = False
-    with _process(daemon_cmd, root / "rollout.log") as daemon:
+    with _process(daemon_cmd, root / "daemon.log") as daemon:
         print(f"[2/4] training: tiny LM, 2 CPU processes, FSDP2 over gloo, {steps} steps, sync after each step")
-        with _process(train_cmd, root / "train.log") as trainer:
+        with _process(train_cmd, root / "trainer.log") as trainer:
             while trainer.poll() is None:
                 if daemon.poll() is not None:
-                    print(f"FAILED: the rollout daemon exited ({daemon.returncode}):\n{_tail(root / 'rollout.log')}")
+                    print(f"FAILED: the rollout daemon exited ({daemon.returncode}):\n{_tail(root / 'daemon.log')}")
                     return 1
                 if time.monotonic() > deadline:
-                    print(f"FAILED: training did not finish within {timeout_s:.0f}s:\n{_tail(root / 'train.log')}")
+                    print(f"FAILED: training did not finish within {timeout_s:.0f}s:\n{_tail(root / 'trainer.log')}")
                     return 1
                 time.sleep(0.2)
         if trainer.returncode != 0:
-            print(f"FAILED: training exited with {trainer.returncode}:\n{_tail(root / 'train.log')}")
+            print(f"FAILED: training exited with {trainer.returncode}:\n{_tail(root / 'trainer.log')}")
             return 1
         records = _read_stats(stats)
         print(f"[3/4] {len(records)} versions applied by the rollout while training ran:")
@@ -178,10 +178,10 @@ def run_demo(steps: int = 4, workdir: str | os.PathLike[str] | None = None, time
         try:
             code = daemon.wait(timeout=max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"FAILED: the rollout daemon did not stop on SIGTERM:\n{_tail(root / 'rollout.log')}")
+            print(f"FAILED: the rollout daemon did not stop on SIGTERM:\n{_tail(root / 'daemon.log')}")
             return 1
         if code != 0 or not held.exists():
-            print(f"FAILED: the rollout daemon exited with {code}:\n{_tail(root / 'rollout.log')}")
+            print(f"FAILED: the rollout daemon exited with {code}:\n{_tail(root / 'daemon.log')}")
             return 1
     print("[4/4] verification (rollout daemon's module vs the trainer's final gathered weights):")
     ok, message = verify(held, final)

@@ -1,7 +1,8 @@
 """`rollout.sink.type=module`: load every version into a live `torch.nn.Module`.
 
 The module comes from a factory (`rollout.sink.factory: package.module:function`, called with
-`rollout.sink.options` as keyword arguments) and lives on `rollout.device`.
+`rollout.sink.options` as keyword arguments) and is moved to `rollout.device`, or is passed in by
+code that embeds the daemon (then it stays where it is).
 
 - `streaming`: the merge writes each tensor's bytes straight into the module's own parameter and
   buffer storage (`into=` destinations): no staging copy at all. Readers may see a mix of versions
@@ -47,8 +48,8 @@ class ModuleSink(Sink):
                 raise ConfigError(
                     f"rollout.sink.factory={factory_path!r} returned a {type(module).__name__}, not a torch.nn.Module"
                 )
-        self.module: torch.nn.Module = module.to(torch.device(cfg.rollout.device))
-        self.module.requires_grad_(False)
+            module = module.to(torch.device(cfg.rollout.device))  # a module passed in stays where it is
+        self.module: torch.nn.Module = module
         self.lock = threading.Lock()
         # state_dict(keep_vars=True): parameters + persistent buffers under the names a trainer
         # sends; tied weights appear under every name and share one storage.
