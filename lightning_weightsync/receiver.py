@@ -27,6 +27,7 @@ from .chunking import TensorMeta, merge_weight_chunks
 from .collective import Backend, build_backend
 from .config import auth_token, load_config
 from .device import resolve_device
+from .endpoint import Endpoint
 from .errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
 from .executor import SerialExecutor
 from .rendezvous import ReceiverControl, default_identity
@@ -50,7 +51,7 @@ class ReceiveStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-class WeightReceiver:
+class WeightReceiver(Endpoint):
     """Receives versions from one `WeightSender`.
 
     Args:
@@ -79,24 +80,12 @@ class WeightReceiver:
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        self._executor = SerialExecutor("weightsync-recv")
+        self._executor = SerialExecutor(self._executor_name)
         await self._control.start()
-
-    async def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
-        await self._control.close()
 
     async def __aenter__(self) -> WeightReceiver:
         await self.start()
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     @property
     def dropped_messages(self) -> int:
@@ -233,13 +222,6 @@ class WeightReceiver:
             return
         self._acked = True
         await self._control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
-
-    def _fail_group(self) -> None:
-        if self._backend is not None:
-            self._backend.broken()
-        if self._executor is not None:  # a broadcast may be stuck there until the gloo timeout
-            self._executor.shutdown()
-            self._executor = SerialExecutor("weightsync-recv")
 
 
 class _BucketPipeline:

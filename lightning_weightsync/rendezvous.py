@@ -290,17 +290,20 @@ class ReceiverControl:
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
+    async def _recv_before(self, deadline: float, awaited: str) -> Message:
+        """The next valid message, or `WeightSyncTimeout` naming what was awaited from whom."""
+        left = deadline - time.monotonic()
+        msg = await self.recv(left) if left > 0 else None
+        if msg is None:
+            raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.address} in time")
+        return msg
+
     async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:
         """After answering `Ready`: the plan for that version (or a newer `Prepare` supersedes it)."""
         deadline = time.monotonic() + timeout_s
+        awaited = f"version {prepare.version}: the group plan (transport.timeout_s={timeout_s}s)"
         while True:
-            left = deadline - time.monotonic()
-            msg = await self.recv(left) if left > 0 else None
-            if msg is None:
-                raise WeightSyncTimeout(
-                    f"version {prepare.version}: no group plan from the sender at {self.address} within "
-                    f"transport.timeout_s={timeout_s}s"
-                )
+            msg = await self._recv_before(deadline, awaited)
             if isinstance(msg, Plan) and msg.version == prepare.version and msg.session == prepare.session:
                 return msg
             if isinstance(msg, Prepare):
@@ -311,14 +314,12 @@ class ReceiverControl:
 
     async def next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
         deadline = time.monotonic() + timeout_s
+        awaited = (
+            f"version {version}: bucket {bucket_index} metadata (transport.timeout_s={timeout_s}s; "
+            "trainer dead or stalled?)"
+        )
         while True:
-            left = deadline - time.monotonic()
-            msg = await self.recv(left) if left > 0 else None
-            if msg is None:
-                raise WeightSyncTimeout(
-                    f"version {version}: bucket {bucket_index} metadata not received from the sender at "
-                    f"{self.address} within transport.timeout_s={timeout_s}s (trainer dead or stalled?)"
-                )
+            msg = await self._recv_before(deadline, awaited)
             if isinstance(msg, BucketMeta) and msg.version == version:
                 if msg.bucket_index != bucket_index:
                     raise ProtocolError(

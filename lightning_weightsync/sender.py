@@ -28,6 +28,7 @@ from .chunking import NamedTensors, aiter_any, split_weight_chunks
 from .collective import Backend, build_backend
 from .config import auth_token, bucket_size_bytes, load_config
 from .device import resolve_device
+from .endpoint import Endpoint
 from .errors import PeerError, WeightSyncError, WeightSyncTimeout
 from .executor import SerialExecutor
 from .rendezvous import Peer, SenderControl
@@ -84,7 +85,7 @@ class _Drainable:
                 pass
 
 
-class WeightSender:
+class WeightSender(Endpoint):
     """Sends versions of a stream of `(name, tensor)` to every registered receiver.
 
     Args:
@@ -120,7 +121,7 @@ class WeightSender:
     async def start(self) -> None:
         t = self.cfg.transport
         await self._control.start()
-        self._executor = SerialExecutor("weightsync-broadcast")
+        self._executor = SerialExecutor(self._executor_name)
         self._backend = build_backend(
             t.backend,
             bucket_size=self.bucket_size,
@@ -132,21 +133,9 @@ class WeightSender:
         )
         await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
 
-    async def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
-        await self._control.close()
-
     async def __aenter__(self) -> WeightSender:
         await self.start()
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     # -- one version ------------------------------------------------------------------------------
     async def send_weights(self, weights: NamedTensors, *, version: int) -> SendStats:
@@ -302,12 +291,7 @@ class WeightSender:
             except PeerError:
                 pass
         if transport_failed:
-            if self._backend is not None:
-                self._backend.broken()
-            # A broadcast may still be stuck in the executor thread; give later versions a fresh one.
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = SerialExecutor("weightsync-broadcast")
+            self._fail_group()
 
 
 class BlockingWeightSender:
