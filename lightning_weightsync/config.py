@@ -53,6 +53,7 @@ class NamesConfig:
 class TrainerConfig:
     every_n_steps: int = 1
     sync_on_fit_start: bool = True
+    sync_on_train_end: bool = True
     dtype: str | None = None
     min_receivers: int = 1
     on_failure: str = "raise"

@@ -99,9 +99,10 @@ def test_syncs_per_optimizer_step_not_per_micro_batch(tmp_path: Path) -> None:
     cb = WeightSyncCallback(_cfg("trainer.every_n_steps=2"), module_attr="model")
     trainer, logger = _fit(cb, steps=5, accumulate=3, tmp=tmp_path)
     assert trainer.global_step == 5
-    # version 0 at start, then every 2nd optimizer step; 15 micro-batches add nothing
-    assert logger.synced_versions() == [0, 2, 4]
-    assert cb.last_synced_version == 4 and cb.failures == 0
+    # version 0 at start, then every 2nd optimizer step; 15 micro-batches add nothing; the final
+    # step 5 is not a multiple of 2, so it is sent when training ends
+    assert logger.synced_versions() == [0, 2, 4, 5]
+    assert cb.last_synced_version == 5 and cb.failures == 0
     assert cb.last_stats.receivers == 0 and cb.port is None  # the sender is closed after fit
 
 
@@ -112,7 +113,7 @@ def test_no_sync_on_fit_start_when_disabled(tmp_path: Path) -> None:
 
 
 def test_resume_restores_last_synced_version(tmp_path: Path) -> None:
-    cb = WeightSyncCallback(_cfg("trainer.every_n_steps=3"), module_attr="model")
+    cb = WeightSyncCallback(_cfg("trainer.every_n_steps=3", "trainer.sync_on_train_end=false"), module_attr="model")
     trainer, _ = _fit(cb, steps=4, tmp=tmp_path)
     assert cb.last_synced_version == 3  # step 4 is not a multiple of 3
     ckpt = tmp_path / "a.ckpt"
@@ -130,9 +131,10 @@ def test_resume_restores_last_synced_version(tmp_path: Path) -> None:
     resumed = Probe(_cfg("trainer.every_n_steps=3"), module_attr="model")
     trainer, logger = _fit(resumed, steps=7, ckpt_path=str(ckpt), tmp=tmp_path)
     assert Probe.restored == 3
-    # the restored weights are re-sent at start (version = restored global_step), then 6
-    assert logger.synced_versions() == [4, 6]
-    assert resumed.last_synced_version == 6
+    # the restored weights are re-sent at start (version = restored global_step), then 6, then the
+    # final step 7 when training ends
+    assert logger.synced_versions() == [4, 6, 7]
+    assert resumed.last_synced_version == 7
 
 
 def test_dead_rollout_warn_keeps_training(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ class WeightSyncCallback(pl.Callback):
 
     Args:
         cfg: the weightsync config (`load_config(...)`); None means the defaults. Used keys:
-            `trainer.every_n_steps` (1), `trainer.sync_on_fit_start` (True),
+            `trainer.every_n_steps` (1), `trainer.sync_on_fit_start` (True), `trainer.sync_on_train_end` (True),
             `trainer.on_failure` (`raise`), `trainer.dtype`, `trainer.include_buffers`,
             `trainer.names.*`, `trainer.min_receivers` and `transport.*` (for the sender).
         module_attr: the attribute of your LightningModule that holds the network the rollout
@@ -51,6 +51,8 @@ class WeightSyncCallback(pl.Callback):
           incremented `trainer.global_step` there) and `global_step % every_n_steps == 0`:
           version `global_step`. Gradient-accumulation micro-batches do not step, so they never
           sync; a version is attempted at most once.
+        - `on_train_end`, if `trainer.sync_on_train_end` and the final step was not attempted yet
+          (e.g. `max_steps` not a multiple of `every_n_steps`), so rollouts end on the final weights.
 
     Failure (`trainer.on_failure`): the sender bounds every wait by `transport.timeout_s`, so a dead
     rollout costs at most that per sync, never a hang. `raise` stops training on every rank; `warn`
@@ -107,6 +109,11 @@ class WeightSyncCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
         if self.cfg.trainer.sync_on_fit_start:
+            self.sync(trainer, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the last steps may not be a multiple of every_n_steps: rollouts should end on the final weights
+        if self.cfg.trainer.sync_on_train_end and trainer.global_step != self._last_attempted:
             self.sync(trainer, trainer.global_step)
 
     def on_train_batch_end(
