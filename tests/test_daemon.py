@@ -348,3 +348,18 @@ def test_vllm_sink_refuses_its_own_extension_option() -> None:
 
     with pytest.raises(ConfigError, match="worker_extension_cls is set by the vllm sink"):
         build_sink(cfg)
+
+
+def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:
+    from lightning_weightsync.daemon import _Progress
+
+    off = _Progress(enabled=False)
+    off.bucket(1, 100)
+    assert off._progress is None  # not a terminal: nothing drawn
+    bar = _Progress(enabled=True)
+    bar.bucket(7, 1024)
+    bar.bucket(7, 512)
+    task = bar._progress.tasks[0]
+    assert task.completed == 1536 and task.fields["version"] == 7
+    bar.stop()
+    assert bar._progress is None
