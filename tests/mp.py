@@ -47,11 +47,15 @@ def run_workers(
     args_per_worker: Sequence[tuple[Any, ...]],
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    doomed: Sequence[int] = (),
+    exit_codes: list[int | None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` in one spawned process per args tuple; return their results in order.
 
     `fn` must be importable (module level). Any worker exception or a timeout fails the test with
-    the worker's traceback, and every worker is killed before returning.
+    the worker's traceback, and every worker is killed before returning. Workers listed in
+    `doomed` are expected to die (fault-injection tests): nobody waits for their result (None);
+    `exit_codes`, if given, receives every worker's exit code.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -64,7 +68,8 @@ def run_workers(
     try:
         for p in procs:
             p.start()
-        while len(results) < len(procs):
+        wanted = len(procs) - len(set(doomed))
+        while len([i for i in results if i not in doomed]) < wanted:
             now = time.monotonic()
             if now > deadline:
                 raise WorkerFailed(f"workers timed out after {timeout_s}s; finished: {sorted(results)}")
@@ -74,19 +79,22 @@ def run_workers(
             try:
                 index, ok, value = queue.get(timeout=0.5)
             except queue_mod.Empty:
-                if grace_until is None and any(p.exitcode not in (None, 0) for p in procs):
+                died = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in doomed]
+                if grace_until is None and died:
                     grace_until = time.monotonic() + 3.0
                 continue
             if not ok:
                 raise WorkerFailed(f"worker {index} failed:\n{value}")
             results[index] = value
-        return [results[i] for i in range(len(procs))]
+        return [results.get(i) for i in range(len(procs))]
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if exit_codes is not None:
+            exit_codes[:] = [p.exitcode for p in procs]
         queue.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -314,3 +315,80 @@ async def test_restarted_sender_serves_the_same_receiver(backend):
                     )
                     assert_bitwise(got, stream(version, **kw))
                     assert stats.receivers == 1
+
+
+# -- a receiver killed mid-version (kill -9 semantics: os._exit, no goodbye) -------------------------
+
+
+def _dying_receiver(port: int) -> None:
+    cfg = engine_cfg(port, bucket_size_mb=1 / 256)
+
+    async def main() -> None:
+        receiver = WeightReceiver(cfg, identity="doomed")
+        await receiver.start()
+        n = 0
+        async for _name, _t in receiver.receive_weights():
+            n += 1
+            if n == 3:
+                os._exit(1)  # no Bye, no ack, sockets torn down by the kernel
+
+    asyncio.run(main())
+
+
+def _surviving_receiver(port: int) -> list:
+    cfg = engine_cfg(port, bucket_size_mb=1 / 256)
+
+    async def main() -> list:
+        outcomes = []
+        async with WeightReceiver(cfg, identity="survivor") as receiver:
+            while len(outcomes) < 2:
+                try:
+                    got = await with_timeout(receive_once(receiver), 60)
+                    assert_bitwise(got, stream(receiver.version))
+                    outcomes.append(("ok", receiver.version))
+                except WeightSyncError as exc:
+                    outcomes.append((type(exc).__name__, receiver.version))
+        return outcomes
+
+    return asyncio.run(main())
+
+
+def _sender_with_a_dying_receiver(port: int) -> list:
+    cfg = engine_cfg(port, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=8)
+
+    async def main() -> list:
+        results = []
+        async with WeightSender(cfg) as sender:
+            try:
+                await sender.send_weights(stream(1), version=1)
+                results.append("ok")
+            except WeightSyncError as exc:
+                results.append(type(exc).__name__)
+            sender.cfg.trainer.min_receivers = 1  # the dead one is gone; carry on with who is left
+            stats = await sender.send_weights(stream(2), version=2)
+            results.append(stats.receivers)
+        return results
+
+    return asyncio.run(main())
+
+
+def _dying_role(role: int, port: int) -> object:
+    if role == 0:
+        return _sender_with_a_dying_receiver(port)
+    if role == 1:
+        return _surviving_receiver(port)
+    _dying_receiver(port)
+    return None
+
+
+def test_receiver_killed_mid_version_fails_the_version_not_the_session():
+    port = free_port()
+    codes: list[int | None] = []
+    sender, survivor, _ = run_workers(
+        _dying_role, [(0, port), (1, port), (2, port)], timeout_s=100, doomed=[2], exit_codes=codes
+    )
+    assert codes[2] == 1  # it really died
+    assert sender[0] in ("PeerError", "WeightSyncTimeout")  # bounded, named, not a hang
+    assert sender[1] == 1  # the next version reached the survivor
+    assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
+    assert survivor[1] == ("ok", 2)
