@@ -1,10 +1,11 @@
 """End-to-end engine benchmark on loopback: real processes, real ZeroMQ, real gloo groups.
 
 Three measurements, each against a baseline measured in the same run, in the same processes:
-1. throughput: `WeightSender.send_weights` of a stream of `tensor_mb` tensors (`total_mb` in all)
-   through `bucket_mb` buckets, receivers merging `into=` preallocated destinations, vs a raw gloo
-   broadcast of the same total bytes in bucket-sized pieces (no packing, no metadata, no merging).
-   Goal: ratio >= 0.9 at 64 MiB+ buckets.
+1. throughput: `WeightSender.send_weights` of a model-shaped stream (Qwen3-8B's 399 tensors with
+   every dimension divided by `scale`: 1 GB at scale 4, the real mix of one huge embedding, large MLP
+   and small norm tensors) through `bucket_mb` buckets, receivers merging `into=` preallocated
+   destinations, vs a raw gloo broadcast of the same total bytes in bucket-sized pieces (no
+   packing, no metadata, no merging). Goal: ratio >= 0.9 at 64 MiB+ buckets.
 2. small tensors: the engine vs one broadcast per tensor (what TRL's per-parameter sync does) on a
    model of many small tensors (Qwen3-8B names and shapes, scaled down). Goal: >= 3x faster.
 3. memory: peak RSS growth of sender and receiver during a version, against the design budget
@@ -13,7 +14,7 @@ Three measurements, each against a baseline measured in the same run, in the sam
 The engine's time is taken from a version after the first (the group is formed and reused), and
 includes metadata, acks and merging. Best of `repeats`.
 
-    python benchmarks/bench_engine.py [--json] [--receivers 1] [--total-mb 512] [--bucket-mb 64 256]
+    python benchmarks/bench_engine.py [--json] [--receivers 1] [--scale 4] [--bucket-mb 64 256]
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import asyncio
 import json
 import multiprocessing as mp
 import queue as queue_mod
-import resource
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -46,19 +48,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+class _RssPeak:
+    """Samples this process's RSS every millisecond on a thread; `extra` is the peak growth over
+    the RSS at `__enter__` (ru_maxrss would hide growth below an earlier, unrelated peak)."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self.extra = 0
+
+    def __enter__(self) -> _RssPeak:
+        self._base = self._proc.memory_info().rss
+        self._peak = self._base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._proc.memory_info().rss)
+        self.extra = self._peak - self._base
 
 
-def _uniform_stream(total: int, tensor_bytes: int) -> list[tuple[str, torch.Tensor]]:
-    n = max(1, total // tensor_bytes)
-    return [(f"layer.{i}.weight", torch.full((tensor_bytes // 2,), float(i), dtype=torch.bfloat16)) for i in range(n)]
-
-
-def _small_stream() -> list[tuple[str, torch.Tensor]]:
+def _model_stream(scale: int) -> list[tuple[str, torch.Tensor]]:
     from lightning_weightsync.inventory import model_stream
 
-    return list(model_stream("qwen3-8b", scale=64, extras=False))
+    return list(model_stream("qwen3-8b", scale=scale, extras=False))
 
 
 def _cfg(port: int, bucket_mb: float, receivers: int) -> Any:
@@ -115,7 +135,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     from lightning_weightsync import WeightReceiver, WeightSender
 
     torch.set_num_threads(1)
-    stream = _small_stream() if case["kind"] == "small" else _uniform_stream(case["total"], case["tensor"])
+    stream = _model_stream(case["scale"])
     bucket = int(case["bucket_mb"] * MiB)
     repeats = case["repeats"]
     pg = _raw_group(role, world, ports["store"])
@@ -131,22 +151,23 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
         async with WeightSender(cfg) as sender:
             times = []
             for version in range(repeats + 1):
-                rss0 = _peak_rss()
-                stats = await sender.send_weights(stream, version=version)
+                with _RssPeak() as rss:
+                    stats = await sender.send_weights(stream, version=version)
                 times.append(stats.seconds)
-                result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), _peak_rss() - rss0)
+                result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
             result["engine_s"] = min(times[1:])
             result["nbytes"] = stats.nbytes
             result["buckets"] = stats.num_buckets
+            result["direct_buckets"] = stats.direct_buckets
 
     async def receive() -> None:
         dest = {n: torch.zeros_like(t) for n, t in stream}  # touched: their pages count before we measure
         async with WeightReceiver(cfg, identity=f"bench-{role}") as receiver:
             for _ in range(repeats + 1):
-                rss0 = _peak_rss()
-                async for _name, _t in receiver.receive_weights(into=lambda m: dest[m.name]):
-                    pass
-                result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), _peak_rss() - rss0)
+                with _RssPeak() as rss:
+                    async for _name, _t in receiver.receive_weights(into=lambda m: dest[m.name]):
+                        pass
+                result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
         for name, t in stream:  # the benchmark also checks what it moved
             assert torch.equal(dest[name], t), name
 
@@ -185,20 +206,21 @@ def run(
     json_out: bool = False,
     *,
     receivers: int = 1,
-    total_mb: int = 512,
-    tensor_mb: int = 64,
+    scale: int = 4,
     bucket_mbs: tuple[float, ...] = (64, 256),
     repeats: int = 3,
 ) -> dict[str, Any]:
     world = receivers + 1
     report: dict[str, Any] = {"receivers": receivers, "throughput": [], "small_tensors": None, "memory": []}
     for bucket_mb in bucket_mbs:
-        case = {"kind": "uniform", "total": total_mb * MiB, "tensor": tensor_mb * MiB, "bucket_mb": bucket_mb}
+        case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb}
         sender, *recvs = _run_processes(world, {**case, "repeats": repeats})
         nbytes = sender["nbytes"]
         row = {
             "bucket_mb": bucket_mb,
             "total_mb": nbytes / MiB,
+            "buckets": sender["buckets"],
+            "direct_buckets": sender["direct_buckets"],
             "engine_GBps": nbytes / sender["engine_s"] / 1e9,
             "raw_gloo_GBps": nbytes / sender["baseline_s"] / 1e9,
             "ratio": sender["baseline_s"] / sender["engine_s"],
@@ -215,9 +237,9 @@ def run(
                 "within_budget": max([sender["peak_extra_bytes"]] + [r["peak_extra_bytes"] for r in recvs]) <= budget,
             }
         )
-    small = _run_processes(world, {"kind": "small", "bucket_mb": 64, "repeats": repeats})[0]
+    small = _run_processes(world, {"kind": "small", "scale": 64, "bucket_mb": 64, "repeats": repeats})[0]
     report["small_tensors"] = {
-        "tensors": len(_small_stream()),
+        "tensors": len(_model_stream(64)),
         "total_mb": small["nbytes"] / MiB,
         "engine_s": small["engine_s"],
         "per_tensor_broadcast_s": small["baseline_s"],
@@ -233,11 +255,14 @@ def run(
 
 def _print(report: dict[str, Any]) -> None:
     print(f"engine benchmark, loopback gloo, {report['receivers']} receiver(s)")
-    print(f"{'bucket MiB':>10} {'MiB':>6} {'engine GB/s':>12} {'raw gloo GB/s':>14} {'ratio':>6} {'goal':>5}")
+    print(
+        f"{'bucket MiB':>10} {'MiB':>6} {'buckets':>8} {'direct':>7} {'engine GB/s':>12} {'raw gloo GB/s':>14} "
+        f"{'ratio':>6} {'goal':>5}"
+    )
     for r in report["throughput"]:
         print(
-            f"{r['bucket_mb']:>10g} {r['total_mb']:>6.0f} {r['engine_GBps']:>12.2f} {r['raw_gloo_GBps']:>14.2f} "
-            f"{r['ratio']:>6.2f} {r['goal']:>5}"
+            f"{r['bucket_mb']:>10g} {r['total_mb']:>6.0f} {r['buckets']:>8} {r['direct_buckets']:>7} "
+            f"{r['engine_GBps']:>12.2f} {r['raw_gloo_GBps']:>14.2f} {r['ratio']:>6.2f} {r['goal']:>5}"
         )
     s = report["small_tensors"]
     print(
@@ -256,16 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--receivers", type=int, default=1)
-    p.add_argument("--total-mb", type=int, default=512)
-    p.add_argument("--tensor-mb", type=int, default=64)
+    p.add_argument("--scale", type=int, default=4, help="divide every Qwen3-8B dimension by this")
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256])
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
     run(
         a.json,
         receivers=a.receivers,
-        total_mb=a.total_mb,
-        tensor_mb=a.tensor_mb,
+        scale=a.scale,
         bucket_mbs=tuple(a.bucket_mb),
         repeats=a.repeats,
     )

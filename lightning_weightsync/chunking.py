@@ -99,6 +99,13 @@ async def split_weight_chunks(
                 yield chunk
 
 
+def _place(dest: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy a chunk into its destination, unless the transport already received it there (a
+    receiver may broadcast a full-bucket chunk straight into the destination tensor)."""
+    if dest.data_ptr() != data.data_ptr() or dest.device != data.device:
+        dest.copy_(data)
+
+
 class _BucketPlan:
     """Assigns chunks their bucket offsets; `filled` carries over from one tensor to the next."""
 
@@ -205,7 +212,7 @@ class _Merger:
             )
         end = offset + size
         if size:
-            current.dest_bytes[offset:end].copy_(data)
+            _place(current.dest_bytes[offset:end], data)
         current.next_offset = end
         if end == nbytes:
             self.current = None
@@ -229,10 +236,10 @@ class _Merger:
         dest_bytes = as_bytes(dest)
         if size == dest_bytes.numel():  # the whole tensor in one chunk (the common case)
             if size:
-                dest_bytes.copy_(data)
+                _place(dest_bytes, data)
             return name, dest
         if size:
-            dest_bytes[:size].copy_(data)
+            _place(dest_bytes[:size], data)
         self.current = _Assembly(meta, dest, dest_bytes, size)
         return None
 

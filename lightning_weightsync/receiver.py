@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from .chunking import TensorMeta, merge_weight_chunks
+from .chunking import TensorMeta, as_bytes, merge_weight_chunks
 from .collective import Backend, build_backend
 from .config import auth_token, load_config
 from .device import resolve_device
@@ -44,6 +44,7 @@ class ReceiveStats:
     nbytes: int = 0
     num_tensors: int = 0
     num_buckets: int = 0
+    direct_buckets: int = 0  # received straight into their destination (no merge copy)
     seconds: float = 0.0
 
     @property
@@ -172,11 +173,12 @@ class WeightReceiver(Endpoint):
         plan = await self.wait_version(wait_s)
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
-        pipeline = self._pipeline = _BucketPipeline(self, plan)
+        destinations = _Destinations(into) if into is not None else None
+        pipeline = self._pipeline = _BucketPipeline(self, plan, destinations)
         self._acked = False  # failure paths below ack themselves; the final ok ack is ours or the caller's
         try:
             async for name, tensor in merge_weight_chunks(
-                pipeline.chunks(stats), plan.bucket_size, into=into, device=self.output_device
+                pipeline.chunks(stats), plan.bucket_size, into=destinations, device=self.output_device
             ):
                 stats.num_tensors += 1
                 yield name, tensor
@@ -224,23 +226,60 @@ class WeightReceiver(Endpoint):
         await self._control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
 
 
+class _Destinations:
+    """The consumer's `into`, called once per tensor and shared by merge (first chunk) and the
+    producer (which receives a full-bucket chunk straight into its destination)."""
+
+    def __init__(self, into: Into) -> None:
+        self.into = into
+        self.cache: dict[str, torch.Tensor | None] = {}
+
+    def __call__(self, meta: TensorMeta) -> torch.Tensor | None:
+        if meta.name not in self.cache:
+            self.cache[meta.name] = self.into(meta)
+        return self.cache[meta.name]
+
+    def direct_target(self, meta: TensorMeta, device: torch.device) -> torch.Tensor | None:
+        """The bytes of the destination where this chunk belongs, if it can be received in place."""
+        try:
+            dest = self(meta)
+        except Exception:  # merge will call `into` again and report the error where it belongs
+            self.cache.pop(meta.name, None)
+            return None
+        if (
+            not isinstance(dest, torch.Tensor)
+            or dest.dtype != meta.dtype
+            or tuple(dest.shape) != meta.shape
+            or dest.device != device
+            or not dest.is_contiguous()
+        ):
+            return None
+        return as_bytes(dest)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
+
+
+BucketItem = tuple[BucketMeta, int, "torch.Tensor | None"]  # metadata, slot, in-place target
+
+
 class _BucketPipeline:
     """Receives bucket k + 1 while the consumer merges bucket k."""
 
-    def __init__(self, receiver: WeightReceiver, plan: Plan) -> None:
+    def __init__(self, receiver: WeightReceiver, plan: Plan, destinations: _Destinations | None) -> None:
         assert receiver._backend is not None and receiver._executor is not None
-        self.receiver, self.plan = receiver, plan
+        self.receiver, self.plan, self.destinations = receiver, plan, destinations
         self.backend, self.executor = receiver._backend, receiver._executor
-        self.ready: asyncio.Queue[tuple[BucketMeta, int] | BaseException] = asyncio.Queue()
+        self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
+        self.ready = asyncio.Queue()
         self.free = [asyncio.Event(), asyncio.Event()]
         for event in self.free:
             event.set()
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
         self.finished = False
-        self.current: tuple[BucketMeta, int] | None = None  # bucket being consumed, not yet released
+        self.current: BucketItem | None = None  # bucket being consumed, not yet released
         self.drain_task: asyncio.Future[None] | None = None
 
     async def _produce(self) -> None:
+        """Post each bucket's broadcast as soon as its metadata is here and its slot is free; the
+        executor runs them back to back, with no event-loop round trip between two buckets."""
         control, plan, timeout_s = self.receiver._control, self.plan, self.receiver.timeout_s
         try:
             index = 0
@@ -251,19 +290,9 @@ class _BucketPipeline:
                 meta = await control.next_bucket(plan.version, index, timeout_s)
                 if meta.nbytes > plan.bucket_size:
                     raise ProtocolError(f"bucket {index} declares {meta.nbytes} bytes > bucket_size {plan.bucket_size}")
-                try:
-                    await asyncio.wait_for(
-                        asyncio.shield(self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index)),
-                        timeout_s,
-                    )
-                except asyncio.TimeoutError:
-                    raise WeightSyncTimeout(
-                        f"version {plan.version}: broadcast of bucket {index} from the sender not complete within "
-                        f"transport.timeout_s={timeout_s}s"
-                    ) from None
-                except RuntimeError as exc:
-                    raise PeerError(f"version {plan.version}: broadcast of bucket {index} failed: {exc}") from exc
-                self.ready.put_nowait((meta, slot))
+                target = self._direct_target(meta)
+                done = self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index, target)
+                self.ready.put_nowait((meta, slot, target, done))
                 if meta.is_last:
                     return
                 index += 1
@@ -272,12 +301,38 @@ class _BucketPipeline:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
-    async def _next(self) -> tuple[BucketMeta, int]:
+    def _direct_target(self, meta: BucketMeta) -> torch.Tensor | None:
+        """A bucket that is one full-bucket chunk goes straight into its destination, if any."""
+        if (
+            self.destinations is None
+            or not self.backend.direct_ok
+            or len(meta.entries) != 1
+            or meta.nbytes != self.plan.bucket_size
+            or meta.entries[0].chunk_size != meta.nbytes
+        ):
+            return None
+        return self.destinations.direct_target(meta.entries[0].to_meta(), self.backend.device)
+
+    async def _next(self) -> BucketItem:
+        """The next bucket, once its broadcast is complete on this rank."""
         item = await self.ready.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        return item
+        meta, slot, target, done = item
+        version, timeout_s = self.plan.version, self.receiver.timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except asyncio.TimeoutError:
+            self.finished = True
+            raise WeightSyncTimeout(
+                f"version {version}: broadcast of bucket {meta.bucket_index} from the sender not complete within "
+                f"transport.timeout_s={timeout_s}s"
+            ) from None
+        except RuntimeError as exc:
+            self.finished = True
+            raise PeerError(f"version {version}: broadcast of bucket {meta.bucket_index} failed: {exc}") from exc
+        return meta, slot, target
 
     def _release(self, meta: BucketMeta, slot: int) -> None:
         self.backend.fence(slot)
@@ -286,24 +341,27 @@ class _BucketPipeline:
 
     async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
         while not self.finished:
-            meta, slot = self.current = await self._next()
-            bucket = self.backend.buckets[slot]
-            stats.num_buckets += 1
+            meta, slot, target = self.current = await self._next()
+            bucket = self.backend.buckets[slot] if target is None else target
+            stats.num_buckets += bool(meta.entries)
+            stats.direct_buckets += target is not None
             stats.nbytes += meta.nbytes
             if self.receiver.on_bucket is not None:
                 self.receiver.on_bucket(meta)
             for entry in meta.entries:
-                yield entry.to_meta(), bucket[entry.offset : entry.offset + entry.chunk_size]
+                start = entry.offset if target is None else 0
+                yield entry.to_meta(), bucket[start : start + entry.chunk_size]
             self._release_current()
 
     def _release_current(self) -> None:
         if self.current is not None:
-            (meta, slot), self.current = self.current, None
+            (meta, slot, _), self.current = self.current, None
             self._release(meta, slot)
             self.finished = meta.is_last
 
     async def drain(self) -> None:
         """Take part in the rest of the version without keeping anything."""
+        self.destinations = None  # nothing more lands in the consumer's tensors
         self._release_current()  # the bucket the consumer was in the middle of
         with contextlib.suppress(WeightSyncError):
             while not self.finished:

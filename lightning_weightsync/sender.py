@@ -44,6 +44,7 @@ class SendStats:
     num_tensors: int = 0
     num_buckets: int = 0
     num_chunked_tensors: int = 0
+    direct_buckets: int = 0  # full-bucket chunks broadcast from the caller's tensor (no pack copy)
     seconds: float = 0.0
     receivers: int = 0
     failed: dict[str, str] = field(default_factory=dict)
@@ -226,20 +227,32 @@ class WeightSender(Endpoint):
         pending = self._pending = [None, None]
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
+        direct: torch.Tensor | None = None  # a full-bucket chunk, broadcast from the caller's tensor
 
         async def publish(is_last: bool) -> None:
+            nonlocal direct
             backend.fence(slot)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
-            pending[slot] = executor.submit(backend.broadcast, slot, fill, bucket_index)
-            stats.num_buckets += 1
+            pending[slot] = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
+            direct = None
+            stats.num_buckets += bool(entries)
+
+        async def next_bucket() -> None:
+            nonlocal slot, bucket_index, fill, entries
+            slot, bucket_index, fill, entries = slot ^ 1, bucket_index + 1, 0, []
+            await self._complete(pending, slot, version, bucket_index - 2)
 
         async for meta, data in split_weight_chunks(source, self.bucket_size):
             assert meta.offset is not None
             if meta.offset < fill:  # the split started a new bucket
                 await publish(is_last=False)
-                slot, bucket_index, fill, entries = slot ^ 1, bucket_index + 1, 0, []
-                await self._complete(pending, slot, version, bucket_index - 2)
-            if meta.chunk_size:
+                await next_bucket()
+            # A chunk that fills a whole bucket needs no packing where the backend can send any tensor.
+            is_direct = backend.direct_ok and meta.chunk_size == self.bucket_size and data.device == self.device
+            if is_direct:
+                direct = data
+                stats.direct_buckets += 1
+            elif meta.chunk_size:
                 backend.buckets[slot][meta.offset : meta.offset + meta.chunk_size].copy_(
                     data, non_blocking=non_blocking
                 )
@@ -249,7 +262,12 @@ class WeightSender(Endpoint):
             if meta.is_first:
                 stats.num_tensors += 1
                 stats.num_chunked_tensors += not meta.is_last
-        await publish(is_last=True)
+            if is_direct:
+                await publish(is_last=False)
+                await next_bucket()
+                if meta.is_last:  # the caller may reuse its tensor once we ask for the next one
+                    await self._complete(pending, slot ^ 1, version, bucket_index - 1)
+        await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
         await self._complete(pending, slot ^ 1, version, bucket_index - 1)
         await self._complete(pending, slot, version, bucket_index)
 

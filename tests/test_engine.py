@@ -150,16 +150,23 @@ async def test_into_destinations_receive_in_place():
     expected = stream(1)
     dest = {n: torch.zeros_like(t.contiguous()) for n, t in expected}
 
+    receive_stats = []
+
     async def consume(r):
         yielded = {}
         async for name, tensor in r.receive_weights(into=lambda meta: dest[meta.name]):
             assert tensor.data_ptr() == dest[name].data_ptr() or tensor.numel() == 0  # no staging copy
             yielded[name] = tensor
+        receive_stats.append(r.last_stats)
         return yielded
 
-    _sent, received = await _serve(cfg, [1], consumers={0: consume})
+    sent, received = await _serve(cfg, [1], consumers={0: consume})
     assert_bitwise(received[0][1], expected)
     assert_bitwise(dest, expected)
+    # the embedding spans many buckets: its full-bucket chunks skip the pack copy and the merge copy
+    assert sent[0].direct_buckets > 0
+    assert receive_stats[0].direct_buckets == sent[0].direct_buckets
+    assert receive_stats[0].num_buckets == sent[0].num_buckets
 
 
 async def test_sender_times_out_without_receivers_and_names_the_knob():

@@ -27,6 +27,9 @@ NUM_SLOTS = 2  # double buffering: pack / receive one bucket while the other is 
 
 class Backend(ABC):
     name: str = "base"
+    # True where `broadcast` may read from / write to any contiguous tensor on `device` instead of
+    # a slot: full-bucket chunks then skip the pack copy (sender) and the merge copy (receiver).
+    direct_ok: bool = False
 
     def __init__(
         self,
@@ -103,8 +106,9 @@ class Backend(ABC):
             self._fences[slot] = None
 
     @abstractmethod
-    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
-        """Move `buckets[slot][:nbytes]` from rank 0 to every rank; returns when complete here."""
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        """Move `buckets[slot][:nbytes]` (or `buffer`, where `direct_ok`) from rank 0 to every rank;
+        returns when complete here."""
 
     def release(self, slot: int, bucket_index: int) -> None:  # noqa: B027 - optional hook
         """Receiver: the bytes of `slot` were consumed (shared-buffer backends hand it back)."""

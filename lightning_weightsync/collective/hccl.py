@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..device import import_torch_npu, synchronize
@@ -35,8 +36,8 @@ class HcclBackend(TorchProcessGroupBackend):
     def fence(self, slot: int) -> None:
         synchronize(self.device)
 
-    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
-        super().broadcast(slot, nbytes, bucket_index)
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        super().broadcast(slot, nbytes, bucket_index, buffer)
         synchronize(self.device)
 
     def close(self) -> None:

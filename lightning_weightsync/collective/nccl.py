@@ -59,7 +59,7 @@ class NcclBackend(Backend):
         if self._comm is not None:
             self._comm = None
 
-    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if nbytes == 0:
             return
         bucket = self.buckets[slot]

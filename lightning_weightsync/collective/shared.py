@@ -79,7 +79,7 @@ class SharedBucketBackend(Backend):
         self._identity = identity
 
     # -- data path --------------------------------------------------------------------------
-    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if not self.is_sender:
             return  # the bytes are already in the mapped slot
         self.wait_fence(slot)

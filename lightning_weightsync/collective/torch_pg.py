@@ -11,6 +11,7 @@ from abc import abstractmethod
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import WeightSyncTimeout
@@ -67,11 +68,11 @@ class TorchProcessGroupBackend(Backend):
     def _drop_group(self) -> None:
         self._pg = None
 
-    def broadcast(self, slot: int, nbytes: int, bucket_index: int) -> None:
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if nbytes == 0:
             return
         self.wait_fence(slot)
-        self._pg.broadcast(self.buckets[slot][:nbytes], 0).wait()
+        self._pg.broadcast(self.buckets[slot][:nbytes] if buffer is None else buffer, 0).wait()
 
     def close(self) -> None:
         super().close()
@@ -82,6 +83,7 @@ class GlooBackend(TorchProcessGroupBackend):
     """CPU buckets broadcast with gloo; also the reference implementation tested on every CI run."""
 
     name = "gloo"
+    direct_ok = True  # CPU tensors: any contiguous chunk can be sent / received in place
 
     def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
