@@ -30,8 +30,14 @@ def resolve_device(backend: str, configured: str | None) -> torch.device:
     if kind.startswith("npu"):
         import_torch_npu()
     device = torch.device(kind)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"transport.backend={backend} needs a CUDA GPU (transport.device={kind}) but torch sees none; "
+                "use transport.backend=gloo (or shm) on CPU machines"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
