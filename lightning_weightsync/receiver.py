@@ -121,9 +121,8 @@ class WeightReceiver(Endpoint):
                 is_sender=False,
                 session=plan.session,
                 auth_key=self._key,
+                identity=self.identity,
             )
-            if hasattr(self._backend, "set_identity"):
-                self._backend.set_identity(self.identity)
         self._control.bucket_size = plan.bucket_size
         self._session, self.version = plan.session, plan.version
         assert self._executor is not None

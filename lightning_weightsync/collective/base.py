@@ -40,8 +40,10 @@ class Backend(ABC):
         is_sender: bool,
         session: str = "",
         auth_key: bytes | None = None,
+        identity: str = "",
     ) -> None:
         self.session = session
+        self.identity = identity  # the receiver's control-plane identity (names its releases)
         self.auth_key = auth_key
         self.bucket_size = bucket_size
         self.device = device

@@ -34,7 +34,6 @@ class SharedBucketBackend(Backend):
         self._socket: zmq.Socket[Any] | None = None
         self._release_addr = ""
         self._released: dict[int, set[str]] = {}
-        self._identity = ""
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
     @abstractmethod
@@ -75,9 +74,6 @@ class SharedBucketBackend(Backend):
         self._socket.linger = 1000
         self._socket.connect(plan.info["release_addr"])
 
-    def set_identity(self, identity: str) -> None:
-        self._identity = identity
-
     # -- data path --------------------------------------------------------------------------
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if not self.is_sender:
@@ -110,7 +106,7 @@ class SharedBucketBackend(Backend):
     def release(self, slot: int, bucket_index: int) -> None:
         assert self._socket is not None
         self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
-        self._socket.send_multipart(encode(BucketDone(self._identity, 0, bucket_index), self.auth_key))
+        self._socket.send_multipart(encode(BucketDone(self.identity, 0, bucket_index), self.auth_key))
 
     def _drop_group(self) -> None:
         self._released.clear()
