@@ -228,12 +228,17 @@ class WeightSender(Endpoint):
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
         direct: torch.Tensor | None = None  # a full-bucket chunk, broadcast from the caller's tensor
+        # The last direct broadcast reading the caller's current tensor: it must be complete before
+        # the next tensor is pulled (the caller may reuse its memory then).
+        direct_in_flight: tuple[asyncio.Future[None], int] | None = None
 
         async def publish(is_last: bool) -> None:
-            nonlocal direct
+            nonlocal direct, direct_in_flight
             backend.fence(slot)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
             pending[slot] = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
+            if direct is not None:
+                direct_in_flight = (pending[slot], bucket_index)
             direct = None
             stats.num_buckets += bool(entries)
 
@@ -265,8 +270,9 @@ class WeightSender(Endpoint):
             if is_direct:
                 await publish(is_last=False)
                 await next_bucket()
-                if meta.is_last:  # the caller may reuse its tensor once we ask for the next one
-                    await self._complete(pending, slot ^ 1, version, bucket_index - 1)
+            if meta.is_last and direct_in_flight is not None:  # the caller may reuse its tensor next
+                await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
+                direct_in_flight = None
         await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
         await self._complete(pending, slot ^ 1, version, bucket_index - 1)
         await self._complete(pending, slot, version, bucket_index)
@@ -274,6 +280,9 @@ class WeightSender(Endpoint):
     async def _complete(self, pending: list[asyncio.Future[None] | None], slot: int, version: int, index: int) -> None:
         """Wait until the broadcast that last used `slot` is complete on this rank."""
         future, pending[slot] = pending[slot], None
+        await self._broadcast_done(future, version, index)
+
+    async def _broadcast_done(self, future: asyncio.Future[None] | None, version: int, index: int) -> None:
         if future is None:
             return
         try:

@@ -399,3 +399,27 @@ def test_receiver_killed_mid_version_fails_the_version_not_the_session():
     assert sender[1] == 1  # the next version reached the survivor
     assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
     assert survivor[1] == ("ok", 2)
+
+
+async def test_producer_may_reuse_its_tensor_once_the_next_is_pulled():
+    """The chunk lifetime contract with direct (zero-copy) buckets: a producer that refills one
+    buffer for every tensor (as a gather into a reused buffer would) must not corrupt broadcasts
+    still in flight from that buffer."""
+    bucket = 64 * 1024
+    numel = (bucket * 5 // 2) // 4  # 2.5 buckets of float32: full-bucket middle chunks go direct
+    buf = torch.empty(numel)
+
+    def reusing_producer():
+        for i in range(12):
+            buf.fill_(float(i))
+            yield f"w{i}", buf
+
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=bucket / 2**20)
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg) as receiver:
+        got, stats = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(reusing_producer(), version=1))
+        )
+    assert stats.direct_buckets > 0
+    for i in range(12):
+        assert torch.equal(got[f"w{i}"], torch.full((numel,), float(i))), f"w{i} corrupted"
