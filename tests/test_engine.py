@@ -76,6 +76,9 @@ CASES = [
     pytest.param("gloo", 64.0, 2, {"scale": 32, "max_tensors": 120}, False, True, id="gloo-64MiB"),
     pytest.param("shm", 1 / 1024, 2, {"scale": 256, "max_tensors": 30}, False, True, id="shm-1KiB"),
     pytest.param("shm", 0.25, 3, {"scale": 64, "max_tensors": None}, True, False, id="shm-256KiB-qwen3-8b"),
+    pytest.param(
+        "gloo", 0.25, 2, {"model": "qwen3-30b-a3b", "scale": 64, "max_tensors": None}, False, True, id="gloo-moe-30b"
+    ),
 ]
 
 
