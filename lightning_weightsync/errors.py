@@ -23,7 +23,12 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
 
 
 class PeerError(WeightSyncError):
-    """A peer reported a failure or went away mid-version."""
+    """A peer reported a failure or went away mid-version.
+
+    When the bytes went out but some receivers nacked, `stats` holds the sender's `SendStats`.
+    """
+
+    stats: object | None = None
 
 
 class VersionAborted(PeerError):

@@ -185,7 +185,7 @@ class WeightSender(Endpoint):
         }
         if stats.failed:
             err = PeerError(f"version {version}: receivers failed: {stats.failed}")
-            err.stats = stats  # type: ignore[attr-defined]
+            err.stats = stats
             raise err
         logger.info(
             "version %d sent: %d tensors, %.1f MB in %d buckets to %d receivers, %.3fs, %.2f GB/s",
