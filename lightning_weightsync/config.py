@@ -103,7 +103,7 @@ def load_config(
 
     Any OmegaConf failure (unknown key, wrong type) becomes a `ConfigError` naming the key.
     """
-    cfg = default_config()
+    cfg: Any = default_config()  # OmegaConf.merge is typed loosely; it stays a DictConfig
     try:
         if base is not None:
             cfg = OmegaConf.merge(cfg, base)

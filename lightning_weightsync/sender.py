@@ -236,9 +236,9 @@ class WeightSender(Endpoint):
             nonlocal direct, direct_in_flight
             backend.fence(slot)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
-            pending[slot] = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
+            pending[slot] = future = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
             if direct is not None:
-                direct_in_flight = (pending[slot], bucket_index)
+                direct_in_flight = (future, bucket_index)
             direct = None
             stats.num_buckets += bool(entries)
 
