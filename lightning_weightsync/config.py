@@ -207,5 +207,9 @@ def auth_token(cfg: DictConfig) -> bytes | None:
     return token.encode() if token else None
 
 
-def to_yaml(cfg: DictConfig) -> str:
+def to_yaml(cfg: DictConfig, *, redact: bool = True) -> str:
+    """The resolved config as YAML; the HMAC secret is masked unless `redact=False` (config dumps
+    end up in logs and bug reports)."""
+    if redact and cfg.transport.auth_token:
+        cfg = OmegaConf.merge(cfg, {"transport": {"auth_token": "<redacted>"}})  # type: ignore[assignment]
     return OmegaConf.to_yaml(cfg, resolve=True)

@@ -363,3 +363,12 @@ def test_default_yaml_documents_every_key() -> None:
             assert "second" in docs[key].lower(), f"{key}: unit not documented"
     assert "MiB" in docs["transport.bucket_size_mb"]
     assert sections <= set(docs)
+
+
+def test_to_yaml_redacts_the_auth_token():
+    from lightning_weightsync.config import to_yaml
+
+    cfg = load_config(overrides=["transport.auth_token=s3cret"])
+    assert "s3cret" not in to_yaml(cfg) and "<redacted>" in to_yaml(cfg)
+    assert "s3cret" in to_yaml(cfg, redact=False)
+    assert cfg.transport.auth_token == "s3cret"  # the config itself is untouched
