@@ -426,3 +426,35 @@ async def test_producer_may_reuse_its_tensor_once_the_next_is_pulled():
     assert stats.direct_buckets > 0
     for i in range(12):
         assert torch.equal(got[f"w{i}"], torch.full((numel,), float(i))), f"w{i} corrupted"
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_hostile_messages_mid_version_are_dropped_and_the_version_still_lands(token):
+    """Garbage, a forged bucket with out-of-range offsets, and (with a token) an unsigned or
+    wrongly signed but otherwise valid bucket, injected while a version is in flight: each is
+    rejected and counted, none is acted upon, and the version arrives bitwise."""
+    from lightning_weightsync.wire import BucketMeta, Entry, encode
+
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=1 / 256, transport__auth_token=token)
+    forged_out_of_range = BucketMeta(1, 7, True, 16, [Entry("model.norm.weight", [4], "float32", 0, 16, 4000)])
+    forged_valid = BucketMeta(1, 1, True, 4, [Entry("model.norm.weight", [1], "float32", 0, 4, 0)])
+    junk = [[b"\x93garbage"], encode(forged_out_of_range, token.encode() if token else None)]
+    if token:
+        junk += [encode(forged_valid), encode(forged_valid, b"wrong-key")]
+
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:
+
+        async def weights():
+            for i, (name, tensor) in enumerate(stream(1)):
+                if i == 5:  # the receiver is inside the version now
+                    for frames in junk:
+                        await sender._control._sock.send_multipart([b"r0", *frames])
+                yield name, tensor
+
+        got, stats = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(weights(), version=1))
+        )
+    assert_bitwise(got, stream(1))
+    assert stats.receivers == 1 and not stats.failed
+    assert receiver.dropped_messages == len(junk)
