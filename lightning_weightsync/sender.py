@@ -212,6 +212,7 @@ class WeightSender(Endpoint):
                 t.host, self._store_port(), info,
             )  # fmt: skip
 
+        self._backend.members = {p.identity: p.pid for p in peers}
         for rank, peer in enumerate(peers, start=1):
             await self._control.send(peer.identity, plan(rank))
         await self._executor.submit(self._backend.join, plan(0))

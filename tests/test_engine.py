@@ -139,9 +139,7 @@ async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None
                     got.append((r.version, exc))
             return got
 
-        return await with_timeout(
-            asyncio.gather(send_all(), *(recv_all(i, r) for i, r in enumerate(receivers))), 90
-        )
+        return await with_timeout(asyncio.gather(send_all(), *(recv_all(i, r) for i, r in enumerate(receivers))), 90)
     finally:
         for r in receivers:
             await r.close()
@@ -330,8 +328,8 @@ async def test_restarted_sender_serves_the_same_receiver(backend):
 # -- a receiver killed mid-version (kill -9 semantics: os._exit, no goodbye) -------------------------
 
 
-def _dying_receiver(port: int) -> None:
-    cfg = engine_cfg(port, bucket_size_mb=1 / 256)
+def _dying_receiver(port: int, backend: str) -> None:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
 
     async def main() -> None:
         receiver = WeightReceiver(cfg, identity="doomed")
@@ -345,8 +343,8 @@ def _dying_receiver(port: int) -> None:
     asyncio.run(main())
 
 
-def _surviving_receiver(port: int) -> list:
-    cfg = engine_cfg(port, bucket_size_mb=1 / 256)
+def _surviving_receiver(port: int, backend: str) -> list:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
 
     async def main() -> list:
         outcomes = []
@@ -363,17 +361,19 @@ def _surviving_receiver(port: int) -> list:
     return asyncio.run(main())
 
 
-def _sender_with_a_dying_receiver(port: int) -> list:
-    cfg = engine_cfg(port, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=8)
+def _sender_with_a_dying_receiver(port: int, backend: str) -> list:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=8)
 
     async def main() -> list:
         results = []
         async with WeightSender(cfg) as sender:
+            t0 = time.monotonic()
             try:
                 await sender.send_weights(stream(1), version=1)
                 results.append("ok")
             except WeightSyncError as exc:
                 results.append(type(exc).__name__)
+            results.append(time.monotonic() - t0)
             sender.cfg.trainer.min_receivers = 1  # the dead one is gone; carry on with who is left
             stats = await sender.send_weights(stream(2), version=2)
             results.append(stats.receivers)
@@ -382,24 +382,25 @@ def _sender_with_a_dying_receiver(port: int) -> list:
     return asyncio.run(main())
 
 
-def _dying_role(role: int, port: int) -> object:
+def _dying_role(role: int, port: int, backend: str) -> object:
     if role == 0:
-        return _sender_with_a_dying_receiver(port)
+        return _sender_with_a_dying_receiver(port, backend)
     if role == 1:
-        return _surviving_receiver(port)
-    _dying_receiver(port)
+        return _surviving_receiver(port, backend)
+    _dying_receiver(port, backend)
     return None
 
 
-def test_receiver_killed_mid_version_fails_the_version_not_the_session():
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_receiver_killed_mid_version_fails_the_version_not_the_session(backend):
     port = free_port()
     codes: list[int | None] = []
-    sender, survivor, _ = run_workers(
-        _dying_role, [(0, port), (1, port), (2, port)], timeout_s=100, doomed=[2], exit_codes=codes
-    )
+    args = [(r, port, backend) for r in range(3)]
+    sender, survivor, _ = run_workers(_dying_role, args, timeout_s=100, doomed=[2], exit_codes=codes)
     assert codes[2] == 1  # it really died
-    assert sender[0] in ("PeerError", "WeightSyncTimeout")  # bounded, named, not a hang
-    assert sender[1] == 1  # the next version reached the survivor
+    # bounded, named, not a hang; and noticed at once, well before transport.timeout_s=8
+    assert sender[0] == "PeerError" and sender[1] < 6
+    assert sender[2] == 1  # the next version reached the survivor
     assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
     assert survivor[1] == ("ok", 2)
 

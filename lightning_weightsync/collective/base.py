@@ -44,6 +44,7 @@ class Backend(ABC):
     ) -> None:
         self.session = session
         self.identity = identity  # the receiver's control-plane identity (names its releases)
+        self.members: dict[str, int] = {}  # sender: receivers of the current group, identity -> pid
         self.auth_key = auth_key
         self.bucket_size = bucket_size
         self.device = device

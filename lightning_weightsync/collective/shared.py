@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import zmq
 
-from ..errors import ProtocolError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, WeightSyncTimeout
 from ..wire import BucketDone, Plan, decode, encode
 from .base import Backend
 
@@ -82,17 +82,28 @@ class SharedBucketBackend(Backend):
         self._await_releases(bucket_index, self.world_size - 1)
 
     def _await_releases(self, bucket_index: int, expected: int) -> None:
+        """Block until every member released `bucket_index`. Only members count (a stray release
+        cannot free a slot early), and since all processes share this host, a member whose process
+        is gone fails the wait at once instead of after transport.timeout_s."""
         assert self._socket is not None
         deadline = time.monotonic() + self.timeout_s
         done = self._released.setdefault(bucket_index, set())
-        while len(done) < expected:
+        members = self.members
+
+        def missing() -> int:
+            return len(members.keys() - done) if members else expected - len(done)
+
+        while missing() > 0:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._socket.poll(int(min(left, 1.0) * 1000)):
-                if left <= 0:
-                    raise WeightSyncTimeout(
-                        f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
-                        f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
-                    )
+            if left <= 0:
+                raise WeightSyncTimeout(
+                    f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
+                    f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
+                )
+            if not self._socket.poll(int(min(left, 0.5) * 1000)):
+                dead = sorted(i for i, pid in members.items() if i not in done and not _process_alive(pid))
+                if dead:
+                    raise PeerError(f"{self.name}: receiver(s) {dead} died before releasing bucket {bucket_index}")
                 continue
             try:
                 msg = decode(self._socket.recv_multipart(), self.auth_key)
@@ -177,6 +188,23 @@ class ShmBackend(SharedBucketBackend):
         super().close()
         self._close_segments()
         self._segments = []
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a local process runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 class _Mapped:
