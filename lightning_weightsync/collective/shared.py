@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from ..errors import PeerError, ProtocolError, WeightSyncTimeout
+from ..process import process_alive
 from ..wire import BucketDone, Plan, decode, encode
 from .base import Backend
 
@@ -101,7 +102,7 @@ class SharedBucketBackend(Backend):
                     f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
                 )
             if not self._socket.poll(int(min(left, 0.5) * 1000)):
-                dead = sorted(i for i, pid in members.items() if i not in done and not _process_alive(pid))
+                dead = sorted(i for i, pid in members.items() if i not in done and not process_alive(pid))
                 if dead:
                     raise PeerError(f"{self.name}: receiver(s) {dead} died before releasing bucket {bucket_index}")
                 continue
@@ -188,23 +189,6 @@ class ShmBackend(SharedBucketBackend):
         super().close()
         self._close_segments()
         self._segments = []
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether a local process runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 class _Mapped:

@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from ..chunking import TensorMeta, as_bytes
 from ..errors import ConfigError, SinkError
+from ..process import process_alive
 from .base import Sink
 
 logger = logging.getLogger(__name__)
@@ -71,16 +72,6 @@ for _name, _code in (
 
 def step_path(directory: str | os.PathLike[str], version: int) -> Path:
     return Path(directory) / f"step_{version}.safetensors"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -126,7 +117,7 @@ class SafetensorsSink(Sink):
     def _remove_stale_temps(self) -> None:
         for p in self.dir.iterdir():
             m = TEMP_RE.match(p.name)
-            if m and not _pid_alive(int(m.group(2))):
+            if m and not process_alive(int(m.group(2))):
                 logger.info("removing %s left by a crashed writer", p)
                 p.unlink(missing_ok=True)
 
