@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_weightsync.chunking import TensorMeta, merge_weight_chunks, split_weight_chunks
+from lightning_weightsync.protocol.chunks import TensorMeta, merge_weight_chunks, split_weight_chunks
 
 KiB = 1024
 MiB = 1024 * KiB

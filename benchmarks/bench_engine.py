@@ -76,7 +76,7 @@ class _RssPeak:
 
 
 def _model_stream(scale: int) -> list[tuple[str, torch.Tensor]]:
-    from lightning_weightsync.inventory import model_stream
+    from lightning_weightsync.examples.inventory import model_stream
 
     return list(model_stream("qwen3-8b", scale=scale, extras=False))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .chunking import TensorMeta, merge_weight_chunks, split_weight_chunks
 from .config import load_config
 from .errors import (
     BackendUnavailable,
@@ -21,18 +20,19 @@ from .errors import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from .protocol.chunks import TensorMeta, merge_weight_chunks, split_weight_chunks
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "WeightSender": "sender",
-    "BlockingWeightSender": "sender",
-    "SendStats": "sender",
-    "WeightReceiver": "receiver",
-    "ReceiveStats": "receiver",
-    "iter_full_parameters": "gather",
-    "WeightSyncCallback": "integrations.lightning",
-    "AccelerateWeightSync": "integrations.accelerate",
+    "WeightSender": "engine.sender",
+    "BlockingWeightSender": "engine.sender",
+    "SendStats": "engine.sender",
+    "WeightReceiver": "engine.receiver",
+    "ReceiveStats": "engine.receiver",
+    "iter_full_parameters": "trainer.gather",
+    "WeightSyncCallback": "trainer.lightning",
+    "AccelerateWeightSync": "trainer.accelerate",
 }
 
 __all__ = [

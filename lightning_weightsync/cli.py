@@ -64,7 +64,7 @@ def _setup_logging(level: str) -> None:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .daemon import run_daemon
+    from .rollout.daemon import run_daemon
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(args.log_level)
@@ -82,7 +82,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .examples.demo import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
 

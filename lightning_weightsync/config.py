@@ -6,7 +6,9 @@ instead of hours later in the middle of a training run.
 
 from __future__ import annotations
 
+import enum
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,69 +19,161 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
+from .transport.backends import BACKENDS
 
-BACKENDS = ("gloo", "nccl", "hccl", "shm", "cuda_ipc")
-APPLY_POLICIES = ("atomic", "streaming")
-SINK_TYPES = ("module", "safetensors", "vllm", "callable")
-FAILURE_POLICIES = ("raise", "warn")
-CAST_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+class Choice(str, enum.Enum):
+    """A config choice: OmegaConf rejects any other value at load time, and the code compares
+    members, never strings. Formats as its value, so messages and YAML read `gloo`, not `Backend.gloo`."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+# The names are defined once, by `@register_backend` in `transport/backends/` (one file each); the
+# config field is an Enum built from that registry, so OmegaConf rejects any other name at load time.
+BackendName = Choice("BackendName", {name: name for name in BACKENDS})
+BackendName.__doc__ = """`transport.backend`: the data-plane backends that are registered."""
+
+
+class ApplyMode(Choice):
+    """`rollout.apply`: when a received version becomes visible to the sink."""
+
+    atomic = "atomic"
+    streaming = "streaming"
+
+
+class SinkType(Choice):
+    """`rollout.sink.type`: where a rollout puts each version (`rollout/sinks/`, registered under these
+    names; `vllm` is served by the vLLM integration in `rollout/vllm/`)."""
+
+    module = "module"
+    safetensors = "safetensors"
+    vllm = "vllm"
+    callable = "callable"
+
+
+# `raise` is a keyword, hence the functional form: the member's name must equal its value, because
+# OmegaConf writes a member's name back to YAML.
+FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
+FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
+
+
+class CastDtype(Choice):
+    """`trainer.dtype`: the dtypes the trainer may cast to before sending."""
+
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float64 = "float64"
+
+
+CAST_DTYPES = tuple(d.value for d in CastDtype)
 MAX_BUCKET_SIZE_MB = 64 * 1024  # 64 GiB: nothing real needs a bigger single bucket
 AUTH_TOKEN_ENV = "LIGHTNING_WEIGHTSYNC_AUTH_TOKEN"
 
 
 @dataclass
 class TransportConfig:
-    backend: str = "gloo"
+    """How bytes and messages move (`configs/default.yaml` has the long form of every field)."""
+
+    backend: BackendName = BackendName["gloo"]
+    """Data-plane backend that moves the bucket bytes."""
     bucket_size_mb: float = 512.0
+    """One transfer bucket in MiB (float allowed); bounds memory (2 buckets a side), not tensor size."""
     host: str = "127.0.0.1"
+    """The sender's control endpoint: the sender binds it, receivers connect to it."""
     port: int = 29600
+    """TCP port of the control endpoint; 0 = OS-chosen (read `sender.port`)."""
     timeout_s: float = 600.0
+    """Seconds: the bound on every wait (registration, group, metadata, broadcast, ack)."""
     ready_timeout_s: float = 10.0
+    """Seconds the sender waits for registered receivers to answer Ready for a version."""
     heartbeat_interval_s: float = 2.0
+    """Seconds between receiver heartbeats while idle; several missed ones = the peer is gone."""
     store_port: int = 0
+    """TCP port of the data-plane rendezvous store on the sender host; 0 = OS-chosen."""
     rebuild_group: bool = False
+    """true: a new data-plane group for every version; false: reuse it while the receivers are unchanged."""
     auth_token: str | None = None
+    """Shared secret that signs every control message; null = $LIGHTNING_WEIGHTSYNC_AUTH_TOKEN or none."""
     device: str | None = None
+    """Device of the transfer buckets (cpu, cuda:1, npu:0); null = the backend's natural device."""
 
 
 @dataclass
 class NamesConfig:
+    """How trainer-side names become the names the rollout expects."""
+
     strip_prefixes: list[str] = field(default_factory=list)
+    """Prefixes removed from the start of each name (wrapper prefixes are always removed)."""
     rename: dict[str, str] = field(default_factory=dict)
+    """Renames after stripping: {trainer_name: rollout_name}."""
     exclude: list[str] = field(default_factory=list)
+    """fnmatch patterns of names not to send."""
 
 
 @dataclass
 class TrainerConfig:
+    """When the trainer syncs and what it sends."""
+
     every_n_steps: int = 1
+    """Sync after every N optimizer steps."""
     sync_on_fit_start: bool = True
+    """Also sync once when fit starts (version 0)."""
     sync_on_train_end: bool = True
-    dtype: str | None = None
+    """Also sync at the end when the last step was not synced (Lightning callback)."""
+    dtype: CastDtype | None = None
+    """Cast every tensor to this dtype before sending; null = as is."""
     min_receivers: int = 1
-    on_failure: str = "raise"
+    """Registered receivers a version waits for (up to transport.timeout_s); 0 = whoever is there."""
+    on_failure: FailurePolicy = FailurePolicy["raise"]
+    """raise: stop training on a failed sync; warn: log it, skip the version, keep training."""
     include_buffers: bool = True
+    """Also send persistent buffers."""
     names: NamesConfig = field(default_factory=NamesConfig)
+    """Name rules, applied in order: strip, rename, exclude."""
 
 
 @dataclass
 class SinkConfig:
-    type: str = "module"
+    """Where a rollout puts each version."""
+
+    type: SinkType = SinkType.module
+    """The sink kind."""
     factory: str | None = None
+    """`package.module:function` returning the torch module to load into (module sink)."""
     dir: str | None = None
+    """Output directory (safetensors sink)."""
     keep_last: int = 3
+    """Complete versions the safetensors sink keeps on disk."""
     target: str | None = None
+    """`package.module:function` (callable sink) or the model (vllm)."""
     options: dict[str, Any] = field(default_factory=dict)
+    """Sink-specific keyword options, passed through."""
 
 
 @dataclass
 class RolloutConfig:
-    apply: str = "atomic"
+    """The rollout daemon."""
+
+    apply: ApplyMode = ApplyMode.atomic
+    """atomic: visible once whole; streaming: written in place as it arrives (lowest memory)."""
     sink: SinkConfig = field(default_factory=SinkConfig)
+    """Where received versions go."""
     metrics_port: int | None = None
+    """TCP port for Prometheus metrics and /healthz; null = no server."""
     metrics_host: str = "127.0.0.1"
+    """Address the metrics server binds."""
     identity: str | None = None
+    """Name this receiver registers under; null = <hostname>-<pid>."""
     device: str = "cpu"
+    """Device tensors are assembled on when the sink gives no destination."""
     progress: bool = True
+    """Show a progress bar on a terminal."""
 
 
 @dataclass
@@ -132,19 +226,20 @@ def load_config(
                 cfg = OmegaConf.merge(cfg, dotlist)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        choice = _BAD_CHOICE.match(_first_line(exc))
+        if choice:  # an Enum field: say it the way every other bad value is said
+            raise ConfigError(f"{key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}") from None
         raise ConfigError(f"invalid config key {key!r}: {_first_line(exc)}") from None
     assert isinstance(cfg, DictConfig)
     validate_config(cfg)
     return cfg
 
 
+_BAD_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<allowed>.*)\]")
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def _choice(key: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
 def _port(key: str, value: int | None, *, allow_zero: bool) -> None:
@@ -159,9 +254,8 @@ def _positive(key: str, value: float) -> None:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Check ranges and choices that types alone cannot express."""
+    """Check ranges that types alone cannot express (choices are Enum fields: OmegaConf checks them)."""
     t, tr, ro = cfg.transport, cfg.trainer, cfg.rollout
-    _choice("transport.backend", t.backend, BACKENDS)
     mb = t.bucket_size_mb
     if not mb > 0:
         raise ConfigError(f"transport.bucket_size_mb={mb} must be > 0 (MiB; floats like 0.5 are fine)")
@@ -187,11 +281,6 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.every_n_steps={tr.every_n_steps} must be >= 1")
     if tr.min_receivers < 0:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
-    if tr.dtype is not None:
-        _choice("trainer.dtype", tr.dtype, CAST_DTYPES)
-    _choice("trainer.on_failure", tr.on_failure, FAILURE_POLICIES)
-    _choice("rollout.apply", ro.apply, APPLY_POLICIES)
-    _choice("rollout.sink.type", ro.sink.type, SINK_TYPES)
     if ro.sink.keep_last < 1:
         raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
 

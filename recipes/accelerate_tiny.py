@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.examples.tiny_lm import SyntheticTokens, build_model, load_recipe
-from lightning_weightsync.integrations.accelerate import AccelerateWeightSync
+from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 logger = logging.getLogger("lightning_weightsync.recipes.accelerate_tiny")
 

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.examples.qwen3 import Qwen3Recipe, lightning_module, synthetic_batches
 from lightning_weightsync.examples.tiny_lm import load_recipe
-from lightning_weightsync.integrations.lightning import WeightSyncCallback
+from lightning_weightsync.trainer.lightning import WeightSyncCallback
 
 
 class SyntheticStream(torch.utils.data.IterableDataset):  # placeholder: rollout samples go here

@@ -31,7 +31,7 @@ from lightning_weightsync.examples.qwen3 import (
     synthetic_batches,
 )
 from lightning_weightsync.examples.tiny_lm import load_recipe
-from lightning_weightsync.integrations.accelerate import AccelerateWeightSync
+from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 
 def train(recipe: Qwen3Recipe, cfg: DictConfig) -> None:

@@ -264,7 +264,7 @@ def train(recipe: RecipeConfig, cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from ..integrations.lightning import WeightSyncCallback
+    from ..trainer.lightning import WeightSyncCallback
 
     sync = WeightSyncCallback(cfg, module_attr=recipe.module_attr)
     callbacks: list[pl.Callback] = [sync]

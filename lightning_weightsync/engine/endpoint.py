@@ -1,0 +1,48 @@
+"""What `WeightSender` and `WeightReceiver` share: a control plane, a data-plane backend and the
+one executor thread that runs its blocking collectives, and closing them in the right order."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from ..transport.backends import Backend
+from ..transport.executor import SerialExecutor
+
+
+class Endpoint(ABC):
+    _backend: Backend | None
+    _executor: SerialExecutor | None
+    _control: Any  # SenderControl | ReceiverControl
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    async def close(self) -> None:
+        """Free buckets and the group first, then stop the executor, then the sockets."""
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        await self._control.close()
+
+    def _fail_group(self) -> None:
+        """After a transport failure: forget the group (the next version rebuilds it). A collective
+        may still be stuck on the executor thread until the backend's own timeout, so later
+        versions get a new thread instead of queueing behind it."""
+        if self._backend is not None:
+            self._backend.broken()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = SerialExecutor(self._executor_name)
+
+    _executor_name = "weightsync"
+
+    async def __aenter__(self) -> Any:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

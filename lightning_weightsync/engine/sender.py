@@ -1,0 +1,359 @@
+"""WeightSender: split, pack, publish, broadcast, swap.
+
+    for each chunk from split_weight_chunks(weights, bucket_size):
+        when the chunk starts a new bucket: publish the full bucket's metadata (ZeroMQ), start its
+        broadcast on the executor thread, swap to the other slot, and wait until that slot's
+        previous broadcast is complete (not merely enqueued) before packing into it
+        pack: bucket[offset : offset + size] = chunk
+    publish + broadcast the last bucket (is_last); wait for both slots; collect acks
+
+Buckets are allocated once (by the backend, at `start()`) and reused for every version. Memory:
+two buckets plus whatever the caller's iterable holds (one full tensor when it streams a gather).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ..config import auth_token, bucket_size_bytes, load_config
+from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
+from ..protocol.chunks import NamedTensors, aiter_any, split_weight_chunks
+from ..protocol.messages import Abort, BucketMeta, Entry, Plan
+from ..transport.backends import Backend, backend_class, build_backend
+from ..transport.control import Peer, SenderControl
+from ..transport.device import resolve_device
+from ..transport.executor import SerialExecutor
+from .endpoint import Endpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SendStats:
+    version: int
+    nbytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    num_chunked_tensors: int = 0
+    direct_buckets: int = 0  # full-bucket chunks broadcast from the caller's tensor (no pack copy)
+    seconds: float = 0.0
+    receivers: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s (1e9 bytes) over the whole version, group formation and acks included."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class _Drainable:
+    """Wraps the caller's iterable so that, after a failure, the rest can still be consumed.
+
+    On FSDP every rank must run the same all-gathers; if rank 0 stopped pulling from its gather
+    generator mid-way, the other ranks would hang. So the sender always exhausts the iterable.
+    """
+
+    def __init__(self, weights: NamedTensors) -> None:
+        self._it: AsyncIterator[tuple[str, torch.Tensor]] = aiter_any(weights)
+        self.exhausted = False
+        self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
+
+    def __aiter__(self) -> _Drainable:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        try:
+            return await self._it.__anext__()
+        except StopAsyncIteration:
+            self.exhausted = True
+            raise
+        except BaseException:
+            self.exhausted = self.failed = True
+            raise
+
+    async def drain(self) -> None:
+        if not self.exhausted:
+            async for _ in self:
+                pass
+
+
+class WeightSender(Endpoint):
+    """Sends versions of a stream of `(name, tensor)` to every registered receiver.
+
+    Args:
+        cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.min_receivers`.
+    """
+
+    def __init__(self, cfg: DictConfig | None = None) -> None:
+        self.cfg = cfg if cfg is not None else load_config()
+        t = self.cfg.transport
+        self.bucket_size = bucket_size_bytes(self.cfg)
+        self.timeout_s = float(t.timeout_s)
+        self.session = secrets.token_hex(8)
+        self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
+        self._key = auth_token(self.cfg)
+        self._control = SenderControl(t.host, int(t.port), self._key, self.bucket_size)
+        self._backend: Backend | None = None
+        self._executor: SerialExecutor | None = None
+        self._group: tuple[tuple[str, int], ...] = ()
+        self._generation = 0
+        self._last_version: int | None = None
+        self._pending: list[asyncio.Future[None] | None] = [None, None]  # broadcast per slot
+
+    # -- life cycle -----------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        """The bound control port (useful with `transport.port=0`)."""
+        return self._control.port
+
+    @property
+    def address(self) -> str:
+        return self._control.address
+
+    async def start(self) -> None:
+        t = self.cfg.transport
+        await self._control.start()
+        self._executor = SerialExecutor(self._executor_name)
+        self._backend = build_backend(
+            t.backend,
+            bucket_size=self.bucket_size,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            is_sender=True,
+            session=self.session,
+            auth_key=self._key,
+        )
+        await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
+
+    async def __aenter__(self) -> WeightSender:
+        await self.start()
+        return self
+
+    # -- one version ------------------------------------------------------------------------------
+    async def send_weights(self, weights: NamedTensors, *, version: int) -> SendStats:
+        """Send one version; raises `WeightSyncError` (after draining `weights`) on failure.
+
+        A receiver that nacks or does not ack in time makes this raise `PeerError` with the
+        stats attached (`exc.stats`): the bytes went out, but not every rollout holds them.
+        """
+        if self._backend is None or self._executor is None:
+            raise WeightSyncError("WeightSender.send_weights() before start()")
+        if self._last_version is not None and version <= self._last_version:
+            raise WeightSyncError(
+                f"version {version} <= last sent version {self._last_version}; versions must increase"
+            )
+        self._last_version = version
+        source = _Drainable(weights)
+        stats = SendStats(version=version)
+        start = time.perf_counter()
+        peers: list[Peer] = []
+        try:
+            peers = await self._control.gather_ready(
+                version,
+                self.session,
+                min_receivers=int(self.cfg.trainer.min_receivers),
+                timeout_s=self.timeout_s,
+                ready_timeout_s=float(self.cfg.transport.ready_timeout_s),
+            )
+            stats.receivers = len(peers)
+            if not peers:
+                logger.info("version %d: no receivers registered; nothing sent", version)
+                await source.drain()
+                return stats
+            await self._join(version, peers)
+            await self._stream(source, version, peers, stats)
+            acks = await self._control.collect_acks(version, peers, self.timeout_s)
+        except BaseException as exc:
+            await self._abandon(version, peers, exc, transport_failed=not source.failed)
+            await source.drain()
+            raise
+        finally:
+            stats.seconds = time.perf_counter() - start
+        stats.failed = {
+            ident: ("no ack within transport.timeout_s" if ack is None else ack.error or "failed")
+            for ident, ack in acks.items()
+            if ack is None or not ack.ok
+        }
+        if stats.failed:
+            err = PeerError(f"version {version}: receivers failed: {stats.failed}")
+            err.stats = stats
+            raise err
+        logger.info(
+            "version %d sent: %d tensors, %.1f MB in %d buckets to %d receivers, %.3fs, %.2f GB/s",
+            version, stats.num_tensors, stats.nbytes / 1e6, stats.num_buckets, stats.receivers, stats.seconds,
+            stats.gbps,
+        )  # fmt: skip
+        return stats
+
+    async def _join(self, version: int, peers: list[Peer]) -> None:
+        """Tell every receiver its rank, then build (or reuse) the data-plane group."""
+        assert self._backend is not None and self._executor is not None
+        members = tuple(p.key for p in peers)
+        lost = any(p.group_generation != self._generation for p in peers)
+        if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
+            self._generation += 1
+            self._group = members
+        info = self._backend.plan_info(self._generation)
+        world = len(peers) + 1
+        t = self.cfg.transport
+
+        def plan(rank: int) -> Plan:
+            return Plan(
+                version, self.session, self._generation, rank, world, t.backend, self.bucket_size,
+                t.host, self._store_port(), info,
+            )  # fmt: skip
+
+        self._backend.members = {p.identity: p.pid for p in peers}
+        for rank, peer in enumerate(peers, start=1):
+            await self._control.send(peer.identity, plan(rank))
+        await self._executor.submit(self._backend.join, plan(0))
+
+    def _store_port(self) -> int:
+        port = getattr(self._backend, "store_port", 0)
+        return int(port)
+
+    async def _stream(self, source: _Drainable, version: int, peers: list[Peer], stats: SendStats) -> None:
+        assert self._backend is not None and self._executor is not None
+        backend, executor = self._backend, self._executor
+        non_blocking = self.device.type != "cpu"
+        pending = self._pending = [None, None]
+        slot, bucket_index, fill = 0, 0, 0
+        entries: list[Entry] = []
+        direct: torch.Tensor | None = None  # a full-bucket chunk, broadcast from the caller's tensor
+        # The last direct broadcast reading the caller's current tensor: it must be complete before
+        # the next tensor is pulled (the caller may reuse its memory then).
+        direct_in_flight: tuple[asyncio.Future[None], int] | None = None
+
+        async def publish(is_last: bool) -> None:
+            nonlocal direct, direct_in_flight
+            backend.fence(slot)
+            await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
+            pending[slot] = future = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
+            if direct is not None:
+                direct_in_flight = (future, bucket_index)
+            direct = None
+            stats.num_buckets += bool(entries)
+
+        async def next_bucket() -> None:
+            nonlocal slot, bucket_index, fill, entries
+            slot, bucket_index, fill, entries = slot ^ 1, bucket_index + 1, 0, []
+            await self._complete(pending, slot, version, bucket_index - 2)
+
+        async for meta, data in split_weight_chunks(source, self.bucket_size):
+            assert meta.offset is not None
+            if meta.offset < fill:  # the split started a new bucket
+                await publish(is_last=False)
+                await next_bucket()
+            # A chunk that fills a whole bucket needs no packing where the backend can send any tensor.
+            is_direct = backend.direct_ok and meta.chunk_size == self.bucket_size and data.device == self.device
+            if is_direct:
+                direct = data
+                stats.direct_buckets += 1
+            elif meta.chunk_size:
+                backend.buckets[slot][meta.offset : meta.offset + meta.chunk_size].copy_(
+                    data, non_blocking=non_blocking
+                )
+            entries.append(Entry.from_meta(meta))
+            fill = meta.offset + meta.chunk_size
+            stats.nbytes += meta.chunk_size
+            if meta.is_first:
+                stats.num_tensors += 1
+                stats.num_chunked_tensors += not meta.is_last
+            if is_direct:
+                await publish(is_last=False)
+                await next_bucket()
+            if meta.is_last and direct_in_flight is not None:  # the caller may reuse its tensor next
+                await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
+                direct_in_flight = None
+        await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
+        await self._complete(pending, slot ^ 1, version, bucket_index - 1)
+        await self._complete(pending, slot, version, bucket_index)
+
+    async def _complete(self, pending: list[asyncio.Future[None] | None], slot: int, version: int, index: int) -> None:
+        """Wait until the broadcast that last used `slot` is complete on this rank."""
+        future, pending[slot] = pending[slot], None
+        await self._broadcast_done(future, version, index)
+
+    async def _broadcast_done(self, future: asyncio.Future[None] | None, version: int, index: int) -> None:
+        if future is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise WeightSyncTimeout(
+                f"version {version}: broadcast of bucket {index} not complete within transport.timeout_s="
+                f"{self.timeout_s}s (a receiver stalled or died?)"
+            ) from None
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise PeerError(f"version {version}: broadcast of bucket {index} failed (a receiver died?): {exc}") from exc
+
+    async def _abandon(self, version: int, peers: list[Peer], exc: BaseException, *, transport_failed: bool) -> None:
+        """After a failure: tell the group to drop the version.
+
+        If the caller's iterable failed, the group is healthy: let the broadcasts in flight finish
+        (receivers are inside them) and keep the group. If the transport failed, forget the group.
+        """
+        reason = f"{type(exc).__name__}: {exc}"[:1000]
+        logger.warning("version %d abandoned: %s", version, reason)
+        if not transport_failed:
+            try:
+                for slot in (0, 1):
+                    await self._complete(self._pending, slot, version, -1)
+            except (WeightSyncError, asyncio.CancelledError):
+                transport_failed = True
+        self._pending = [None, None]
+        for peer in peers:
+            try:
+                await self._control.send(peer.identity, Abort(version, reason))
+            except PeerError:
+                pass
+        if transport_failed:
+            self._fail_group()
+
+
+class BlockingWeightSender:
+    """`WeightSender` for synchronous training loops: owns a private event loop.
+
+    The loop runs only inside these calls, in the caller's thread, so a weights generator that
+    runs FSDP collectives executes in the training thread as usual.
+    """
+
+    def __init__(self, cfg: DictConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self.sender = WeightSender(cfg)
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    @property
+    def port(self) -> int:
+        return self.sender.port
+
+    def start(self) -> None:
+        self._run(self.sender.start())
+
+    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SendStats:
+        return self._run(self.sender.send_weights(weights, version=version))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self.sender.close())
+            self._loop.close()
+
+    def __enter__(self) -> BlockingWeightSender:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,281 @@
+"""Split tensors into bucket-sized byte chunks and merge them back, bitwise.
+
+The split also plans the bucket layout: it assigns each chunk its byte `offset` in the bucket,
+filling every bucket to the last byte (a tensor that does not fit in what is left of a bucket is
+cut at the bucket boundary, not pushed whole into the next one). The sender therefore only copies
+`chunk -> bucket[offset:offset + chunk_size]` and starts a new bucket when the offset goes back to
+the start; nothing about the layout is decided twice.
+
+Chunk lifetime: a chunk yielded by `split_weight_chunks` is a uint8 *view* of the caller's tensor
+(or of a contiguous copy of it when the tensor is not contiguous). It is valid until the consumer
+asks the iterator for the next item; the next `(name, tensor)` pair is only pulled from the
+caller's iterable after every chunk of the current tensor has been consumed, so a producer may
+reuse or free its tensor as soon as it yields the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ..errors import ConfigError, ProtocolError
+from .dtypes import itemsize
+
+T = TypeVar("T")
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+Chunks = Iterable[tuple["TensorMeta", torch.Tensor]] | AsyncIterable[tuple["TensorMeta", torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one byte range of one tensor goes.
+
+    `chunk_offset`/`chunk_size` are bytes within the whole tensor; `offset` is the position of
+    the chunk in its bucket (set by the split/sender, `None` for chunks not yet placed).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunk_offset: int
+    chunk_size: int
+    offset: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def is_first(self) -> bool:
+        return self.chunk_offset == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.chunk_offset + self.chunk_size == self.nbytes
+
+
+async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
+    """Iterate a sync or async iterable uniformly."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of `tensor`'s bytes (a copy only when it is not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+async def split_weight_chunks(
+    weights: NamedTensors, bucket_size: int
+) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
+    """Yield `(meta, uint8 view)` chunks of at most `bucket_size` bytes, packed back to back.
+
+    Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0.
+    """
+    if bucket_size < 1:
+        raise ConfigError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
+    plan = _BucketPlan(bucket_size)
+    # Two loops instead of `aiter_any`: one async-generator layer less per tensor on the hot path.
+    if isinstance(weights, AsyncIterable):
+        async for name, tensor in weights:
+            for chunk in plan.chunks(name, tensor):
+                yield chunk
+    else:
+        for name, tensor in weights:
+            for chunk in plan.chunks(name, tensor):
+                yield chunk
+
+
+def _place(dest: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy a chunk into its destination, unless the transport already received it there (a
+    receiver may broadcast a full-bucket chunk straight into the destination tensor)."""
+    if dest.data_ptr() != data.data_ptr() or dest.device != data.device:
+        dest.copy_(data)
+
+
+class _BucketPlan:
+    """Assigns chunks their bucket offsets; `filled` carries over from one tensor to the next."""
+
+    __slots__ = ("bucket_size", "filled")
+
+    def __init__(self, bucket_size: int) -> None:
+        self.bucket_size = bucket_size
+        self.filled = 0  # bytes already planned into the current bucket
+
+    def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        data = as_bytes(tensor)
+        shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
+        bucket_size, filled = self.bucket_size, self.filled
+        if filled == bucket_size:
+            filled = 0
+        if nbytes <= bucket_size - filled:  # fits whole (the common case): no slicing
+            self.filled = filled + nbytes
+            yield TensorMeta(name, shape, dtype, 0, nbytes, filled), data
+            return
+        chunk_offset = 0
+        while True:
+            if filled == bucket_size:
+                filled = 0
+            size = min(nbytes - chunk_offset, bucket_size - filled)
+            self.filled = filled + size
+            yield TensorMeta(name, shape, dtype, chunk_offset, size, filled), data[chunk_offset : chunk_offset + size]
+            filled += size
+            chunk_offset += size
+            if chunk_offset >= nbytes:
+                break
+
+
+class _Assembly:
+    """One tensor being merged: its destination bytes and the next byte expected."""
+
+    __slots__ = ("dest", "dest_bytes", "meta", "next_offset")
+
+    def __init__(self, meta: TensorMeta, dest: torch.Tensor, dest_bytes: torch.Tensor, next_offset: int) -> None:
+        self.meta = meta
+        self.dest = dest
+        self.dest_bytes = dest_bytes
+        self.next_offset = next_offset
+
+
+def _check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
+    if not isinstance(dest, torch.Tensor):
+        raise ProtocolError(f"into() returned {type(dest).__name__} for {meta.name!r}, not a Tensor")
+    if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
+        raise ProtocolError(
+            f"destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
+            f"but the stream carries {meta.dtype}{list(meta.shape)}"
+        )
+    if not dest.is_contiguous():  # as_bytes would copy, and the chunks would land in the copy
+        raise ProtocolError(f"destination for {meta.name!r} must be contiguous")
+
+
+class _Merger:
+    """The merge state machine, one chunk at a time; `push` returns a tensor once it is complete."""
+
+    __slots__ = ("bucket_size", "current", "device", "into", "seen")
+
+    def __init__(
+        self,
+        bucket_size: int,
+        into: Callable[[TensorMeta], torch.Tensor | None] | None,
+        device: torch.device | str | None,
+    ) -> None:
+        self.bucket_size = bucket_size
+        self.into = into
+        self.device = device
+        self.current: _Assembly | None = None
+        self.seen: set[str] = set()
+
+    def push(self, meta: TensorMeta, data: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        size, offset = meta.chunk_size, meta.chunk_offset
+        if size != data.numel() or data.dtype != torch.uint8:
+            raise ProtocolError(
+                f"chunk of {meta.name!r} declares {size} bytes but carries {data.numel()} {data.dtype} elements"
+            )
+        if size > self.bucket_size:
+            raise ProtocolError(f"chunk of {meta.name!r} is {size} bytes > bucket_size {self.bucket_size}")
+        nbytes = meta.nbytes
+        if offset < 0 or offset + size > nbytes:
+            raise ProtocolError(f"chunk [{offset}, +{size}) of {meta.name!r} is outside its {nbytes} bytes")
+        current = self.current
+        if current is None:
+            return self._first(meta, data)
+        if meta.name != current.meta.name:
+            raise ProtocolError(
+                f"stream moved to {meta.name!r} while {current.meta.name!r} was incomplete "
+                f"({current.next_offset}/{current.meta.nbytes} bytes)"
+            )
+        if meta.shape != current.meta.shape or meta.dtype != current.meta.dtype:
+            raise ProtocolError(
+                f"{meta.name!r} changed from {current.meta.dtype}{list(current.meta.shape)} to "
+                f"{meta.dtype}{list(meta.shape)} mid-tensor"
+            )
+        if offset != current.next_offset:
+            kind = "gap" if offset > current.next_offset else "overlap"
+            raise ProtocolError(
+                f"{kind} in {meta.name!r}: chunk starts at byte {offset}, expected {current.next_offset}"
+            )
+        end = offset + size
+        if size:
+            _place(current.dest_bytes[offset:end], data)
+        current.next_offset = end
+        if end == nbytes:
+            self.current = None
+            return meta.name, current.dest
+        return None
+
+    def _first(self, meta: TensorMeta, data: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        name, size = meta.name, meta.chunk_size
+        if name in self.seen:
+            raise ProtocolError(f"tensor {name!r} appears twice in one version")
+        if meta.chunk_offset != 0:
+            raise ProtocolError(
+                f"first chunk of {name!r} starts at byte {meta.chunk_offset}, expected 0 (chunk lost or out of order)"
+            )
+        dest = self.into(meta) if self.into is not None else None
+        if dest is None:
+            dest = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        else:
+            _check_destination(meta, dest)
+        self.seen.add(name)
+        dest_bytes = as_bytes(dest)
+        if size == dest_bytes.numel():  # the whole tensor in one chunk (the common case)
+            if size:
+                _place(dest_bytes, data)
+            return name, dest
+        if size:
+            _place(dest_bytes[:size], data)
+        self.current = _Assembly(meta, dest, dest_bytes, size)
+        return None
+
+    def finish(self) -> None:
+        current = self.current
+        if current is not None:
+            raise ProtocolError(
+                f"stream ended mid-tensor: {current.meta.name!r} has {current.next_offset} of "
+                f"{current.meta.nbytes} bytes"
+            )
+
+
+async def merge_weight_chunks(
+    chunks: Chunks,
+    bucket_size: int,
+    *,
+    into: Callable[[TensorMeta], torch.Tensor | None] | None = None,
+    device: torch.device | str | None = None,
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Reassemble chunks into whole tensors, yielding each `(name, tensor)` once it is complete.
+
+    With `into(meta)` returning a tensor, chunks are copied straight into it (no staging copy of
+    the whole weight) and that tensor is yielded; returning `None` falls back to a fresh tensor.
+    Yielded tensors never alias the chunk buffers, so the caller may reuse those at once.
+    Any gap, overlap, reorder, shape/dtype change mid-tensor, duplicate name or early end raises
+    `ProtocolError`.
+    """
+    merger = _Merger(bucket_size, into, device)
+    if isinstance(chunks, AsyncIterable):
+        async for meta, data in chunks:
+            done = merger.push(meta, data)
+            if done is not None:
+                yield done
+    else:
+        for meta, data in chunks:
+            done = merger.push(meta, data)
+            if done is not None:
+                yield done
+    merger.finish()

@@ -1,0 +1,218 @@
+"""The one interface the rollout daemon drives for every local sink.
+
+A version flows through a sink as:
+
+    begin(version)
+    for each tensor, in stream order:
+        destination(meta) -> Tensor | None   # where merge_weight_chunks writes the bytes (into=)
+        accept(name, tensor)                 # the tensor is complete
+    commit(version)                          # every tensor arrived: make the version visible
+    # or, if anything went wrong on the way:
+    abort(version, reason)                   # drop what was staged; say what broke
+
+The apply policy (`rollout.apply`) decides what a sink hands out as destinations:
+
+- `atomic`: destinations are staging space (or none); nothing the user can observe changes before
+  `commit`, so a version that breaks mid-way leaves the sink on its previous complete version.
+- `streaming`: destinations are the live tensors themselves (lowest memory, no staging copy); a
+  version that breaks mid-way leaves the sink `incomplete` and `abort` is how it learns that.
+
+Sinks raise `SinkError` (naming the tensor and the knob) when they cannot take a tensor; the daemon
+then aborts the version. Methods are synchronous: the daemon runs the ones marked blocking
+(`blocking_io`) in a worker thread so its event loop (heartbeats, signals) keeps running.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ...config import ApplyMode
+from ...errors import ConfigError, SinkError
+from ...protocol.chunks import TensorMeta
+
+logger = logging.getLogger(__name__)
+
+
+class SinkState(str, enum.Enum):
+    """What the sink holds right now (exported on /healthz and in metrics)."""
+
+    EMPTY = "empty"  # no complete version yet
+    COMPLETE = "complete"  # `version` is whole and visible
+    INCOMPLETE = "incomplete"  # streaming: a version broke mid-way; the live tensors are a mix
+
+
+@dataclass(frozen=True)
+class VersionReport:
+    """What one version did to a sink, for the daemon's log line, metrics and the demo's table."""
+
+    version: int
+    ok: bool
+    nbytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class Sink(ABC):
+    """Base class of the local sinks (module, safetensors, callable).
+
+    Subclasses implement `_begin/_destination/_accept/_commit/_abort`; this class keeps the
+    bookkeeping (which version is in flight, which one is complete, the state) in one place so that
+    every sink reports the same way.
+    """
+
+    #: True when accept/commit do file or user-code work that must not run on the event loop.
+    blocking_io: bool = False
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.apply = ApplyMode(cfg.rollout.apply)
+        self.version: int | None = None  # last complete version
+        self.state = SinkState.EMPTY
+        self._in_flight: int | None = None
+
+    # --- the driven interface -------------------------------------------------------------------
+    def begin(self, version: int) -> None:
+        if self._in_flight is not None:
+            raise SinkError(f"version {version} begun while version {self._in_flight} is still in flight")
+        self._in_flight = version
+        self._begin(version)
+
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        return self._destination(meta)
+
+    def accept(self, name: str, tensor: torch.Tensor) -> None:
+        self._accept(name, tensor)
+
+    def commit(self, version: int) -> None:
+        if self._in_flight != version:
+            raise SinkError(f"commit of version {version}, but version {self._in_flight} is in flight")
+        try:
+            self._commit(version)
+        except BaseException:
+            self._in_flight = None
+            self._after_failed_commit(version)
+            raise
+        self._in_flight = None
+        self.version = version
+        self.state = SinkState.COMPLETE
+
+    def abort(self, version: int, reason: str) -> None:
+        """Drop the version in flight (no-op when nothing is in flight)."""
+        if self._in_flight is None:
+            return
+        self._in_flight = None
+        touched_live = self._abort(version, reason)
+        if touched_live:
+            self.state = SinkState.INCOMPLETE
+            logger.warning(
+                "version %d broke mid-way (%s); sink %s is marked incomplete until the next whole version",
+                version,
+                reason,
+                type(self).__name__,
+            )
+        else:
+            logger.warning(
+                "version %d dropped (%s); sink %s stays on version %s",
+                version,
+                reason,
+                type(self).__name__,
+                self.version,
+            )
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the sink holds; idempotent."""
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._in_flight
+
+    # --- for subclasses -------------------------------------------------------------------------
+    def _begin(self, version: int) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def _destination(self, meta: TensorMeta) -> torch.Tensor | None: ...
+
+    @abstractmethod
+    def _accept(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _commit(self, version: int) -> None: ...
+
+    @abstractmethod
+    def _abort(self, version: int, reason: str) -> bool:
+        """Drop staged state; return True when live (user-visible) tensors were already changed."""
+
+    def _after_failed_commit(self, version: int) -> None:
+        """A commit raised: by default the same as an abort (subclasses may be stricter)."""
+        if self._abort(version, "commit failed"):
+            self.state = SinkState.INCOMPLETE
+
+
+class RemoteSink(ABC):
+    """A sink that receives by itself, somewhere else than the daemon's event loop.
+
+    The vLLM sink is one: the bytes must land on each GPU worker's own device, so every vLLM worker
+    runs its own `WeightReceiver` (a worker extension) and the daemon only drives versions through
+    `receive_version()`. The daemon runs that blocking call in a thread, logs its report and keeps
+    looping; the error types it raises are the engine's (`WeightSyncTimeout`, `VersionAborted`,
+    `PeerError`, `SinkError`), so the daemon treats both kinds of sink alike.
+    """
+
+    version: int | None = None
+    state: SinkState = SinkState.EMPTY
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Connect (register) the remote receivers; called once before the first version."""
+
+    @abstractmethod
+    def receive_version(self) -> VersionReport:
+        """Block until one version was received and applied (or failed); raise the engine's errors."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the remote receivers and whatever hosts them; idempotent."""
+
+
+def load_object(path: str | None, knob: str) -> Any:
+    """Resolve `package.module:attribute` (dots allowed in the attribute) or raise one-line `ConfigError`."""
+    if not path or not isinstance(path, str):
+        raise ConfigError(f"{knob} is not set; give it as package.module:function")
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{knob}={path!r} is not of the form package.module:function")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{knob}={path!r}: cannot import module {module_name!r} ({exc})") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{knob}={path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_callable(path: str | None, knob: str) -> Callable[..., Any]:
+    obj = load_object(path, knob)
+    if not callable(obj):
+        raise ConfigError(f"{knob}={path!r} names a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def describe(meta: TensorMeta) -> str:
+    return f"{meta.dtype}{list(meta.shape)}"

@@ -1,0 +1,152 @@
+"""`rollout.sink.type=callable`: hand each version to your function.
+
+`rollout.sink.target: package.module:function` is called as `function(version, tensors)` where
+`tensors` iterates `(name, tensor)` pairs of that version, in stream order.
+
+- `atomic`: the function is called once the version is complete, over tensors already received
+  (the version is held in memory for that; it never sees a version that broke).
+- `streaming`: the function runs in its own thread while the version arrives and pulls tensors as
+  they are merged (one or two in memory). If the version breaks mid-way, the iterator raises
+  `VersionAborted` inside the function; if the function raises, the daemon reports it and the
+  version is not acknowledged as applied.
+
+Tensors handed over are the function's to keep: they do not alias any receive buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ...config import ApplyMode
+from ...errors import SinkError, VersionAborted
+from ...protocol.chunks import TensorMeta
+from .base import Sink, SinkState, load_callable
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+_POLL_S = 0.1
+ABORT_JOIN_TIMEOUT_S = 10.0
+
+
+class _Abort:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class CallableSink(Sink):
+    """Calls `rollout.sink.target(version, iterator of (name, tensor))` once per version."""
+
+    blocking_io = True
+
+    def __init__(self, cfg: DictConfig, fn: Callable[[int, Iterator[tuple[str, torch.Tensor]]], Any] | None = None):
+        super().__init__(cfg)
+        self.target = str(cfg.rollout.sink.target) if fn is None else getattr(fn, "__qualname__", repr(fn))
+        self.fn = fn if fn is not None else load_callable(cfg.rollout.sink.target, "rollout.sink.target")
+        self._held: list[tuple[str, torch.Tensor]] = []
+        self._queue: queue.Queue[object] | None = None
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._consumed_any = False
+
+    # --- streaming plumbing ---------------------------------------------------------------------
+    def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _Abort):
+                raise VersionAborted(item.reason)
+            self._consumed_any = True
+            yield item  # type: ignore[misc]
+
+    def _run(self, version: int) -> None:
+        try:
+            self.fn(version, self._iterate())
+        except BaseException as exc:  # reported by commit()/abort(), in the daemon's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def _put(self, item: object) -> None:
+        assert self._queue is not None
+        while True:
+            if self._done.is_set():
+                raise self._failure("returned before the version ended")
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _failure(self, what: str) -> SinkError:
+        if self._error is not None and not isinstance(self._error, VersionAborted):
+            return SinkError(f"rollout.sink.target={self.target!r} raised {type(self._error).__name__}: {self._error}")
+        return SinkError(f"rollout.sink.target={self.target!r} {what}")
+
+    # --- Sink -----------------------------------------------------------------------------------
+    def _begin(self, version: int) -> None:
+        self._held = []
+        self._error = None
+        self._consumed_any = False
+        if self.apply is ApplyMode.streaming:
+            self._queue = queue.Queue(maxsize=1)
+            self._done = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(version,), name=f"sink-v{version}", daemon=True)
+            self._thread.start()
+
+    def _destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        return None  # merge allocates a fresh tensor that the function may keep
+
+    def _accept(self, name: str, tensor: torch.Tensor) -> None:
+        if self.apply is ApplyMode.streaming:
+            self._put((name, tensor))
+        else:
+            self._held.append((name, tensor))
+
+    def _commit(self, version: int) -> None:
+        if self.apply is ApplyMode.streaming:
+            self._put(_END)
+            assert self._thread is not None
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise self._failure("failed")
+            return
+        held, self._held = self._held, []
+        try:
+            self.fn(version, iter(held))
+        except Exception as exc:
+            raise SinkError(f"rollout.sink.target={self.target!r} raised {type(exc).__name__}: {exc}") from exc
+
+    def _after_failed_commit(self, version: int) -> None:
+        self._held = []
+        # atomic: the function saw the whole version and failed on its own; streaming: it saw part
+        if self.apply is ApplyMode.streaming:
+            self.state = SinkState.INCOMPLETE
+
+    def _abort(self, version: int, reason: str) -> bool:
+        self._held = []
+        if self.apply is not ApplyMode.streaming or self._thread is None:
+            return False
+        assert self._queue is not None
+        try:
+            self._queue.put(_Abort(reason), timeout=ABORT_JOIN_TIMEOUT_S)
+        except queue.Full:
+            logger.warning("rollout.sink.target=%r does not consume its iterator; abandoning it", self.target)
+        self._thread.join(timeout=ABORT_JOIN_TIMEOUT_S)
+        self._thread = None
+        return self._consumed_any
+
+    def close(self) -> None:
+        if self.in_flight is not None:
+            self.abort(self.in_flight, "sink closed")

@@ -1,0 +1,145 @@
+"""`rollout.sink.type=module`: load every version into a live `torch.nn.Module`.
+
+The module comes from a factory (`rollout.sink.factory: package.module:function`, called with
+`rollout.sink.options` as keyword arguments) and is moved to `rollout.device`, or is passed in by
+code that embeds the daemon (then it stays where it is).
+
+- `streaming`: the merge writes each tensor's bytes straight into the module's own parameter and
+  buffer storage (`into=` destinations): no staging copy at all. Readers may see a mix of versions
+  while one is arriving; if it breaks mid-way the sink is `incomplete` until the next whole version.
+- `atomic`: the merge writes into shadow tensors (one per distinct parameter storage, allocated once
+  and reused every version); `commit` copies them into the live tensors under `self.lock`. Readers
+  that take `self.lock` never see a half-applied version. The price is one extra copy of the model.
+  Copy rather than pointer-swap on purpose: live storages keep their addresses, so anything that
+  captured them (CUDA graphs, compiled modules, an inference engine) stays valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import threading
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ...config import ApplyMode
+from ...errors import ConfigError, SinkError
+from ...protocol.chunks import TensorMeta
+from .base import Sink, describe, load_callable
+
+logger = logging.getLogger(__name__)
+
+
+class ModuleSink(Sink):
+    """Loads versions into `self.module` in place; see the module docstring for the two policies."""
+
+    def __init__(self, cfg: DictConfig, module: torch.nn.Module | None = None) -> None:
+        super().__init__(cfg)
+        if module is None:
+            factory_path = cfg.rollout.sink.factory
+            factory = load_callable(factory_path, "rollout.sink.factory")
+            options = OmegaConf.to_container(cfg.rollout.sink.options, resolve=True) or {}
+            assert isinstance(options, dict)
+            try:
+                module = factory(**options)
+            except Exception as exc:
+                raise ConfigError(f"rollout.sink.factory={factory_path!r} failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(module, torch.nn.Module):
+                raise ConfigError(
+                    f"rollout.sink.factory={factory_path!r} returned a {type(module).__name__}, not a torch.nn.Module"
+                )
+            module = module.to(torch.device(cfg.rollout.device))  # a module passed in stays where it is
+        self.module: torch.nn.Module = module
+        self.lock = threading.Lock()
+        # state_dict(keep_vars=True): parameters + persistent buffers under the names a trainer
+        # sends; tied weights appear under every name and share one storage.
+        self._live: dict[str, torch.Tensor] = {
+            name: t.data if isinstance(t, torch.nn.Parameter) else t
+            for name, t in self.module.state_dict(keep_vars=True).items()
+        }
+        self._shadows: dict[int, torch.Tensor] = {}  # id(live tensor) -> staging tensor (atomic)
+        self._received: dict[str, torch.Tensor] = {}
+        self._touched_live = False
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _target(self, meta: TensorMeta) -> torch.Tensor:
+        live = self._live.get(meta.name)
+        if live is None:
+            close = difflib.get_close_matches(meta.name, self._live, n=1)
+            hint = f" (closest: {close[0]!r})" if close else ""
+            raise SinkError(
+                f"tensor {meta.name!r} {describe(meta)} is not in the rollout module{hint}; map trainer names with "
+                "trainer.names.strip_prefixes / rename / exclude, or fix rollout.sink.factory"
+            )
+        if tuple(live.shape) != meta.shape or live.dtype != meta.dtype:
+            raise SinkError(
+                f"tensor {meta.name!r} arrives as {meta.dtype}{list(meta.shape)} but the rollout module holds "
+                f"{live.dtype}{list(live.shape)}; cast on the trainer with trainer.dtype or fix rollout.sink.factory"
+            )
+        return live
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A consistent snapshot (clones) of what the module holds now, taken under `self.lock`."""
+        with self.lock:
+            return {name: t.detach().clone() for name, t in self._live.items()}
+
+    # --- Sink -----------------------------------------------------------------------------------
+    def _begin(self, version: int) -> None:
+        self._received = {}
+        self._touched_live = False
+
+    def _destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        live = self._target(meta)
+        if self.apply is ApplyMode.streaming:
+            if not live.is_contiguous():
+                return None  # merge allocates; accept() copies in
+            self._touched_live = True
+            return live
+        shadow = self._shadows.get(id(live))
+        if shadow is None:
+            shadow = torch.empty(live.shape, dtype=live.dtype, device=live.device)
+            self._shadows[id(live)] = shadow
+        return shadow
+
+    def _accept(self, name: str, tensor: torch.Tensor) -> None:
+        live = self._live.get(name)
+        if live is None:  # a destination was not asked for (should not happen); same message
+            self._target(TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, 0))
+            return
+        if self.apply is ApplyMode.streaming:
+            if tensor is not live and tensor.data_ptr() != live.data_ptr():
+                self._target(TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, 0))
+                self._touched_live = True
+                with torch.no_grad():
+                    live.copy_(tensor)
+        elif tensor.data_ptr() != self._shadows[id(live)].data_ptr():
+            raise SinkError(f"tensor {name!r} was not merged into its staging buffer (atomic apply)")
+        self._received[name] = live
+
+    def _commit(self, version: int) -> None:
+        missing = [n for n in self._live if n not in self._received]
+        if missing:
+            logger.warning(
+                "version %d did not carry %d of the module's %d tensors (e.g. %s); they keep their old values",
+                version,
+                len(missing),
+                len(self._live),
+                ", ".join(repr(n) for n in missing[:3]),
+            )
+        if self.apply is ApplyMode.atomic:
+            with self.lock, torch.no_grad():
+                done: set[int] = set()
+                for live in self._received.values():
+                    if id(live) not in done:
+                        live.copy_(self._shadows[id(live)])
+                        done.add(id(live))
+        self._received = {}
+
+    def _abort(self, version: int, reason: str) -> bool:
+        self._received = {}
+        touched, self._touched_live = self._touched_live, False
+        return touched
+
+    def close(self) -> None:
+        self._shadows.clear()

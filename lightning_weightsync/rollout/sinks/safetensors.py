@@ -1,0 +1,215 @@
+"""`rollout.sink.type=safetensors`: every complete version becomes `<dir>/step_<version>.safetensors`.
+
+Crash safety: a version is written to a hidden temp file in the same directory
+(`.step_<version>.safetensors.<pid>.tmp`), fsynced, then renamed onto its final name (and the
+directory fsynced). A crash at any point leaves at worst a temp file (removed on the next start),
+never a truncated file under a final name. An aborted version deletes its temp file.
+
+Memory: tensors are written as they arrive, one at a time; the version is never held in memory.
+The safetensors header (names, dtypes, offsets) can only be written once the version is complete,
+so the file starts with a reserved header region (sized from the previous version's header, with
+slack) that the real header, padded with spaces (valid JSON whitespace), is written into at commit.
+Only if the header outgrows the reservation is the data copied once into a second temp file.
+
+The file format is written by hand (it is 8 bytes of length, a JSON header and the raw bytes) so
+that no version needs to be materialised as a dict for `safetensors.torch.save_file`; files load
+with `safetensors.torch.load_file` and are checked that way in the tests.
+
+Both apply policies behave the same here: a file is only ever visible whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from omegaconf import DictConfig
+
+from ...errors import ConfigError, SinkError
+from ...protocol.chunks import TensorMeta, as_bytes
+from ...transport.process import process_alive
+from .base import Sink
+
+logger = logging.getLogger(__name__)
+
+FINAL_RE = re.compile(r"^step_(\d+)\.safetensors$")
+TEMP_RE = re.compile(r"^\.step_(\d+)\.safetensors\.(\d+)\.tmp2?$")
+MIN_HEADER_RESERVE = 64 * 1024
+COPY_CHUNK = 16 * 1024 * 1024
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+def step_path(directory: str | os.PathLike[str], version: int) -> Path:
+    return Path(directory) / f"step_{version}.safetensors"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SafetensorsSink(Sink):
+    """Writes each complete version to `<rollout.sink.dir>/step_<version>.safetensors`, keeps the last K."""
+
+    blocking_io = True
+
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__(cfg)
+        if not cfg.rollout.sink.dir:
+            raise ConfigError("rollout.sink.dir is not set; the safetensors sink needs a directory to write into")
+        self.dir = Path(str(cfg.rollout.sink.dir))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"rollout.sink.dir={str(self.dir)!r} cannot be created: {exc}") from None
+        self.keep_last = int(cfg.rollout.sink.keep_last)
+        self._file: BinaryIO | None = None
+        self._tmp: Path | None = None
+        self._reserve = MIN_HEADER_RESERVE
+        self._last_header_len = 0
+        self._entries: dict[str, dict[str, object]] = {}
+        self._data_len = 0
+        self._remove_stale_temps()
+
+    @property
+    def latest_path(self) -> Path | None:
+        return step_path(self.dir, self.version) if self.version is not None else None
+
+    def _remove_stale_temps(self) -> None:
+        for p in self.dir.iterdir():
+            m = TEMP_RE.match(p.name)
+            if m and not process_alive(int(m.group(2))):
+                logger.info("removing %s left by a crashed writer", p)
+                p.unlink(missing_ok=True)
+
+    def _begin(self, version: int) -> None:
+        self._tmp = self.dir / f".step_{version}.safetensors.{os.getpid()}.tmp"
+        self._reserve = max(MIN_HEADER_RESERVE, (self._last_header_len * 5 // 4 + 4095) // 8 * 8)
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._file.seek(8 + self._reserve)
+        self._entries = {}
+        self._data_len = 0
+
+    def _destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        if meta.dtype not in SAFETENSORS_DTYPES:
+            raise SinkError(
+                f"tensor {meta.name!r} has dtype {meta.dtype}, which safetensors cannot store; "
+                "cast it on the trainer with trainer.dtype or use another rollout.sink.type"
+            )
+        return None  # merge allocates one tensor; accept() writes it out and drops it
+
+    def _accept(self, name: str, tensor: torch.Tensor) -> None:
+        assert self._file is not None, "accept() outside begin()/commit()"
+        code = SAFETENSORS_DTYPES.get(tensor.dtype)
+        if code is None:
+            raise SinkError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        data = as_bytes(tensor.detach().cpu())
+        nbytes = data.numel()
+        if nbytes:
+            self._file.write(memoryview(data.numpy()))
+        self._entries[name] = {
+            "dtype": code,
+            "shape": list(tensor.shape),
+            "data_offsets": [self._data_len, self._data_len + nbytes],
+        }
+        self._data_len += nbytes
+
+    def _header(self, version: int) -> bytes:
+        header = {"__metadata__": {"format": "pt", "version": str(version)}, **self._entries}
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _commit(self, version: int) -> None:
+        assert self._file is not None and self._tmp is not None
+        header = self._header(version)
+        f, tmp = self._file, self._tmp
+        if len(header) <= self._reserve:
+            f.seek(0)
+            f.write(struct.pack("<Q", self._reserve))
+            f.write(header.ljust(self._reserve, b" "))
+        else:  # header outgrew the reservation: copy the data once behind a header of the right size
+            padded = header.ljust((len(header) + 7) // 8 * 8, b" ")
+            tmp2 = tmp.with_name(tmp.name + "2")
+            with open(tmp2, "wb") as out:
+                out.write(struct.pack("<Q", len(padded)))
+                out.write(padded)
+                f.flush()
+                with open(tmp, "rb") as src:
+                    src.seek(8 + self._reserve)
+                    shutil.copyfileobj(src, out, COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+            f.close()
+            tmp.unlink()
+            os.replace(tmp2, tmp)
+            f = open(tmp, "ab")  # noqa: SIM115 - only to fsync/close below
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._file = None
+        final = step_path(self.dir, version)
+        os.replace(tmp, final)
+        self._tmp = None
+        _fsync_dir(self.dir)
+        self._last_header_len = len(header)
+        self._prune()
+        logger.debug("wrote %s (%d tensors, %d bytes)", final, len(self._entries), self._data_len)
+
+    def _prune(self) -> None:
+        files = [p for p in self.dir.iterdir() if FINAL_RE.match(p.name)]
+        files.sort(key=lambda p: (p.stat().st_mtime_ns, int(FINAL_RE.match(p.name).group(1))))  # type: ignore[union-attr]
+        for old in files[: max(0, len(files) - self.keep_last)]:
+            old.unlink(missing_ok=True)
+
+    def _abort(self, version: int, reason: str) -> bool:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp.with_name(self._tmp.name + "2").unlink(missing_ok=True)
+            self._tmp = None
+        self._entries = {}
+        return False  # nothing visible changed: the previous files are untouched
+
+    def close(self) -> None:
+        if self.in_flight is not None:
+            self.abort(self.in_flight, "sink closed")

@@ -1,0 +1,1 @@
+"""vLLM integration on the rollout side."""

@@ -1,0 +1,163 @@
+"""`AccelerateWeightSync`: one line after `accelerator.prepare` syncs weights every N optimizer steps.
+
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    weight_sync = AccelerateWeightSync(accelerator, model, load_config("sync.yaml"))
+    ...  # train as usual; every `trainer.every_n_steps` real optimizer steps the weights go out
+    weight_sync.close()
+
+How it hooks in: a step post-hook on the *underlying* optimizer (`AcceleratedOptimizer.optimizer`;
+the wrapper itself has no `register_step_post_hook`). Accelerate only calls the underlying
+`step()` when gradients are synchronised (not on accumulation micro-steps) and not when the AMP
+scaler skips a step, so the hook counts real optimizer steps; it also checks
+`accelerator.sync_gradients`. The hook runs on every rank (every rank steps), which is what the
+gather needs. `.sync(version)` is there for custom schedules.
+
+The model may be what Accelerate prepared (DDP, FSDP1 or FSDP2 through the FSDP plugin) or a model
+you sharded yourself (e.g. `fully_shard` where Accelerate will not, such as on CPU):
+`iter_full_parameters` handles each, and drops wrapper names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from ..config import load_config
+from ..errors import ConfigError, WeightSyncError
+from .driver import SENDER_RANK, SyncDriver
+from .gather import NamedTensor
+
+logger = logging.getLogger(__name__)
+
+
+class AccelerateWeightSync:
+    """Sync `model`'s weights to rollout receivers from an Accelerate training loop.
+
+    Args:
+        accelerator: the `accelerate.Accelerator` (its process group, device and gradient state).
+        model: the model as training uses it (after `accelerator.prepare`, or sharded by hand).
+        cfg: the weightsync config; None means the defaults. Uses `trainer.every_n_steps`,
+            `trainer.sync_on_fit_start` (sync version `initial_step` right away),
+            `trainer.on_failure`, `trainer.dtype`, `trainer.include_buffers`, `trainer.names.*`,
+            `trainer.min_receivers` and `transport.*`.
+        optimizer: the (prepared) optimizer whose steps are counted. Default: the one optimizer
+            the accelerator prepared; required when it prepared several.
+        module_attr: send only this submodule of `model` (its prefix is stripped from names).
+        initial_step: optimizer steps already taken (when resuming); versions continue from it.
+
+    Every rank must construct it (the start-up and every sync are collective). Global rank 0 owns
+    the sender. Logs `weightsync/*` through `accelerator.log` when trackers are configured.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: nn.Module,
+        cfg: DictConfig | None = None,
+        *,
+        optimizer: Any | None = None,
+        module_attr: str | None = None,
+        initial_step: int = 0,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.cfg = cfg if cfg is not None else load_config()
+        self.every_n_steps = int(self.cfg.trainer.every_n_steps)
+        self.step = int(initial_step)
+        self.last_synced_version: int | None = None
+        self.last_stats: Any = None
+        self.failures = 0
+        inner = self._inner_optimizer(optimizer)
+        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+        if plugin is not None:
+            logger.info("Accelerate FSDP plugin active (fsdp_version=%s)", getattr(plugin, "fsdp_version", 1))
+        self._driver = SyncDriver(
+            self.cfg,
+            is_sender=int(accelerator.process_index) == SENDER_RANK,
+            device=torch.device(accelerator.device),
+            prefix=module_attr,
+        )
+        self._driver.start()
+        self._hook = inner.register_step_post_hook(self._after_optimizer_step)
+        if self.cfg.trainer.sync_on_fit_start:
+            self.sync(self.step)
+
+    def _inner_optimizer(self, optimizer: Any | None) -> torch.optim.Optimizer:
+        if optimizer is None:
+            prepared = list(getattr(self.accelerator, "_optimizers", []))
+            if len(prepared) != 1:
+                raise ConfigError(
+                    f"AccelerateWeightSync: the accelerator prepared {len(prepared)} optimizers; pass the one whose "
+                    "steps count as `optimizer=`"
+                )
+            optimizer = prepared[0]
+        inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the real one
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigError(f"AccelerateWeightSync: {type(inner).__name__} is not a torch.optim.Optimizer")
+        return inner
+
+    # -- when ----------------------------------------------------------------------------------------
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.accelerator.sync_gradients:
+            return  # an accumulation micro-step (Accelerate does not step then; belt and braces)
+        self.step += 1
+        if self.step % self.every_n_steps == 0:
+            self.sync(self.step)
+
+    # -- how (delegated) ---------------------------------------------------------------------------------
+    def sync(self, version: int) -> bool:
+        """Gather and send `version` now; every rank must call it. True when delivered."""
+        if self._driver.sender is None and self._driver.is_sender:
+            raise WeightSyncError("AccelerateWeightSync.sync() after close()")
+        if not self._driver.sync(self.model, version):
+            self.failures += 1
+            return False
+        self.last_synced_version = version
+        stats = self._driver.last_stats
+        if stats is not None:
+            self.last_stats = stats
+            if getattr(self.accelerator, "trackers", None):
+                self.accelerator.log(
+                    {
+                        "weightsync/seconds": float(stats.seconds),
+                        "weightsync/GBps": float(stats.gbps),
+                        "weightsync/version": float(version),
+                        "weightsync/receivers": float(stats.receivers),
+                    },
+                    step=self.step,
+                )
+        return True
+
+    def weights(self, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
+        """The exact stream a sync sends (same names, dtype and exclusions); every rank must exhaust it."""
+        return self._driver.weights(self.model, keep_on_rank=keep_on_rank)
+
+    @property
+    def port(self) -> int | None:
+        """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
+        return self._driver.port
+
+    # -- life cycle / state ----------------------------------------------------------------------------
+    def close(self) -> None:
+        self._hook.remove()
+        self._driver.close()
+
+    def __enter__(self) -> AccelerateWeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """For `accelerator.register_for_checkpointing(weight_sync)`."""
+        return {"step": self.step, "last_synced_version": self.last_synced_version, "failures": self.failures}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state.get("step", self.step))
+        self.last_synced_version = state.get("last_synced_version")
+        self.failures = int(state.get("failures", 0))

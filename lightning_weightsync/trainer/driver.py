@@ -1,0 +1,155 @@
+"""What the Lightning and Accelerate integrations share: one sync = gather on every rank, send on rank 0.
+
+The integrations decide *when* to sync; `SyncDriver` does one sync the same way for both:
+
+    every rank:   weights = iter_full_parameters(model, ...)      (FSDP all-gathers: collective)
+    global rank 0: BlockingWeightSender.send_weights(weights)     (drains `weights` even on failure)
+    other ranks:   drain(weights)                                 (join the all-gathers, keep nothing)
+    every rank:   agree on the outcome (one tiny all-reduce), then apply `trainer.on_failure`
+
+The agreement is what keeps a failed send from hanging training: without it rank 0 would raise
+(or not) on its own while the other ranks walk into the next step's collectives alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from ..config import FailurePolicy
+from ..errors import ConfigError, WeightSyncError
+from .gather import NamedTensor, iter_full_parameters
+
+if TYPE_CHECKING:
+    from ..engine.sender import BlockingWeightSender, SendStats
+
+logger = logging.getLogger(__name__)
+
+SENDER_RANK = 0  # the global rank that owns the sender; every stream is gathered onto it
+
+OK, RECOVERABLE, FATAL = 0, 1, 2
+
+
+def all_ranks_max(code: int, device: torch.device | None) -> int:
+    """The largest `code` over every rank of the default process group (identity without one).
+
+    `device` must suit the group's backend (the strategy's root device: CUDA for NCCL, NPU for HCCL).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return code
+    flag = torch.tensor([code], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+class SyncFailed(WeightSyncError):
+    """Raised on ranks that did not send when the sending rank's sync failed (`on_failure: raise`)."""
+
+
+class SyncDriver:
+    """One sync at a time: gather everywhere, send from global rank 0, agree, apply the policy.
+
+    Args:
+        cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.*`.
+        is_sender: true on global rank 0 only; it creates and owns the `BlockingWeightSender`.
+        device: the device for the agreement all-reduce (see `all_ranks_max`).
+        prefix: the submodule whose tensors are sent, stripped from names (see `iter_full_parameters`).
+    """
+
+    def __init__(self, cfg: DictConfig, *, is_sender: bool, device: torch.device | None, prefix: str | None) -> None:
+        self.cfg = cfg
+        self.is_sender = is_sender
+        self.device = device
+        self.prefix = prefix
+        self.on_failure = FailurePolicy(cfg.trainer.on_failure)
+        self.sender: BlockingWeightSender | None = None
+        self.last_stats: SendStats | None = None
+
+    # -- life cycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the sender on rank 0; every rank raises if that fails (a bad port is never 'warn')."""
+        error: BaseException | None = None
+        if self.is_sender and self.sender is None:
+            from ..engine.sender import BlockingWeightSender
+
+            sender = BlockingWeightSender(self.cfg)
+            try:
+                sender.start()
+                self.sender = sender
+                logger.info("weight sender listening on %s:%d", self.cfg.transport.host, sender.port)
+            except Exception as exc:
+                error = exc
+                sender.close()
+        if all_ranks_max(FATAL if error is not None else OK, self.device) != OK:
+            if error is not None:
+                raise error
+            raise SyncFailed(f"the weight sender on global rank {SENDER_RANK} failed to start; see its log")
+
+    def close(self) -> None:
+        if self.sender is not None:
+            sender, self.sender = self.sender, None
+            try:
+                sender.close()
+            except Exception:
+                logger.exception("closing the weight sender failed")
+
+    @property
+    def port(self) -> int | None:
+        return self.sender.port if self.sender is not None else None
+
+    # -- one sync ---------------------------------------------------------------------------------
+    def weights(self, module: nn.Module, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
+        """The stream a sync sends (names, dtype, exclusions exactly as configured)."""
+        tr = self.cfg.trainer
+        return iter_full_parameters(
+            module,
+            include_buffers=bool(tr.include_buffers),
+            names_cfg=tr.names,
+            dtype=tr.dtype,
+            keep_on_rank=keep_on_rank,
+            prefix=self.prefix,
+        )
+
+    def sync(self, module: nn.Module, version: int) -> bool:
+        """Gather and send `version`; call on every rank. True (on every rank) when it was delivered;
+        False when it failed and `on_failure: warn` skipped it. The sending rank's `SendStats` are
+        in `self.last_stats`."""
+        weights = self.weights(module)
+        error: Exception | None = None
+        self.last_stats = None
+        if self.is_sender:
+            if self.sender is None:
+                raise WeightSyncError("SyncDriver.sync() before start()")
+            try:
+                self.last_stats = self.sender.send_weights(weights, version=version)
+            except ConfigError:
+                raise  # raised by the gather on every rank at the same point: nobody is left waiting
+            except Exception as exc:
+                error = exc
+        else:
+            for _ in weights:  # joins the all-gathers; yields nothing here
+                pass
+        code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
+        agreed = all_ranks_max(code, self.device)
+        if agreed == OK:
+            return True
+        if agreed == RECOVERABLE and self.on_failure is FailurePolicy.warn:
+            if error is not None:
+                logger.warning(
+                    "weight sync of version %d failed, skipped (trainer.on_failure=warn): %s",
+                    version,
+                    error,
+                )
+            return False
+        if error is not None:
+            raise error
+        raise SyncFailed(
+            f"weight sync of version {version} failed on global rank {SENDER_RANK} (trainer.on_failure="
+            f"{self.on_failure}); see that rank's log"
+        )

@@ -1,0 +1,174 @@
+"""`WeightSyncCallback`: push the trainer's weights to rollout processes every N optimizer steps.
+
+    trainer = L.Trainer(..., callbacks=[WeightSyncCallback(load_config("sync.yaml"), module_attr="model")])
+
+The callback only decides *when*: after every `trainer.every_n_steps` real optimizer steps (and
+once when training starts, if `trainer.sync_on_fit_start`). *How* is `gather.iter_full_parameters`
+(all ranks gather, FSDP2/FSDP1/DDP/single device) and `BlockingWeightSender` (global rank 0 only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ..config import load_config
+from ..errors import WeightSyncError
+from .driver import SENDER_RANK, SyncDriver
+from .gather import NamedTensor
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the standalone `pytorch_lightning` package
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncCallback(pl.Callback):
+    """Gather the full weights and send them to every registered rollout receiver.
+
+    Args:
+        cfg: the weightsync config (`load_config(...)`); None means the defaults. Used keys:
+            `trainer.every_n_steps` (1), `trainer.sync_on_fit_start` (True), `trainer.sync_on_train_end` (True),
+            `trainer.on_failure` (`raise`), `trainer.dtype`, `trainer.include_buffers`,
+            `trainer.names.*`, `trainer.min_receivers` and `transport.*` (for the sender).
+        module_attr: the attribute of your LightningModule that holds the network the rollout
+            serves (e.g. ``"model"`` for ``self.model = ...``). Only its tensors are sent, and the
+            ``model.`` prefix is stripped from their names. None (default): the whole
+            LightningModule, names as in its `state_dict()`.
+
+    When:
+        - `on_train_start` (after a resumed checkpoint is restored): version `trainer.global_step`
+          (0 on a fresh run), if `trainer.sync_on_fit_start`. A resumed run re-sends its restored
+          weights so rollouts never serve weights the trainer no longer has; receivers accept it
+          because every sender process starts a new session.
+        - `on_train_batch_end` after a batch in which the optimizer stepped (Lightning has already
+          incremented `trainer.global_step` there) and `global_step % every_n_steps == 0`:
+          version `global_step`. Gradient-accumulation micro-batches do not step, so they never
+          sync; a version is attempted at most once.
+        - `on_train_end`, if `trainer.sync_on_train_end` and the final step was not attempted yet
+          (e.g. `max_steps` not a multiple of `every_n_steps`), so rollouts end on the final weights.
+
+    Failure (`trainer.on_failure`): the sender bounds every wait by `transport.timeout_s`, so a dead
+    rollout costs at most that per sync, never a hang. `raise` stops training on every rank; `warn`
+    logs, skips the version and keeps training. All ranks agree on the outcome with one tiny
+    all-reduce, so no rank is left waiting in a collective.
+
+    Logged (global rank 0, through `trainer.loggers`, at step `global_step`): `weightsync/seconds`,
+    `weightsync/GBps`, `weightsync/version`, `weightsync/receivers`.
+
+    State (`state_dict`, saved in Lightning checkpoints): `last_synced_version`, `failures`.
+    """
+
+    def __init__(self, cfg: DictConfig | None = None, *, module_attr: str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg if cfg is not None else load_config()
+        self.module_attr = module_attr
+        self.every_n_steps = int(self.cfg.trainer.every_n_steps)
+        self.last_synced_version: int | None = None
+        self.last_stats: Any = None  # SendStats of the last delivered version (rank 0)
+        self.failures = 0
+        self._driver: SyncDriver | None = None
+        self._seen_step = 0  # global_step at the last batch end: a change means the optimizer stepped
+        self._last_attempted: int | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._driver is not None:
+            return
+        self._driver = SyncDriver(
+            self.cfg,
+            is_sender=trainer.global_rank == SENDER_RANK,
+            device=trainer.strategy.root_device,
+            prefix=self.module_attr,
+        )
+        self._driver.start()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
+
+    @property
+    def port(self) -> int | None:
+        """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
+        return self._driver.port if self._driver is not None else None
+
+    # -- when ----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+        if self.cfg.trainer.sync_on_fit_start:
+            self.sync(trainer, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the last steps may not be a multiple of every_n_steps: rollouts should end on the final weights
+        if self.cfg.trainer.sync_on_train_end and trainer.global_step != self._last_attempted:
+            self.sync(trainer, trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        stepped, self._seen_step = step != self._seen_step, step
+        if stepped and step % self.every_n_steps == 0 and step != self._last_attempted:
+            self.sync(trainer, step)
+
+    # -- how (delegated) -------------------------------------------------------------------------------
+    def sync(self, trainer: pl.Trainer, version: int) -> None:
+        """Gather and send now (every rank must call this). Public for custom schedules."""
+        if self._driver is None:
+            raise WeightSyncError("WeightSyncCallback.sync() outside trainer.fit() (the sender is not set up)")
+        self._last_attempted = version
+        if not self._driver.sync(self._module(trainer), version):
+            self.failures += 1
+            return
+        self.last_synced_version = version
+        stats = self._driver.last_stats
+        if stats is None:  # not the sending rank
+            return
+        self.last_stats = stats
+        metrics = {
+            "weightsync/seconds": float(stats.seconds),
+            "weightsync/GBps": float(stats.gbps),
+            "weightsync/version": float(version),
+            "weightsync/receivers": float(stats.receivers),
+        }
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+
+    def weights(self, trainer: pl.Trainer, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
+        """The exact stream a sync sends (same names, dtype and exclusions); every rank must exhaust it."""
+        if self._driver is None:
+            raise WeightSyncError("WeightSyncCallback.weights() outside trainer.fit()")
+        return self._driver.weights(self._module(trainer), keep_on_rank=keep_on_rank)
+
+    def _module(self, trainer: pl.Trainer) -> torch.nn.Module:
+        # the module as the strategy trains it (DDP/FSDP1 wrapper, or the FSDP2 LightningModule):
+        # FSDP1 must be summoned from its root, and wrapper names are dropped by the gather
+        model = trainer.strategy.model
+        assert model is not None
+        return model
+
+    # -- state -----------------------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        # stable across subclasses and config changes, so a resumed run finds its state
+        return f"WeightSyncCallback{{'module_attr': {self.module_attr!r}}}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_synced_version": self.last_synced_version, "failures": self.failures}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_synced_version = state_dict.get("last_synced_version")
+        self.failures = int(state_dict.get("failures", 0))

@@ -1,0 +1,127 @@
+"""Colocated backends: the two bucket slots live in memory every process can map (POSIX shared
+memory for `shm`, CUDA IPC for `cuda_ipc`), so nothing is copied over a network at all.
+
+"Broadcast" is a handshake: the sender packs a slot and publishes its metadata (control plane);
+each receiver reads the slot in place and sends a signed `BucketDone` to the sender's release
+socket (ZeroMQ PUSH -> PULL). The sender's `broadcast()` returns once every receiver released the
+bucket, which is exactly when the slot may be packed again (double buffering as for gloo).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import zmq
+
+from ...errors import PeerError, ProtocolError, WeightSyncTimeout
+from ...protocol.messages import BucketDone, Plan, decode, encode
+from ..process import process_alive
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class SharedBucketBackend(Backend):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ctx: zmq.Context[Any] | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self._release_addr = ""
+        self._released: dict[int, set[str]] = {}
+
+    # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
+    @abstractmethod
+    def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
+        """Sender: allocate the slots and return them with their handles (strings for the plan)."""
+
+    @abstractmethod
+    def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
+        """Receiver: map the sender's slots from their handles."""
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self, host: str, store_port: int) -> None:
+        self.buckets, self._handles = self._create_slots()
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PULL)
+        self._socket.linger = 0
+        port = self._socket.bind_to_random_port(f"tcp://{host}") if store_port == 0 else store_port
+        if store_port:
+            self._socket.bind(f"tcp://{host}:{store_port}")
+        self._release_addr = f"tcp://{host}:{port}"
+
+    def plan_info(self, generation: int) -> dict[str, str]:
+        return {"release_addr": self._release_addr, **{f"slot{i}": h for i, h in enumerate(self._handles)}}
+
+    def _receiver_buckets(self, plan: Plan) -> list[torch.Tensor]:
+        handles = [plan.info.get(f"slot{i}", "") for i in range(2)]
+        if not all(handles) or "release_addr" not in plan.info:
+            raise ProtocolError(f"plan for backend {self.name} lacks slot handles (sender uses {plan.backend}?)")
+        return self._attach_slots(handles, plan.bucket_size)
+
+    def _build_group(self, plan: Plan) -> None:
+        if self.is_sender:
+            return
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket.linger = 1000
+        self._socket.connect(plan.info["release_addr"])
+
+    # -- data path --------------------------------------------------------------------------
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        if not self.is_sender:
+            return  # the bytes are already in the mapped slot
+        self.wait_fence(slot)
+        self._await_releases(bucket_index, self.world_size - 1)
+
+    def _await_releases(self, bucket_index: int, expected: int) -> None:
+        """Block until every member released `bucket_index`. Only members count (a stray release
+        cannot free a slot early), and since all processes share this host, a member whose process
+        is gone fails the wait at once instead of after transport.timeout_s."""
+        assert self._socket is not None
+        deadline = time.monotonic() + self.timeout_s
+        done = self._released.setdefault(bucket_index, set())
+        members = self.members
+
+        def missing() -> int:
+            return len(members.keys() - done) if members else expected - len(done)
+
+        while missing() > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncTimeout(
+                    f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
+                    f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
+                )
+            if not self._socket.poll(int(min(left, 0.5) * 1000)):
+                dead = sorted(i for i, pid in members.items() if i not in done and not process_alive(pid))
+                if dead:
+                    raise PeerError(f"{self.name}: receiver(s) {dead} died before releasing bucket {bucket_index}")
+                continue
+            try:
+                msg = decode(self._socket.recv_multipart(), self.auth_key)
+            except ProtocolError as exc:
+                logger.warning("dropped a bad release message: %s", exc)
+                continue
+            if isinstance(msg, BucketDone):
+                self._released.setdefault(msg.bucket_index, set()).add(msg.identity)
+        del self._released[bucket_index]
+
+    def release(self, slot: int, bucket_index: int) -> None:
+        assert self._socket is not None
+        self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
+        self._socket.send_multipart(encode(BucketDone(self.identity, 0, bucket_index), self.auth_key))
+
+    def _drop_group(self) -> None:
+        self._released.clear()
+
+    def close(self) -> None:
+        super().close()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None

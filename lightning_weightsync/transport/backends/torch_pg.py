@@ -1,0 +1,79 @@
+"""Backends built on a standalone torch.distributed process group over a TCPStore (gloo, hccl).
+
+The group never touches the trainer's default process group: the sender creates a TCPStore,
+receivers connect to it, and every group generation gets its own PrefixStore namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import WeightSyncTimeout
+from ...protocol.messages import Plan
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class TorchProcessGroupBackend(Backend):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._store: dist.TCPStore | None = None
+        self._store_addr: tuple[str, int] | None = None
+        self._pg: Any = None
+
+    def setup(self, host: str, store_port: int) -> None:
+        super().setup(host, store_port)
+        self._store = dist.TCPStore(
+            host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
+        )
+        self._store_addr = (host, self._store.port)
+        logger.debug("%s data-plane store listening on %s:%d", self.name, host, self._store.port)
+
+    @property
+    def store_port(self) -> int:
+        assert self._store is not None
+        return int(self._store.port)
+
+    def _client_store(self, plan: Plan) -> dist.TCPStore:
+        addr = (plan.store_host, plan.store_port)
+        if self._store is None or self._store_addr != addr:
+            self._store = dist.TCPStore(
+                plan.store_host, plan.store_port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+            )
+            self._store_addr = addr
+        return self._store
+
+    def _build_group(self, plan: Plan) -> None:
+        store = self._store if self.is_sender else self._client_store(plan)
+        assert store is not None
+        prefix = dist.PrefixStore(f"lws/{plan.session}/{plan.generation}", store)
+        try:
+            self._pg = self._new_group(prefix, plan.rank, plan.world_size, timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise WeightSyncTimeout(
+                f"{self.name} group (generation {plan.generation}, {plan.world_size} ranks) did not form within "
+                f"transport.timeout_s={self.timeout_s}s via store {plan.store_host}:{plan.store_port}: {exc}"
+            ) from exc
+
+    @abstractmethod
+    def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any: ...
+
+    def _drop_group(self) -> None:
+        self._pg = None
+
+    def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        if nbytes == 0:
+            return
+        self.wait_fence(slot)
+        self._pg.broadcast(self.buckets[slot][:nbytes] if buffer is None else buffer, 0).wait()
+
+    def close(self) -> None:
+        super().close()
+        self._store = None

@@ -1,0 +1,67 @@
+"""cpu / cuda / npu differences in one place: device choice, synchronize, events.
+
+The sender and receiver call these helpers and never branch on the device kind themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import BackendUnavailable
+
+
+def import_torch_npu() -> Any:
+    try:
+        import torch_npu  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "transport.backend=hccl needs torch_npu: pip install 'lightning_weightsync[npu]' on an Ascend host"
+        ) from exc
+    return torch_npu
+
+
+def resolve_device(backend: str, configured: str | None, natural: str = "cpu") -> torch.device:
+    """The device that holds buckets: `transport.device` if set, else the backend's natural device."""
+    kind = configured or natural
+    if kind.startswith("npu"):
+        import_torch_npu()
+    device = torch.device(kind)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"transport.backend={backend} needs a CUDA GPU (transport.device={kind}) but torch sees none; "
+                "use transport.backend=gloo (or shm) on CPU machines"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for every queued kernel on `device` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def record_event(device: torch.device) -> Any | None:
+    """An event on the current stream of `device`, or None on CPU (copies there are synchronous)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    if device.type == "npu":
+        event = torch.npu.Event()  # type: ignore[attr-defined]
+        event.record()
+        return event
+    return None
+
+
+def empty_bucket(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 bucket; CPU buckets are pinned when a GPU exists so H2D/D2H copies can overlap."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -1,0 +1,294 @@
+"""`lightning-weightsync` as users run it: real daemon subprocesses, signals, kill -9, restarts, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from lightning_weightsync import BlockingWeightSender, WeightSender, WeightSyncError, cli, load_config
+from tests.support.mp import PYTHON, free_port, popen, spawned
+from tests.unit.test_sinks import assert_same, version_weights
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parent.parent.parent
+CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-weightsync")
+TINY = "tests.unit.test_sinks"  # the tiny module factory the sink tests share
+ENV = {"PYTHONPATH": str(REPO)}  # so the daemon can import tests.unit.test_sinks:build_tiny
+BUCKET_MB = 1 / 1024
+
+
+def transport(port: int, timeout_s: float = 5) -> list[str]:
+    return [
+        f"transport.port={port}",
+        f"transport.bucket_size_mb={BUCKET_MB}",
+        f"transport.timeout_s={timeout_s}",
+        "transport.heartbeat_interval_s=0.2",
+        "transport.ready_timeout_s=3",
+    ]
+
+
+@contextlib.contextmanager
+def rollout(tmp_path: Path, port: int, *overrides: str, name: str = "daemon", args: tuple[str, ...] = ()):
+    """A `lightning-weightsync rollout` subprocess (the console script), its output in a log file."""
+    log = tmp_path / f"{name}.log"
+    cmd = [str(CONSOLE_SCRIPT), "rollout", *args, *transport(port), "rollout.progress=false", *overrides]
+    with open(log, "w") as out, popen(cmd, env=ENV, cwd=REPO, stdout=out, stderr=subprocess.STDOUT) as proc:
+        proc.log = log  # type: ignore[attr-defined]
+        yield proc
+
+
+def read_stats(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate: Any, timeout_s: float = 60, what: str = "condition", proc: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"daemon exited ({proc.returncode}) waiting for {what}:\n{proc.log.read_text()}")
+        if time.monotonic() > deadline:
+            log = proc.log.read_text() if proc is not None else ""
+            raise AssertionError(f"timed out waiting for {what}\n{log}")
+        time.sleep(0.1)
+
+
+def sender_cfg(port: int, timeout_s: float = 30):
+    return load_config(overrides=transport(port, timeout_s))
+
+
+async def paused_weights(version: int, gate: asyncio.Event, after: int = 3):
+    for i, item in enumerate(version_weights(version).items()):
+        if i == after:
+            await gate.wait()
+        yield item
+
+
+# --- trainer processes (spawned, so they can be killed) -------------------------------------------
+
+
+def _hang_after(weights: Any, after: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, item in enumerate(weights):
+        if i == after:
+            time.sleep(600)  # a trainer wedged mid-version; the test kills it
+        yield item
+
+
+def trainer(port: int, versions: list[int], hang_at: int | None = None) -> None:
+    with BlockingWeightSender(sender_cfg(port)) as sender:
+        for version in versions:
+            weights: Any = version_weights(version).items()
+            if version == hang_at:
+                weights = _hang_after(weights, 3)
+            sender.send_weights(weights, version=version)
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+
+
+async def test_versions_arrive_then_sigterm_mid_version_exits_clean(tmp_path: Path) -> None:
+    port, out = free_port(), tmp_path / "steps"
+    stats = tmp_path / "stats.jsonl"
+    sink = ["rollout.sink.type=safetensors", f"rollout.sink.dir={out}"]
+    with rollout(tmp_path, port, *sink, args=("--stats-jsonl", str(stats))) as proc:
+        async with WeightSender(sender_cfg(port, timeout_s=5)) as sender:
+            for version in (1, 2, 3):
+                await sender.send_weights(version_weights(version).items(), version=version)
+            gate = asyncio.Event()
+            send = asyncio.ensure_future(sender.send_weights(paused_weights(4, gate), version=4))
+            await asyncio.to_thread(wait_for, lambda: any(out.glob(".step_4.*.tmp")), 30, "version 4 in flight", proc)
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+            gate.set()
+            with pytest.raises(WeightSyncError):
+                await asyncio.wait_for(send, 60)
+    log = proc.log.read_text()  # type: ignore[attr-defined]
+    assert code == 0, log
+    assert "SIGTERM: shutting down" in log and "Traceback" not in log
+    assert [(r["version"], r["ok"]) for r in read_stats(stats)] == [(1, True), (2, True), (3, True)]
+    assert all(r["num_chunked_tensors"] > 0 for r in read_stats(stats))
+    assert sorted(p.name for p in out.iterdir()) == [f"step_{v}.safetensors" for v in (1, 2, 3)]  # no temp left
+    for version in (1, 2, 3):
+        assert_same(load_file(str(out / f"step_{version}.safetensors")), version_weights(version))
+
+
+def test_killed_trainer_then_restarted_trainer_is_served(tmp_path: Path) -> None:
+    port = free_port()
+    stats, dump = tmp_path / "stats.jsonl", tmp_path / "held.safetensors"
+    module = ["rollout.sink.factory=tests.unit.test_sinks:build_tiny"]
+    args = ("--stats-jsonl", str(stats), "--dump-on-exit", str(dump))
+    with rollout(tmp_path, port, *module, args=args) as proc:
+        with spawned(trainer, port, [0, 1], 1) as first:
+            wait_for(lambda: len(read_stats(stats)) == 1, 60, "version 0 from the first trainer", proc)
+            time.sleep(0.5)  # version 1 is in flight, wedged after 3 tensors
+            first.kill()  # kill -9 mid-version
+            first.join(10)
+        wait_for(lambda: len(read_stats(stats)) == 2, 60, "the daemon to give up on version 1", proc)
+        with spawned(trainer, port, [10, 11]) as second:
+            second.join(90)
+            assert second.exitcode == 0
+        wait_for(lambda: len(read_stats(stats)) == 4, 30, "versions 10 and 11", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.log.read_text()  # type: ignore[attr-defined]
+    records = read_stats(stats)
+    assert [(r["version"], r["ok"]) for r in records] == [(0, True), (1, False), (10, True), (11, True)]
+    assert records[1]["outcome"] in ("timeout", "failed", "aborted")
+    held = load_file(str(dump))
+    assert_same(held, version_weights(11))
+
+
+async def test_safetensors_files_stay_whole_after_kill_9_of_the_daemon(tmp_path: Path) -> None:
+    port, out = free_port(), tmp_path / "steps"
+    sink = ["rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.sink.keep_last=5"]
+    async with WeightSender(sender_cfg(port, timeout_s=5)) as sender:
+        with rollout(tmp_path, port, *sink, name="first") as proc:
+            for version in (0, 1):
+                await sender.send_weights(version_weights(version).items(), version=version)
+            gate = asyncio.Event()
+            send = asyncio.ensure_future(sender.send_weights(paused_weights(2, gate), version=2))
+            await asyncio.to_thread(wait_for, lambda: any(out.glob(".step_2.*.tmp")), 30, "version 2 in flight", proc)
+            os.killpg(proc.pid, signal.SIGKILL)
+            assert await asyncio.to_thread(proc.wait, 10) == -signal.SIGKILL
+        gate.set()
+        with pytest.raises(WeightSyncError):
+            await asyncio.wait_for(send, 60)
+        finals = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        temps = [p.name for p in out.iterdir() if p.name.startswith(".")]
+        assert finals == ["step_0.safetensors", "step_1.safetensors"]
+        assert len(temps) == 1 and temps[0].startswith(".step_2.")  # killed mid-write: only a temp file
+        for version in (0, 1):  # complete and loadable; the half-written version never got a final name
+            assert_same(load_file(str(out / f"step_{version}.safetensors")), version_weights(version))
+        with rollout(tmp_path, port, *sink, name="second") as proc:
+            await sender.send_weights(version_weights(3).items(), version=3)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+    assert sorted(p.name for p in out.iterdir()) == [f"step_{v}.safetensors" for v in (0, 1, 3)]  # stale temp gone
+    assert_same(load_file(str(out / "step_3.safetensors")), version_weights(3))
+
+
+# --- errors: one line plus the fix, exit code 2 -------------------------------------------------
+
+
+def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *args],
+        env={**os.environ, **ENV},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def assert_one_line_error(rc: int, stderr: str, pattern: str) -> None:
+    import re
+
+    lines = stderr.strip().splitlines()
+    assert rc == 2, stderr
+    assert "Traceback" not in stderr
+    assert len(lines) == 2 and lines[0].startswith("lightning-weightsync: error: "), stderr
+    assert lines[1].startswith("  fix: "), stderr
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_bad_factory_path_in_a_real_daemon_process(tmp_path: Path) -> None:
+    result = run_cli("rollout", "rollout.sink.factory=tests.unit.test_sinks:no_such_factory")
+    assert_one_line_error(result.returncode, result.stderr, r"rollout\.sink\.factory=.*has no attribute")
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["config", "show", "transport.backend=pigeon"], r"transport\.backend='pigeon' is not allowed"),
+        (["config", "show", "transport.prot=1"], r"invalid config key 'transport\.prot'"),
+        (["config", "show", "--config", "/nonexistent/recipe.yaml"], r"config file not found"),
+        (["config", "show", "transport.port"], r"not of the form key=value"),
+        (["rollout", "rollout.sink.factory=no_such_pkg.models:build"], r"cannot import module 'no_such_pkg\.models'"),
+        (["rollout", f"rollout.sink.factory={TINY}.build_tiny"], r"not of the form package\.module:function"),
+        (["rollout", "rollout.sink.type=callable", f"rollout.sink.target={TINY}:BUCKET"], r"not a callable"),
+        (["rollout", "rollout.sink.type=safetensors"], r"rollout\.sink\.dir is not set"),
+        (["rollout", "rollout.sink.type=vllm", "rollout.sink.target=m"], r"lightning_weightsync\[vllm\]"),
+    ],
+)
+def test_config_errors_are_one_line_with_a_fix(argv: list[str], pattern: str, capsys: pytest.CaptureFixture) -> None:
+    rc = cli.main(argv)
+    assert_one_line_error(rc, capsys.readouterr().err, pattern)
+
+
+def test_metrics_port_in_use_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = cli.main(["rollout", f"rollout.sink.factory={TINY}:build_tiny", f"rollout.metrics_port={port}"])
+    assert_one_line_error(rc, capsys.readouterr().err, rf"rollout\.metrics_port={port}.*cannot be bound")
+
+
+def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("transport:\n  bucket_size_mb: 64\nrollout:\n  apply: streaming\n")
+    result = run_cli("config", "show", "--config", str(recipe), "transport.port=1234")
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["transport"]["port"] == 1234 and shown["transport"]["bucket_size_mb"] == 64
+    assert shown["rollout"]["apply"] == "streaming" and shown["rollout"]["sink"]["keep_last"] == 3
+
+
+def test_bench_says_when_a_benchmark_is_missing(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(cli, "BENCHMARKS", ("bench_that_does_not_exist",))
+    assert cli.main(["bench"]) == 1
+    assert "benchmarks/bench_that_does_not_exist.py was not found" in capsys.readouterr().out
+
+
+def test_module_entry_point_matches_console_script() -> None:
+    result = subprocess.run([PYTHON, "-m", "lightning_weightsync.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "rollout" in result.stdout and "demo" in result.stdout
+
+
+# --- the demo ---------------------------------------------------------------------------------
+
+
+def test_demo_runs_and_verifies(tmp_path: Path) -> None:
+    result = run_cli("demo", "--steps", "3", "--workdir", str(tmp_path), timeout_s=170)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "OK: rollout holds exactly the trainer's final weights" in out and "version 3" in out
+    records = read_stats(tmp_path / "versions.jsonl")
+    assert [r["version"] for r in records] == [0, 1, 2, 3] and all(r["ok"] for r in records)
+    assert all(r["num_chunked_tensors"] > 0 for r in records)
+
+
+def test_demo_verification_catches_one_flipped_bit(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_weightsync.examples.demo import verify
+
+    weights = version_weights(1)
+    weights.pop("head.weight")  # tied to embed.weight; safetensors stores each name once
+    save_file(weights, str(tmp_path / "trainer.safetensors"), metadata={"last_synced_version": "7"})
+    save_file(weights, str(tmp_path / "rollout.safetensors"), metadata={"version": "7", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert ok, message
+    flipped = {k: v.clone() for k, v in weights.items()}
+    flipped["proj.weight"].view(torch.int32)[3, 4] ^= 1
+    save_file(flipped, str(tmp_path / "rollout.safetensors"), metadata={"version": "7", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert not ok and "proj.weight: bytes differ" in message
+    save_file(weights, str(tmp_path / "rollout.safetensors"), metadata={"version": "6", "state": "complete"})
+    ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
+    assert not ok and "rollout holds version 6, trainer last synced version 7" in message

@@ -1,0 +1,365 @@
+"""The rollout daemon in-process, against a real WeightSender over real ZeroMQ sockets and gloo.
+
+Sender and daemon share this test's event loop (their blocking collectives run on their own
+executor threads), which keeps these tests fast; `test_cli.py` runs the daemon as a real
+subprocess with signals, kills and restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_weightsync import PeerError, WeightSender, WeightSyncError
+from lightning_weightsync.rollout.daemon import RolloutDaemon
+from lightning_weightsync.rollout.sinks import SinkState, build_sink, load_object
+from lightning_weightsync.rollout.sinks.module import ModuleSink
+from lightning_weightsync.rollout.vllm.sink import EXTENSION_CLS, VLLMSink, WeightSyncWorkerExtension
+from tests.support.engine import engine_cfg
+from tests.support.mp import free_port
+from tests.unit.test_sinks import Tiny, assert_same, version_weights
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET_MB = 1 / 1024  # 1 KiB: the 4 KiB embedding is chunked
+
+
+def daemon_cfg(port: int, **extra: Any):
+    extra.setdefault("rollout__sink__factory", "tests.unit.test_sinks:build_tiny")
+    extra.setdefault("rollout__progress", "false")
+    extra.setdefault("transport__timeout_s", 10)
+    return engine_cfg(port, bucket_size_mb=BUCKET_MB, **extra)
+
+
+@contextlib.asynccontextmanager
+async def running(daemon: RolloutDaemon) -> AsyncIterator[RolloutDaemon]:
+    task = asyncio.ensure_future(daemon.run())
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def sender_on(port: int, **extra: Any) -> AsyncIterator[WeightSender]:
+    async with WeightSender(daemon_cfg(port, **extra)) as sender:
+        yield sender
+
+
+async def until(predicate: Any, timeout_s: float = 20) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_daemon_applies_several_versions(apply: str) -> None:
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port, rollout__apply=apply), handle_signals=False)
+    async with running(daemon), sender_on(port) as sender:
+        for version in range(3):
+            stats = await sender.send_weights(version_weights(version).items(), version=version)
+            assert stats.receivers == 1 and stats.num_chunked_tensors > 0
+            sink = daemon.sink
+            assert isinstance(sink, ModuleSink)
+            assert sink.version == version  # acked only after commit
+            assert_same(sink.state_dict(), version_weights(version))
+    assert [r.version for r in daemon.records] == [0, 1, 2]
+    assert all(r.ok and r.num_chunked_tensors == stats.num_chunked_tensors for r in daemon.records)
+    assert all(r.nbytes == stats.nbytes and r.num_buckets == stats.num_buckets for r in daemon.records)
+
+
+async def test_sink_error_is_nacked_named_and_the_daemon_continues() -> None:
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port), handle_signals=False)
+    async with running(daemon), sender_on(port) as sender:
+        await sender.send_weights(version_weights(0).items(), version=0)
+        bad = dict(version_weights(1))
+        bad["model.proj.weight"] = bad.pop("proj.weight")
+        with pytest.raises(PeerError, match=r"'model\.proj\.weight'.*trainer\.names"):
+            await sender.send_weights(bad.items(), version=1)
+        sink = daemon.sink
+        assert isinstance(sink, ModuleSink)
+        assert sink.version == 0 and sink.state is SinkState.COMPLETE
+        assert_same(sink.state_dict(), version_weights(0))
+        await sender.send_weights(version_weights(2).items(), version=2)  # the group is still in step
+        assert_same(sink.state_dict(), version_weights(2))
+    assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "failed"), (2, "applied")]
+
+
+async def test_version_aborted_by_the_sender_is_dropped() -> None:
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port), handle_signals=False)
+
+    def dying(version: int):
+        for i, item in enumerate(version_weights(version).items()):
+            if i == 4:
+                raise RuntimeError("trainer crashed mid-gather (test)")
+            yield item
+
+    async with running(daemon), sender_on(port) as sender:
+        await sender.send_weights(version_weights(0).items(), version=0)
+        with pytest.raises(RuntimeError, match="crashed mid-gather"):
+            await sender.send_weights(dying(1), version=1)
+        await until(lambda: len(daemon.records) == 2)
+        assert daemon.records[1].outcome in ("aborted", "failed", "timeout") and not daemon.records[1].ok
+        sink = daemon.sink
+        assert isinstance(sink, ModuleSink) and sink.version == 0
+        assert_same(sink.state_dict(), version_weights(0))
+        await sender.send_weights(version_weights(2).items(), version=2)
+        assert_same(sink.state_dict(), version_weights(2))
+
+
+async def test_stop_mid_version_drops_it_and_returns() -> None:
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port), handle_signals=False)
+    task = asyncio.ensure_future(daemon.run())
+    gate = asyncio.Event()
+
+    async def paused(version: int):
+        for i, item in enumerate(version_weights(version).items()):
+            if i == 3:
+                await gate.wait()
+            yield item
+
+    async with sender_on(port, transport__timeout_s=3) as sender:
+        await sender.send_weights(version_weights(0).items(), version=0)
+        send = asyncio.ensure_future(sender.send_weights(paused(1), version=1))
+        sink = daemon.sink
+        assert isinstance(sink, ModuleSink)
+        await until(lambda: sink.in_flight == 1)
+        daemon.stop()
+        await asyncio.wait_for(task, 20)
+        assert sink.in_flight is None and sink.version == 0 and sink.state is SinkState.COMPLETE
+        assert_same(sink.state_dict(), version_weights(0))
+        gate.set()
+        with pytest.raises(WeightSyncError):
+            await asyncio.wait_for(send, 30)
+    assert [r.version for r in daemon.records] == [0]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+async def test_metrics_and_healthz() -> None:
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port, rollout__metrics_port=0), handle_signals=False)
+    async with running(daemon):
+        await until(lambda: daemon.metrics_port is not None)
+        base = f"http://127.0.0.1:{daemon.metrics_port}"
+        code, body = await asyncio.to_thread(_get, base + "/healthz")
+        assert code == 503 and json.loads(body) == {"state": "empty", "version": None}
+        async with sender_on(port) as sender:
+            for version in (4, 5):
+                stats = await sender.send_weights(version_weights(version).items(), version=version)
+        code, body = await asyncio.to_thread(_get, base + "/healthz")
+        assert code == 200 and json.loads(body) == {"state": "complete", "version": 5}
+        code, text = await asyncio.to_thread(_get, base + "/metrics")
+        assert code == 200
+        assert "weightsync_rollout_version 5.0" in text
+        assert 'weightsync_rollout_versions_total{outcome="applied"} 2.0' in text
+        assert f"weightsync_rollout_bytes_total {2 * stats.nbytes}.0" in text
+        assert (await asyncio.to_thread(_get, base + "/nope"))[0] == 404
+
+
+async def test_safetensors_and_callable_sinks_behind_the_daemon(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    port = free_port()
+    got: list[tuple[int, dict[str, torch.Tensor]]] = []
+    lock = threading.Lock()
+
+    def collect(version: int, tensors) -> None:
+        with lock:
+            got.append((version, dict(tensors)))
+
+    st = RolloutDaemon(
+        daemon_cfg(port, rollout__sink__type="safetensors", rollout__sink__dir=str(tmp_path), rollout__identity="st"),
+        handle_signals=False,
+    )
+    cfg = daemon_cfg(port, rollout__sink__type="callable", rollout__apply="streaming", rollout__identity="cb")
+    from lightning_weightsync.rollout.sinks.callable import CallableSink
+
+    cb = RolloutDaemon(cfg, sink=CallableSink(cfg, fn=collect), handle_signals=False)
+    async with running(st), running(cb), sender_on(port, trainer__min_receivers=2) as sender:
+        for version in (1, 2):
+            stats = await sender.send_weights(version_weights(version).items(), version=version)
+            assert stats.receivers == 2
+    for version in (1, 2):
+        assert_same(load_file(str(tmp_path / f"step_{version}.safetensors")), version_weights(version))
+    assert [v for v, _ in got] == [1, 2]
+    assert_same(got[1][1], version_weights(2))
+
+
+# --- vLLM worker extension, driven through STAND-INS (vLLM cannot run on this machine) ------------
+
+
+class StandInVLLMModel(Tiny):
+    """STAND-IN for a vLLM model: only `load_weights(iterable of (name, tensor))`, copying by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: list[str] = []
+        self.fail_on: str | None = None
+
+    def load_weights(self, weights) -> set[str]:
+        params = self.state_dict(keep_vars=True)
+        for name, tensor in weights:
+            if name == self.fail_on:
+                raise RuntimeError(f"cannot load {name}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            self.loaded.append(name)
+        return set(self.loaded)
+
+
+class StandInWorker:
+    """STAND-IN for a vLLM GPU worker: the attributes the extension relies on (device, rank, model_runner)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.device = torch.device("cpu")
+        self.model_runner = SimpleNamespace(model=StandInVLLMModel())
+
+
+class StandInLLM:
+    """STAND-IN for `vllm.LLM`: mixes the extension into N workers, `collective_rpc` runs on all at once."""
+
+    def __init__(self, *, model: str, worker_extension_cls: str, tensor_parallel_size: int = 1, **kwargs: Any):
+        module, _, cls = worker_extension_cls.rpartition(".")
+        extension = load_object(f"{module}:{cls}", "worker_extension_cls")  # vLLM resolves it the same way
+        worker_cls = type("Worker", (extension, StandInWorker), {})
+        self.model, self.kwargs = model, kwargs
+        self.workers = [worker_cls(rank) for rank in range(tensor_parallel_size)]
+        self.prefix_cache_resets = 0
+        self.shut_down = False
+        self.pool = ThreadPoolExecutor(max_workers=tensor_parallel_size)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        futures = [self.pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
+        return [f.result(timeout=60) for f in futures]
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
+
+    @property
+    def llm_engine(self) -> SimpleNamespace:
+        return SimpleNamespace(shutdown=self._shutdown)
+
+    def _shutdown(self) -> None:
+        """As vLLM ending its worker processes: their receivers go away even mid-RPC."""
+        for worker in self.workers:
+            worker.close_weight_receiver()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.shut_down = True
+
+
+def vllm_sink(port: int, apply: str = "streaming") -> tuple[VLLMSink, StandInLLM]:
+    cfg = daemon_cfg(
+        port,
+        rollout__sink__type="vllm",
+        rollout__sink__target="stand-in/tiny",
+        rollout__apply=apply,
+        rollout__identity="vllm",
+        trainer__min_receivers=2,
+        **{"rollout__sink__options__tensor_parallel_size": 2, "rollout__sink__options__enforce_eager": "true"},
+    )
+    made: list[StandInLLM] = []
+
+    def factory(**kwargs: Any) -> StandInLLM:
+        made.append(StandInLLM(**kwargs))
+        return made[-1]
+
+    sink = VLLMSink(cfg, llm_factory=factory)
+    return sink, made[0]
+
+
+@pytest.mark.parametrize("apply", ["streaming", "atomic"])
+async def test_vllm_sink_each_worker_receives_and_loads(apply: str) -> None:
+    port = free_port()
+    sink, llm = vllm_sink(port, apply)
+    assert llm.model == "stand-in/tiny" and llm.kwargs == {"enforce_eager": True}
+    assert isinstance(llm.workers[0], WeightSyncWorkerExtension) and EXTENSION_CLS.endswith("WeightSyncWorkerExtension")
+    daemon = RolloutDaemon(sink.cfg, sink=sink, handle_signals=False)
+    async with running(daemon), sender_on(port, trainer__min_receivers=2) as sender:
+        for version in (0, 1):
+            stats = await sender.send_weights(version_weights(version).items(), version=version)
+            assert stats.receivers == 2  # one receiver per vLLM worker
+            await until(lambda v=version: sink.version == v)
+        assert sink.workers == ["vllm-w0", "vllm-w1"]
+        for worker in llm.workers:
+            assert_same(worker.model_runner.model.state_dict(), version_weights(1))
+        assert llm.prefix_cache_resets == 2
+        assert sink.worker_versions == [{"version": 1, "ok": True}] * 2
+    assert [w.weight_policy_version() for w in llm.workers] == [{"version": 1, "state": "complete"}] * 2
+    assert [r.version for r in daemon.records] == [0, 1] and daemon.records[1].nbytes == stats.nbytes
+    assert llm.shut_down
+
+
+async def test_vllm_worker_load_failure_is_nacked_and_marked_incomplete() -> None:
+    port = free_port()
+    sink, llm = vllm_sink(port, "streaming")
+    daemon = RolloutDaemon(sink.cfg, sink=sink, handle_signals=False)
+    async with running(daemon), sender_on(port, trainer__min_receivers=2) as sender:
+        await sender.send_weights(version_weights(0).items(), version=0)
+        await until(lambda: sink.version == 0)
+        llm.workers[1].model_runner.model.fail_on = "norm.weight"
+        with pytest.raises(PeerError, match=r"vllm-w1.*load_weights failed on 'norm\.weight'"):
+            await sender.send_weights(version_weights(1).items(), version=1)
+        await until(lambda: len(daemon.records) == 2)
+        assert sink.state is SinkState.INCOMPLETE and sink.version == 0
+        llm.workers[1].model_runner.model.fail_on = None
+        await sender.send_weights(version_weights(2).items(), version=2)  # both workers still in step
+        await until(lambda: sink.version == 2)
+        assert sink.state is SinkState.COMPLETE
+        for worker in llm.workers:
+            assert_same(worker.model_runner.model.state_dict(), version_weights(2))
+    assert daemon.records[1].outcome == "failed" and "norm.weight" in (daemon.records[1].error or "")
+
+
+def test_vllm_sink_refuses_its_own_extension_option() -> None:
+    cfg = daemon_cfg(
+        free_port(),
+        rollout__sink__type="vllm",
+        rollout__sink__target="m",
+        rollout__sink__options__worker_extension_cls="x.Y",
+    )
+    from lightning_weightsync import ConfigError
+
+    with pytest.raises(ConfigError, match="worker_extension_cls is set by the vllm sink"):
+        build_sink(cfg)
+
+
+def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:
+    from lightning_weightsync.rollout.daemon import _Progress
+
+    off = _Progress(enabled=False)
+    off.bucket(1, 100)
+    assert off._progress is None  # not a terminal: nothing drawn
+    bar = _Progress(enabled=True)
+    bar.bucket(7, 1024)
+    bar.bucket(7, 512)
+    task = bar._progress.tasks[0]
+    assert task.completed == 1536 and task.fields["version"] == 7
+    bar.stop()
+    assert bar._progress is None

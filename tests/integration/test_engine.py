@@ -1,0 +1,460 @@
+"""The transfer engine end to end: real processes, real ZeroMQ sockets, real gloo groups / shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+from lightning_weightsync import (
+    PeerError,
+    VersionAborted,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+from lightning_weightsync.examples.inventory import largest, stream_nbytes
+from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
+from tests.support.mp import free_port, run_workers
+
+# -- multi-process: the model-shaped stream, bitwise, several versions -------------------------------
+
+
+def _receiver_proc(port: int, backend: str, bucket_mb: float, versions: int, stream_kw: dict, delay_s: float) -> list:
+    time.sleep(delay_s)
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=bucket_mb)
+
+    async def main() -> list:
+        seen = []
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(versions):
+                got = await with_timeout(receive_once(receiver))
+                assert_bitwise(got, stream(receiver.version, **stream_kw))
+                seen.append((receiver.version, receiver.last_stats.num_buckets))
+        return seen
+
+    return asyncio.run(main())
+
+
+def _sender_proc(
+    port: int, backend: str, bucket_mb: float, versions: int, stream_kw: dict, rebuild: bool, delay_s: float
+) -> dict:
+    time.sleep(delay_s)
+    cfg = engine_cfg(
+        port, backend=backend, bucket_size_mb=bucket_mb, trainer__min_receivers=2, transport__rebuild_group=rebuild
+    )
+
+    async def main() -> dict:
+        stats = []
+        async with WeightSender(cfg) as sender:
+            for version in range(1, versions + 1):
+                s = await with_timeout(sender.send_weights(stream(version, **stream_kw), version=version))
+                stats.append(s)
+            generation = sender._generation
+        return {"stats": stats, "generation": generation}
+
+    return asyncio.run(main())
+
+
+def _role(role: int, *args) -> object:
+    port, backend, bucket_mb, versions, stream_kw, rebuild, sender_first = args
+    if role == 0:
+        return _sender_proc(port, backend, bucket_mb, versions, stream_kw, rebuild, 0.0 if sender_first else 0.7)
+    return _receiver_proc(port, backend, bucket_mb, versions, stream_kw, 0.7 if sender_first else 0.0)
+
+
+CASES = [
+    # backend, bucket MiB, versions, stream, rebuild_group, sender starts first
+    pytest.param("gloo", 1 / 1024, 2, {"scale": 256, "max_tensors": 30}, False, False, id="gloo-1KiB"),
+    pytest.param("gloo", 0.0625, 3, {"scale": 64, "max_tensors": 200}, True, True, id="gloo-64KiB-rebuild"),
+    pytest.param("gloo", 1.0, 3, {"scale": 64, "max_tensors": None}, False, False, id="gloo-1MiB-qwen3-8b"),
+    pytest.param("gloo", 64.0, 2, {"scale": 32, "max_tensors": 120}, False, True, id="gloo-64MiB"),
+    pytest.param("shm", 1 / 1024, 2, {"scale": 256, "max_tensors": 30}, False, True, id="shm-1KiB"),
+    pytest.param("shm", 0.25, 3, {"scale": 64, "max_tensors": None}, True, False, id="shm-256KiB-qwen3-8b"),
+    pytest.param(
+        "gloo", 0.25, 2, {"model": "qwen3-30b-a3b", "scale": 64, "max_tensors": None}, False, True, id="gloo-moe-30b"
+    ),
+]
+
+
+@pytest.mark.parametrize(("backend", "bucket_mb", "versions", "stream_kw", "rebuild", "sender_first"), CASES)
+def test_model_stream_to_two_receivers_bitwise(backend, bucket_mb, versions, stream_kw, rebuild, sender_first):
+    port = free_port()
+    args = (port, backend, bucket_mb, versions, stream_kw, rebuild, sender_first)
+    sender, recv_a, recv_b = run_workers(_role, [(0, *args), (1, *args), (2, *args)], timeout_s=110)
+    bucket_size = int(bucket_mb * 1024 * 1024)
+    for version, stats in enumerate(sender["stats"], start=1):
+        expected = stream(version, **stream_kw)
+        assert stats.version == version and stats.receivers == 2
+        assert stats.nbytes == stream_nbytes(expected)
+        assert stats.num_tensors == len(expected)
+        # every bucket but the last is full: the split packs buckets to the last byte
+        assert stats.num_buckets == max(1, -(-stats.nbytes // bucket_size))
+        assert (stats.num_chunked_tensors > 0) == (largest(expected) > bucket_size) or stats.num_chunked_tensors > 0
+    assert [v for v, _ in recv_a] == [v for v, _ in recv_b] == list(range(1, versions + 1))
+    assert [n for _, n in recv_a] == [s.num_buckets for s in sender["stats"]]
+    assert sender["generation"] == (versions if rebuild else 1)
+
+
+# -- in-process: protocol behaviour and failures (sender and receivers share one event loop) ----------
+
+
+async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None):
+    """Run a sender and `n_receivers` receivers for `versions`; returns (send results, received)."""
+    stream_kw = stream_kw or {}
+    sender = WeightSender(cfg)
+    await sender.start()
+    cfg_r = engine_cfg(
+        sender.port,
+        bucket_size_mb=cfg.transport.bucket_size_mb,
+        backend=cfg.transport.backend,
+        transport__auth_token=cfg.transport.auth_token,
+    )
+    receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(n_receivers)]
+    for r in receivers:
+        await r.start()
+    try:
+
+        async def send_all():
+            out = []
+            for v in versions:
+                try:
+                    out.append(await sender.send_weights(stream(v, **stream_kw), version=v))
+                except WeightSyncError as exc:
+                    out.append(exc)
+            return out
+
+        async def recv_all(i, r):
+            got = []
+            for _ in versions:
+                consume = (consumers or {}).get(i, receive_once)
+                try:
+                    got.append((r.version, await consume(r)))
+                except Exception as exc:
+                    got.append((r.version, exc))
+            return got
+
+        return await with_timeout(asyncio.gather(send_all(), *(recv_all(i, r) for i, r in enumerate(receivers))), 90)
+    finally:
+        for r in receivers:
+            await r.close()
+        await sender.close()
+
+
+async def test_into_destinations_receive_in_place():
+    cfg = engine_cfg(0, bucket_size_mb=1 / 256, trainer__min_receivers=1)
+    expected = stream(1)
+    dest = {n: torch.zeros_like(t.contiguous()) for n, t in expected}
+
+    receive_stats = []
+
+    async def consume(r):
+        yielded = {}
+        async for name, tensor in r.receive_weights(into=lambda meta: dest[meta.name]):
+            assert tensor.data_ptr() == dest[name].data_ptr() or tensor.numel() == 0  # no staging copy
+            yielded[name] = tensor
+        receive_stats.append(r.last_stats)
+        return yielded
+
+    sent, received = await _serve(cfg, [1], consumers={0: consume})
+    assert_bitwise(received[0][1], expected)
+    assert_bitwise(dest, expected)
+    # the embedding spans many buckets: its full-bucket chunks skip the pack copy and the merge copy
+    assert sent[0].direct_buckets > 0
+    assert receive_stats[0].direct_buckets == sent[0].direct_buckets
+    assert receive_stats[0].num_buckets == sent[0].num_buckets
+
+
+async def test_sender_times_out_without_receivers_and_names_the_knob():
+    cfg = engine_cfg(0, transport__timeout_s=0.5, trainer__min_receivers=1)
+    async with WeightSender(cfg) as sender:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncTimeout, match="min_receivers"):
+            await sender.send_weights(stream(1), version=1)
+        assert time.monotonic() - t0 < 5
+
+
+async def test_min_receivers_zero_sends_nothing_but_drains_the_stream():
+    cfg = engine_cfg(0, trainer__min_receivers=0)
+    pulled = []
+
+    def gen():
+        for name, t in stream(1):
+            pulled.append(name)
+            yield name, t
+
+    async with WeightSender(cfg) as sender:
+        stats = await sender.send_weights(gen(), version=1)
+    assert stats.receivers == 0 and stats.nbytes == 0
+    # the iterable is still consumed: on FSDP the other ranks run the same all-gathers
+    assert pulled == [n for n, _ in stream(1)]
+
+
+async def test_receiver_wait_for_version_times_out():
+    cfg = engine_cfg(free_port())
+    async with WeightReceiver(cfg) as receiver:
+        with pytest.raises(WeightSyncTimeout, match="no version started"):
+            await receive_once(receiver, wait_s=0.5)
+
+
+async def test_versions_must_increase():
+    cfg = engine_cfg(0, trainer__min_receivers=0)
+    async with WeightSender(cfg) as sender:
+        await sender.send_weights([], version=3)
+        with pytest.raises(WeightSyncError, match="must increase"):
+            await sender.send_weights([], version=3)
+
+
+async def test_sender_failure_mid_version_aborts_receivers_then_recovers():
+    cfg = engine_cfg(0, bucket_size_mb=1 / 256, trainer__min_receivers=2)
+    sender = WeightSender(cfg)
+    await sender.start()
+    cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 256)
+    receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(2)]
+    for r in receivers:
+        await r.start()
+    pulled = []
+
+    def failing():
+        for i, (name, t) in enumerate(stream(1)):
+            if i == 10:
+                raise RuntimeError("gather exploded")
+            pulled.append(name)
+            yield name, t
+
+    try:
+
+        async def recv_two(r):
+            with pytest.raises(VersionAborted, match="gather exploded"):
+                await receive_once(r)
+            return await receive_once(r)
+
+        async def send_two():
+            with pytest.raises(RuntimeError, match="gather exploded"):
+                await sender.send_weights(failing(), version=1)
+            return await sender.send_weights(stream(2), version=2)
+
+        stats, got_a, got_b = await with_timeout(asyncio.gather(send_two(), *(recv_two(r) for r in receivers)))
+        assert stats.receivers == 2
+        assert_bitwise(got_a, stream(2))
+        assert_bitwise(got_b, stream(2))
+        assert receivers[0].last_complete_version == 2
+    finally:
+        for r in receivers:
+            await r.close()
+        await sender.close()
+
+
+async def test_failing_consumer_does_not_stall_the_others():
+    cfg = engine_cfg(0, bucket_size_mb=1 / 256, trainer__min_receivers=2)
+
+    async def broken_sink(r):
+        n = 0
+        async for _name, _t in r.receive_weights():
+            n += 1
+            if n == 5 and r.version == 1:
+                raise ValueError("sink rejected tensor")
+        return n
+
+    sent, got0, got1 = await _serve(cfg, [1, 2], n_receivers=2, consumers={1: broken_sink})
+    assert isinstance(sent[0], PeerError) and "r1" in str(sent[0]) and "consumer stopped" in str(sent[0])
+    assert sent[1].receivers == 2  # the next version reaches both again
+    assert_bitwise(got0[0][1], stream(1))  # the healthy receiver got version 1 whole
+    assert_bitwise(got0[1][1], stream(2))
+    assert isinstance(got1[0][1], ValueError)
+    assert got1[1][1] == len(stream(2))  # ... and the failed receiver takes the next version whole
+
+
+async def test_wrong_auth_token_is_dropped_and_counted():
+    cfg = engine_cfg(0, transport__timeout_s=1.5, transport__auth_token="right-secret")
+    async with WeightSender(cfg) as sender:
+        bad = WeightReceiver(engine_cfg(sender.port, transport__auth_token="wrong-secret"), identity="intruder")
+        await bad.start()
+        try:
+            with pytest.raises(WeightSyncTimeout):
+                await sender.send_weights(stream(1), version=1)
+            assert sender._control.dropped_messages > 0
+            assert "intruder" not in sender._control.peers
+        finally:
+            await bad.close()
+
+
+async def test_signed_round_trip():
+    cfg = engine_cfg(0, transport__auth_token="s3cret", bucket_size_mb=1 / 128)
+    sent, got = await _serve(cfg, [1, 2])
+    assert all(s.receivers == 1 for s in sent)
+    assert_bitwise(got[1][1], stream(2))
+
+
+async def test_receiver_restart_gets_next_version():
+    cfg = engine_cfg(0, bucket_size_mb=1 / 128)
+    async with WeightSender(cfg) as sender:
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 128)
+        for version in (1, 2):  # a fresh receiver process each time, same identity
+            async with WeightReceiver(cfg_r, identity="rollout-0") as r:
+                got, stats = await with_timeout(
+                    asyncio.gather(receive_once(r), sender.send_weights(stream(version), version=version))
+                )
+                assert_bitwise(got, stream(version))
+                assert stats.receivers == 1
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+async def test_restarted_sender_serves_the_same_receiver(backend):
+    """A trainer restart = a new sender session on the same port: the receiver re-registers by
+    heartbeat and joins a fresh group (for shm: maps the new sender's new segments)."""
+    port = free_port()
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 64)
+    async with WeightReceiver(cfg, identity="rollout-0") as receiver:
+        for run in range(2):
+            async with WeightSender(cfg) as sender:
+                versions = [1, 2] if run == 0 else [1]  # a restarted trainer may start its numbering over
+                for version in versions:
+                    kw = {"scale": 128, "max_tensors": 40 + run}
+                    got, stats = await with_timeout(
+                        asyncio.gather(
+                            receive_once(receiver), sender.send_weights(stream(version, **kw), version=version)
+                        )
+                    )
+                    assert_bitwise(got, stream(version, **kw))
+                    assert stats.receivers == 1
+
+
+# -- a receiver killed mid-version (kill -9 semantics: os._exit, no goodbye) -------------------------
+
+
+def _dying_receiver(port: int, backend: str) -> None:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
+
+    async def main() -> None:
+        receiver = WeightReceiver(cfg, identity="doomed")
+        await receiver.start()
+        n = 0
+        async for _name, _t in receiver.receive_weights():
+            n += 1
+            if n == 3:
+                os._exit(1)  # no Bye, no ack, sockets torn down by the kernel
+
+    asyncio.run(main())
+
+
+def _surviving_receiver(port: int, backend: str) -> list:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
+
+    async def main() -> list:
+        outcomes = []
+        async with WeightReceiver(cfg, identity="survivor") as receiver:
+            while len(outcomes) < 2:
+                try:
+                    got = await with_timeout(receive_once(receiver), 60)
+                    assert_bitwise(got, stream(receiver.version))
+                    outcomes.append(("ok", receiver.version))
+                except WeightSyncError as exc:
+                    outcomes.append((type(exc).__name__, receiver.version))
+        return outcomes
+
+    return asyncio.run(main())
+
+
+def _sender_with_a_dying_receiver(port: int, backend: str) -> list:
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=8)
+
+    async def main() -> list:
+        results = []
+        async with WeightSender(cfg) as sender:
+            t0 = time.monotonic()
+            try:
+                await sender.send_weights(stream(1), version=1)
+                results.append("ok")
+            except WeightSyncError as exc:
+                results.append(type(exc).__name__)
+            results.append(time.monotonic() - t0)
+            sender.cfg.trainer.min_receivers = 1  # the dead one is gone; carry on with who is left
+            stats = await sender.send_weights(stream(2), version=2)
+            results.append(stats.receivers)
+        return results
+
+    return asyncio.run(main())
+
+
+def _dying_role(role: int, port: int, backend: str) -> object:
+    if role == 0:
+        return _sender_with_a_dying_receiver(port, backend)
+    if role == 1:
+        return _surviving_receiver(port, backend)
+    _dying_receiver(port, backend)
+    return None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_receiver_killed_mid_version_fails_the_version_not_the_session(backend):
+    port = free_port()
+    codes: list[int | None] = []
+    args = [(r, port, backend) for r in range(3)]
+    sender, survivor, _ = run_workers(_dying_role, args, timeout_s=100, doomed=[2], exit_codes=codes)
+    assert codes[2] == 1  # it really died
+    # bounded, named, not a hang; and noticed at once, well before transport.timeout_s=8
+    assert sender[0] == "PeerError" and sender[1] < 6
+    assert sender[2] == 1  # the next version reached the survivor
+    assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
+    assert survivor[1] == ("ok", 2)
+
+
+async def test_producer_may_reuse_its_tensor_once_the_next_is_pulled():
+    """The chunk lifetime contract with direct (zero-copy) buckets: a producer that refills one
+    buffer for every tensor (as a gather into a reused buffer would) must not corrupt broadcasts
+    still in flight from that buffer."""
+    bucket = 64 * 1024
+    numel = (bucket * 5 // 2) // 4  # 2.5 buckets of float32: full-bucket middle chunks go direct
+    buf = torch.empty(numel)
+
+    def reusing_producer():
+        for i in range(12):
+            buf.fill_(float(i))
+            yield f"w{i}", buf
+
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=bucket / 2**20)
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg) as receiver:
+        got, stats = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(reusing_producer(), version=1))
+        )
+    assert stats.direct_buckets > 0
+    for i in range(12):
+        assert torch.equal(got[f"w{i}"], torch.full((numel,), float(i))), f"w{i} corrupted"
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_hostile_messages_mid_version_are_dropped_and_the_version_still_lands(token):
+    """Garbage, a forged bucket with out-of-range offsets, and (with a token) an unsigned or
+    wrongly signed but otherwise valid bucket, injected while a version is in flight: each is
+    rejected and counted, none is acted upon, and the version arrives bitwise."""
+    from lightning_weightsync.protocol.messages import BucketMeta, Entry, encode
+
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=1 / 256, transport__auth_token=token)
+    forged_out_of_range = BucketMeta(1, 7, True, 16, [Entry("model.norm.weight", [4], "float32", 0, 16, 4000)])
+    forged_valid = BucketMeta(1, 1, True, 4, [Entry("model.norm.weight", [1], "float32", 0, 4, 0)])
+    junk = [[b"\x93garbage"], encode(forged_out_of_range, token.encode() if token else None)]
+    if token:
+        junk += [encode(forged_valid), encode(forged_valid, b"wrong-key")]
+
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:
+
+        async def weights():
+            for i, (name, tensor) in enumerate(stream(1)):
+                if i == 5:  # the receiver is inside the version now
+                    for frames in junk:
+                        await sender._control._sock.send_multipart([b"r0", *frames])
+                yield name, tensor
+
+        got, stats = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(weights(), version=1))
+        )
+    assert_bitwise(got, stream(1))
+    assert stats.receivers == 1 and not stats.failed
+    assert receiver.dropped_messages == len(junk)

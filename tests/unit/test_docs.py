@@ -1,0 +1,87 @@
+"""The docs cannot drift: configuration.md lists exactly the structured config's keys and defaults,
+every config key or CLI command a doc mentions exists, and every relative link resolves."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lightning_weightsync import cli
+from lightning_weightsync.config import default_config
+
+DOCS = Path(__file__).resolve().parent.parent.parent / "docs"
+PAGES = ("quickstart.md", "concepts.md", "configuration.md", "backends.md", "operations.md")
+FILE_SUFFIXES = {"log", "yaml", "jsonl", "safetensors", "py", "md"}  # `trainer.log` is a file name, not a key
+ROW = re.compile(r"^\|\s*`(?P<key>[a-z_.]+)`\s*\|\s*`(?P<default>[^`]*)`\s*\|")
+
+
+def structured_leaves(node: DictConfig, prefix: str = "") -> dict[str, Any]:
+    """Flatten the structured config down to its fields (free-form mappings like `options` are leaves)."""
+    out: dict[str, Any] = {}
+    for key in node:
+        path = f"{prefix}{key}"
+        value_type = OmegaConf.get_type(node, key)
+        child = node[key]
+        if isinstance(child, DictConfig) and value_type is not None and dataclasses.is_dataclass(value_type):
+            out.update(structured_leaves(child, f"{path}."))
+        else:
+            value = OmegaConf.to_container(child) if isinstance(child, DictConfig | ListConfig) else child
+            out[path] = value.value if isinstance(value, enum.Enum) else value  # choices as users type them
+    return out
+
+
+def documented_defaults() -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for line in (DOCS / "configuration.md").read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            assert m["key"] not in rows, f"{m['key']} documented twice"
+            rows[m["key"]] = yaml.safe_load(m["default"])
+    return rows
+
+
+def test_configuration_md_matches_the_structured_config() -> None:
+    code = structured_leaves(default_config())
+    docs = documented_defaults()
+    assert len(code) > 30  # the flattening found the fields, not just the three sections
+    assert sorted(set(code) - set(docs)) == [], "keys missing from docs/configuration.md"
+    assert sorted(set(docs) - set(code)) == [], "docs/configuration.md documents keys the config does not have"
+    wrong = {k: (docs[k], code[k]) for k in code if docs[k] != code[k] or type(docs[k]) is not type(code[k])}
+    # YAML reads `512.0` as float and `3` as int, exactly as the dataclass defaults are typed
+    assert wrong == {}, "defaults in docs/configuration.md differ from config.py: {key: (docs, code)}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_exists_and_its_config_keys_exist(page: str) -> None:
+    text = (DOCS / page).read_text()
+    assert text.startswith("# "), f"{page} has no title"
+    keys = set(structured_leaves(default_config()))
+    sections = {k.rsplit(".", 1)[0] for k in keys} | {"transport", "trainer", "rollout"}
+    for ref in {r.rstrip(".") for r in re.findall(r"`((?:transport|trainer|rollout)\.[a-z_.]+)", text)}:
+        if ref in keys or ref in sections or ref.rsplit(".", 1)[-1] in FILE_SUFFIXES:
+            continue
+        assert any(ref.startswith(f"{free}.") for free in ("rollout.sink.options", "trainer.names.rename")), (
+            f"{page} mentions `{ref}`, which is not a config key"
+        )
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_relative_links_resolve(page: str) -> None:
+    text = (DOCS / page).read_text()
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (DOCS / target).resolve().exists(), f"{page} links to missing {target}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_cli_commands_in_docs_exist(page: str) -> None:
+    parser = cli.build_parser()
+    commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    for command in re.findall(r"lightning-weightsync ([a-z-]+)", (DOCS / page).read_text()):
+        assert command in commands, f"{page} uses `lightning-weightsync {command}`, which does not exist"

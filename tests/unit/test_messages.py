@@ -1,0 +1,473 @@
+"""Control-plane wire format: round trips, validation, HMAC, a fuzzed decoder, and no pickle anywhere.
+
+`decode` is the only door from the network into the process, so it is held to one contract: it
+returns a validated message or raises `ProtocolError`, whatever the bytes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pickle
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lightning_weightsync
+from lightning_weightsync import ProtocolError, TensorMeta
+from lightning_weightsync.protocol.dtypes import DTYPES
+from lightning_weightsync.protocol.messages import (
+    MAC_LEN,
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    MAX_TEXT_LEN,
+    Abort,
+    Ack,
+    BucketDone,
+    BucketMeta,
+    Bye,
+    Entry,
+    Plan,
+    Prepare,
+    Ready,
+    Register,
+    decode,
+    encode,
+    validate,
+)
+
+KEY = b"s3cret-token"
+PACKAGE_DIR = Path(lightning_weightsync.__file__).parent
+
+
+def _entries() -> list[Entry]:
+    return [
+        Entry("model.embed_tokens.weight", [8, 4], "bfloat16", 0, 64, 0),
+        Entry("model.norm.weight", [4], "float32", 0, 16, 64),
+        Entry("scalar", [], "float8_e4m3fn", 0, 1, 80),
+        Entry("empty", [0, 3], "int64", 0, 0, 81),
+        Entry("big", [1000], "float64", 4000, 19, 81),
+    ]
+
+
+MESSAGES = [
+    Register("rollout-0", "10.0.0.2", 1234, "cuda:0"),
+    Register("rollout-1", "host", 1, "cpu", last_version=7),
+    Prepare(3, "5f0c2a"),
+    Ready("rollout-0", 3),
+    Plan(3, "5f0c2a", 1, 1, 3, "gloo", 1 << 20, "127.0.0.1", 29601),
+    Plan(4, "5f0c2a", 2, 0, 1, "nccl", 100, "h", 0, info={"nccl_id": "abcd"}),
+    BucketMeta(3, 0, False, 100, _entries()),
+    BucketMeta(3, 5, True, 0, []),
+    BucketDone("rollout-0", 3, 0),
+    Ack("rollout-0", 3, True),
+    Ack("rollout-1", 3, False, error="sink rejected 'x': shape [2] != [3]"),
+    Abort(3, "trainer rank 0 died"),
+    Bye("rollout-0"),
+]
+
+
+# ----------------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("key", [None, KEY], ids=["unsigned", "signed"])
+def test_roundtrip_every_message(msg, key: bytes | None) -> None:
+    frames = encode(msg, key)
+    assert all(isinstance(f, bytes) for f in frames)
+    assert len(frames) == (2 if key else 1)
+    got = decode(frames, key, bucket_size=1 << 20)
+    assert type(got) is type(msg)
+    assert got == msg
+
+
+def test_every_message_type_is_covered() -> None:
+    from lightning_weightsync.protocol import messages as wire
+
+    declared = set(wire.Message.__args__)
+    assert {type(m) for m in MESSAGES} == declared
+
+
+def test_entry_meta_roundtrip_for_every_dtype() -> None:
+    for name, dtype in DTYPES.items():
+        meta = TensorMeta(f"w.{name}", (3, 0, 2) if name == "bool" else (5, 7), dtype, 0, 0, offset=11)
+        if meta.nbytes:
+            meta = dataclasses.replace(meta, chunk_offset=3, chunk_size=meta.nbytes - 3)
+        entry = Entry.from_meta(meta)
+        assert entry.dtype == name
+        msg = BucketMeta(1, 0, True, 11 + meta.chunk_size, [entry])
+        (back,) = decode(encode(msg)).entries
+        assert back.to_meta() == meta
+
+
+def test_encoding_is_msgpack_not_pickle() -> None:
+    (body,) = encode(Ack("r", 1, True))
+    assert msgspec.msgpack.decode(body) == {"type": "ack", "identity": "r", "version": 1, "ok": True, "error": None}
+    assert not body.startswith(b"\x80")  # pickle protocol header
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _bucket(*entries: Entry, nbytes: int = 1000, **kw) -> BucketMeta:
+    return BucketMeta(kw.get("version", 1), kw.get("bucket_index", 0), False, nbytes, list(entries))
+
+
+def _ok_entry(**changes) -> Entry:
+    base = {"name": "w", "shape": [10], "dtype": "float32", "chunk_offset": 0, "chunk_size": 40, "offset": 0}
+    base.update(changes)
+    return Entry(**base)
+
+
+BAD = [
+    ("dtype-unknown", _bucket(_ok_entry(dtype="float33")), "dtype 'float33'"),
+    ("dtype-attr", _bucket(_ok_entry(dtype="__class__")), "allow-list"),
+    ("dtype-torch-fn", _bucket(_ok_entry(dtype="load")), "allow-list"),
+    ("dtype-object", _bucket(_ok_entry(dtype="Tensor")), "allow-list"),
+    ("shape-negative", _bucket(_ok_entry(shape=[-1, 10])), "shape"),
+    ("shape-negative-inner", _bucket(_ok_entry(shape=[10, -4], chunk_size=0)), "shape"),
+    ("shape-ndim", _bucket(_ok_entry(shape=[1] * (MAX_NDIM + 1), chunk_size=4)), "shape"),
+    ("chunk-past-end", _bucket(_ok_entry(chunk_offset=4, chunk_size=40)), "outside 40 bytes"),
+    ("chunk-too-big", _bucket(_ok_entry(chunk_size=41)), "outside 40 bytes"),
+    ("chunk-offset-negative", _bucket(_ok_entry(chunk_offset=-4, chunk_size=4)), "outside"),
+    ("chunk-size-negative", _bucket(_ok_entry(chunk_offset=8, chunk_size=-4)), "outside"),
+    ("bucket-offset-past-end", _bucket(_ok_entry(offset=961)), "bucket offset 961"),
+    ("bucket-offset-negative", _bucket(_ok_entry(offset=-1)), "bucket offset -1"),
+    ("bucket-small", _bucket(_ok_entry(offset=0), nbytes=39), "outside the bucket's 39 bytes"),
+    ("name-too-long", _bucket(_ok_entry(name="x" * (MAX_NAME_LEN + 1))), f"over {MAX_NAME_LEN}"),
+    ("name-empty", _bucket(_ok_entry(name="")), "empty"),
+    ("bucket-index-negative", _bucket(_ok_entry(), bucket_index=-1), "bucket_index=-1"),
+    ("bucket-nbytes-negative", _bucket(nbytes=-5), "nbytes=-5"),
+    ("version-negative-bucket", _bucket(_ok_entry(), version=-1), "version=-1"),
+    ("version-negative-prepare", Prepare(-1, "s"), "version=-1"),
+    ("version-negative-ready", Ready("r", -2), "version=-2"),
+    ("version-negative-plan", Plan(-1, "s", 0, 0, 1, "gloo", 10, "h", 1), "version=-1"),
+    ("version-negative-done", BucketDone("r", -1, 0), "version=-1"),
+    ("version-negative-ack", Ack("r", -1, True), "version=-1"),
+    ("version-negative-abort", Abort(-1, "x"), "version=-1"),
+    ("bucket-done-index-negative", BucketDone("r", 1, -3), "bucket_index=-3"),
+    ("rank-eq-world", Plan(1, "s", 0, 2, 2, "gloo", 10, "h", 1), "rank 2 not in world of size 2"),
+    ("rank-gt-world", Plan(1, "s", 0, 5, 2, "gloo", 10, "h", 1), "rank 5"),
+    ("rank-negative", Plan(1, "s", 0, -1, 2, "gloo", 10, "h", 1), "rank -1"),
+    ("world-zero", Plan(1, "s", 0, 0, 0, "gloo", 10, "h", 1), "world of size 0"),
+    ("plan-bucket-zero", Plan(1, "s", 0, 0, 1, "gloo", 0, "h", 1), "bucket_size"),
+    ("plan-store-port", Plan(1, "s", 0, 0, 1, "gloo", 10, "h", 70000), "store_port"),
+    ("plan-info-long", Plan(1, "s", 0, 0, 1, "gloo", 10, "h", 1, info={"k": "v" * (MAX_TEXT_LEN + 1)}), "plan info"),
+    ("session-long", Prepare(1, "s" * (MAX_TEXT_LEN + 1)), "session"),
+    ("identity-long", Register("i" * (MAX_TEXT_LEN + 1), "h", 1, "cpu"), "identity"),
+    ("error-long", Ack("r", 1, False, error="e" * (MAX_TEXT_LEN + 1)), "error"),
+    ("reason-long", Abort(1, "r" * (MAX_TEXT_LEN + 1)), "reason"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_validation_rejects(case) -> None:
+    _, msg, match = case
+    with pytest.raises(ProtocolError, match=match):
+        validate(msg)
+    # and the same through the decoder, from bytes as a peer would send them
+    with pytest.raises(ProtocolError, match=match):
+        decode(encode(msg))
+    with pytest.raises(ProtocolError, match=match):
+        decode(encode(msg, KEY), KEY)
+
+
+def test_validation_accepts_edges() -> None:
+    validate(_bucket(_ok_entry(name="x" * MAX_NAME_LEN)))
+    validate(_bucket(_ok_entry(offset=960)))  # ends exactly at the bucket's end
+    validate(_bucket(_ok_entry(shape=[], dtype="float64", chunk_size=8)))
+    validate(_bucket(_ok_entry(shape=[0, 5], chunk_size=0, offset=1000)))
+    validate(Plan(0, "s", 0, 1, 2, "gloo", 1, "h", 65535))
+
+
+def test_bucket_larger_than_local_bucket_size() -> None:
+    msg = _bucket(_ok_entry(), nbytes=1000)
+    decode(encode(msg), bucket_size=1000)
+    with pytest.raises(ProtocolError, match="1000 bytes > bucket_size 999"):
+        decode(encode(msg), bucket_size=999)
+
+
+def test_unknown_message_type_and_wrong_field_types() -> None:
+    for obj in (
+        {"type": "exec", "cmd": "rm -rf /"},
+        {"type": "prepare", "version": "3"},
+        {"type": "prepare"},
+        {"type": "bucket", "version": 1, "bucket_index": 0, "is_last": True, "nbytes": 1, "entries": [["w"]]},
+        {"version": 1},
+        [1, 2, 3],
+        "prepare",
+    ):
+        with pytest.raises(ProtocolError, match="malformed"):
+            decode([msgspec.msgpack.encode(obj)])
+
+
+# ----------------------------------------------------------------------------------------------- HMAC
+
+
+def test_signed_message_carries_a_mac() -> None:
+    mac, body = encode(Prepare(1, "s"), KEY)
+    assert len(mac) == MAC_LEN
+    assert body == encode(Prepare(1, "s"))[0]
+
+
+def test_unsigned_message_rejected_when_key_set() -> None:
+    with pytest.raises(ProtocolError, match="unsigned"):
+        decode(encode(Prepare(1, "s")), KEY)
+
+
+def test_signed_message_rejected_without_key() -> None:
+    with pytest.raises(ProtocolError, match="auth_token"):
+        decode(encode(Prepare(1, "s"), KEY))
+
+
+def test_wrong_key_rejected() -> None:
+    with pytest.raises(ProtocolError, match="signature"):
+        decode(encode(Prepare(1, "s"), b"other-token"), KEY)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_tampered_body_rejected(msg) -> None:
+    mac, body = encode(msg, KEY)
+    for i in range(0, len(body), max(1, len(body) // 16)):
+        tampered = bytearray(body)
+        tampered[i] ^= 0x01
+        with pytest.raises(ProtocolError, match="signature"):
+            decode([mac, bytes(tampered)], KEY)
+    with pytest.raises(ProtocolError, match="signature"):
+        decode([mac, body + b"\x00"], KEY)
+
+
+def test_tampered_mac_and_replayed_mac_rejected() -> None:
+    mac, body = encode(Prepare(1, "s"), KEY)
+    bad = bytes([mac[0] ^ 0x80]) + mac[1:]
+    with pytest.raises(ProtocolError, match="signature"):
+        decode([bad, body], KEY)
+    other_mac, _ = encode(Prepare(2, "s"), KEY)
+    with pytest.raises(ProtocolError, match="signature"):
+        decode([other_mac, body], KEY)  # a valid MAC of another message
+    with pytest.raises(ProtocolError):
+        decode([mac[:-1], body], KEY)
+    with pytest.raises(ProtocolError):
+        decode([body, mac], KEY)
+
+
+# ----------------------------------------------------------------------------------------------- fuzz
+
+
+def _decode_or_protocol_error(frames: list[bytes], key: bytes | None, bucket_size: int | None = None) -> None:
+    try:
+        msg = decode(frames, key, bucket_size=bucket_size)
+    except ProtocolError:
+        return
+    # anything that decodes is one of our types and passes validation on its own
+    validate(msg, bucket_size=bucket_size)
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(body=st.binary(max_size=512), key=st.sampled_from([None, KEY]))
+def test_fuzz_random_bytes(body: bytes, key: bytes | None) -> None:
+    _decode_or_protocol_error([body], key)
+    _decode_or_protocol_error([b"\x00" * MAC_LEN, body], key)
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64), max_size=4), key=st.sampled_from([None, KEY]))
+def test_fuzz_random_frame_lists(frames: list[bytes], key: bytes | None) -> None:
+    _decode_or_protocol_error(frames, key)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_truncation_of_valid_messages(msg) -> None:
+    (body,) = encode(msg)
+    for n in range(len(body)):
+        with pytest.raises(ProtocolError):
+            decode([body[:n]])
+    mac, body = encode(msg, KEY)
+    for n in range(len(body)):
+        with pytest.raises(ProtocolError):
+            decode([mac, body[:n]], KEY)
+
+
+@FUZZ
+@given(
+    index=st.sampled_from(range(len(MESSAGES))),
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6),
+    cut=st.integers(0, 10_000),
+    key=st.sampled_from([None, KEY]),
+)
+def test_fuzz_mutated_valid_messages(index: int, edits, cut: int, key: bytes | None) -> None:
+    frames = encode(MESSAGES[index], key)
+    body = bytearray(frames[-1])
+    for pos, value in edits:
+        body[pos % len(body)] = value
+    body = body[: max(1, cut % (len(body) + 1))]
+    _decode_or_protocol_error([*frames[:-1], bytes(body)], key, bucket_size=1 << 20)
+    if key:  # re-signed, so the mutation reaches the msgpack decoder and the validator
+        _decode_or_protocol_error(encode_raw(bytes(body), key), key, bucket_size=1 << 20)
+
+
+def encode_raw(body: bytes, key: bytes) -> list[bytes]:
+    from lightning_weightsync.protocol.messages import sign
+
+    return [sign(body, key), body]
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.sampled_from([*DTYPES, "float33", "", "__class__"]),
+    st.binary(max_size=8),
+)
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=6), max_leaves=30)
+_TAGS = ["register", "prepare", "ready", "plan", "bucket", "bucket_done", "ack", "abort", "bye", "nope"]
+_FIELDS = [
+    "identity", "host", "pid", "device", "last_version", "protocol", "version", "generation", "rank",
+    "world_size", "backend", "bucket_size", "store_host", "store_port", "info", "bucket_index", "is_last",
+    "nbytes", "entries", "ok", "error", "reason", "session", "extra",
+]  # fmt: skip
+
+
+@FUZZ
+@given(
+    tag=st.sampled_from(_TAGS),
+    fields=st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=10),
+    entries=st.lists(
+        st.tuples(
+            st.text(max_size=8),
+            st.lists(st.integers(-3, 2**40), max_size=5),
+            st.sampled_from([*DTYPES, "float33", "object"]),
+            st.integers(-(2**40), 2**40),
+            st.integers(-(2**40), 2**40),
+            st.integers(-(2**40), 2**40),
+        ).map(list),
+        max_size=4,
+    ),
+    key=st.sampled_from([None, KEY]),
+)
+def test_fuzz_structured_messages(tag: str, fields: dict, entries: list, key: bytes | None) -> None:
+    """Well-formed msgpack shaped like our messages, with hostile values: the validator's turn."""
+    obj = {"type": tag, **fields}
+    if tag == "bucket" and "entries" not in fields:
+        obj["entries"] = entries
+    body = msgspec.msgpack.encode(obj)
+    frames = encode_raw(body, key) if key else [body]
+    _decode_or_protocol_error(frames, key, bucket_size=1 << 20)
+
+
+def test_decoded_entries_become_valid_metas() -> None:
+    """Whatever passes validation can be turned into a TensorMeta without raising anything else."""
+    msg = decode(encode(BucketMeta(1, 0, True, 100, _entries())))
+    for e in msg.entries:
+        meta = e.to_meta()
+        assert meta.chunk_offset + meta.chunk_size <= meta.nbytes
+        assert isinstance(meta.dtype, torch.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- no pickle
+
+_PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+# torch.distributed object collectives pickle their payloads; zmq's *_pyobj pickle too.
+_PICKLING_CALLS = {
+    "send_pyobj", "recv_pyobj", "broadcast_object_list", "all_gather_object", "gather_object",
+    "scatter_object_list", "send_object_list", "recv_object_list",
+}  # fmt: skip
+
+
+def _pickle_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(PACKAGE_DIR.parent)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names if a.name.split(".")[0] in _PICKLE_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _PICKLE_MODULES:
+            found.append(f"{where} from {node.module} import ...")
+        elif isinstance(node, ast.Attribute) and node.attr in _PICKLING_CALLS:
+            found.append(f"{where} .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in _PICKLING_CALLS | _PICKLE_MODULES:
+            found.append(f"{where} {node.id}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            owner = func.value.id if isinstance(func.value, ast.Name) else None
+            kwargs = {k.arg: k.value for k in node.keywords}
+            if owner == "torch" and func.attr == "load":
+                wo = kwargs.get("weights_only")
+                if not (isinstance(wo, ast.Constant) and wo.value is True):
+                    found.append(f"{where} torch.load without weights_only=True")
+            if owner == "torch" and func.attr == "save":
+                found.append(f"{where} torch.save (a pickle; use safetensors)")
+            if owner in {"np", "numpy"} and func.attr == "load":
+                ap = kwargs.get("allow_pickle")
+                if ap is not None and not (isinstance(ap, ast.Constant) and ap.value is False):
+                    found.append(f"{where} numpy.load with allow_pickle")
+    return found
+
+
+def test_package_never_pickles() -> None:
+    sources = sorted(PACKAGE_DIR.rglob("*.py"))
+    assert len(sources) >= 5
+    found = [use for path in sources for use in _pickle_uses(path)]
+    assert not found, "pickle on a wire/disk path:\n" + "\n".join(found)
+
+
+def test_pickle_detector_detects(tmp_path: Path) -> None:
+    """The scan above would fail on each of these (so a pass means something)."""
+    bad = {
+        "a.py": "import pickle\n",
+        "b.py": "from cloudpickle import dumps\n",
+        "c.py": "def f(sock):\n    return sock.recv_pyobj()\n",
+        "d.py": "import torch\nx = torch.load('f')\n",
+        "e.py": "import torch\nx = torch.load('f', weights_only=False)\n",
+        "f.py": "import torch.distributed as dist\ndist.broadcast_object_list([1])\n",
+        "g.py": "import torch\ntorch.save({}, 'f')\n",
+    }
+    pkg = tmp_path / "lightning_weightsync"
+    pkg.mkdir()
+    global PACKAGE_DIR
+    saved, PACKAGE_DIR = PACKAGE_DIR, pkg
+    try:
+        for name, src in bad.items():
+            (pkg / name).write_text(src)
+            assert _pickle_uses(pkg / name), name
+        (pkg / "ok.py").write_text("import torch\nx = torch.load('f', weights_only=True)\n# pickle in a comment\n")
+        assert not _pickle_uses(pkg / "ok.py")
+    finally:
+        PACKAGE_DIR = saved
+
+
+def test_decode_does_not_reach_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args, **kwargs):
+        raise AssertionError("pickle was used on the wire path")
+
+    for name in ("loads", "load", "dumps", "dump"):
+        monkeypatch.setattr(pickle, name, boom)
+    monkeypatch.setattr(pickle, "Unpickler", boom)
+    for msg in MESSAGES:
+        for key in (None, KEY):
+            assert decode(encode(msg, key), key) == msg
+
+
+def test_absurd_declared_tensor_size_is_refused():
+    from lightning_weightsync.protocol.messages import (
+        MAX_TENSOR_BYTES,
+        BucketMeta,
+        Entry,
+        ProtocolError,
+        decode,
+        encode,
+    )
+
+    huge = BucketMeta(1, 0, True, 8, [Entry("w", [1 << 30, 1 << 20], "float32", 0, 8, 0)])
+    assert MAX_TENSOR_BYTES < 4 * (1 << 50)
+    with pytest.raises(ProtocolError, match="refusing to allocate"):
+        decode(encode(huge))

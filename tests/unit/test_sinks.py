@@ -1,0 +1,410 @@
+"""Sinks driven exactly as the daemon drives them: split -> merge(into=sink.destination) -> accept -> commit.
+
+These tests need no network: the chunk stream is produced in-process by `split_weight_chunks`, so
+they exercise the sinks' own contracts (bitwise result, atomicity, errors naming the tensor, crash-
+safe files). The daemon and CLI tests run the same sinks behind real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_weightsync import SinkError, VersionAborted, load_config, merge_weight_chunks, split_weight_chunks
+from lightning_weightsync.errors import BackendUnavailable, ConfigError
+from lightning_weightsync.rollout.sinks import SinkState, build_sink, load_callable
+from lightning_weightsync.rollout.sinks.callable import CallableSink
+from lightning_weightsync.rollout.sinks.module import ModuleSink
+from lightning_weightsync.rollout.sinks.safetensors import MIN_HEADER_RESERVE, SafetensorsSink, step_path
+
+BUCKET = 1024  # bytes: smaller than the largest weight below, so chunking is exercised
+
+
+class Tiny(torch.nn.Module):
+    """A small model with a weight bigger than the bucket, a buffer, bf16 and a tied weight."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)  # 64*16*4 = 4 KiB > BUCKET
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim).to(torch.bfloat16)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def build_tiny(vocab: int = 64, dim: int = 16) -> Tiny:
+    return Tiny(vocab, dim)
+
+
+def version_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ref = Tiny()
+    out = {}
+    for name, t in ref.state_dict().items():
+        if t.is_floating_point():
+            out[name] = torch.randn(t.shape, generator=g).to(t.dtype)
+        else:
+            out[name] = torch.full(t.shape, seed, dtype=t.dtype)
+    out["head.weight"] = out["embed.weight"]
+    return out
+
+
+def module_cfg(apply: str = "atomic", **extra: str) -> object:
+    overrides = [
+        f"rollout.apply={apply}",
+        "rollout.sink.type=module",
+        "rollout.sink.factory=tests.unit.test_sinks:build_tiny",
+    ]
+    return load_config(overrides=overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+async def drive(sink, weights, version: int, bucket: int = BUCKET) -> None:
+    """What the daemon does for one version, minus the network."""
+    items = weights.items() if isinstance(weights, dict) else weights
+    sink.begin(version)
+    try:
+        async for name, tensor in merge_weight_chunks(
+            split_weight_chunks(items, bucket), bucket, into=sink.destination
+        ):
+            sink.accept(name, tensor)
+    except BaseException as exc:
+        sink.abort(version, str(exc))
+        raise
+    sink.commit(version)
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def broken(weights: dict[str, torch.Tensor], after: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The version's stream, dying after `after` tensors (a trainer crash mid-version)."""
+    for i, item in enumerate(weights.items()):
+        if i == after:
+            raise VersionAborted("sender went away (test)")
+        yield item
+
+
+# --- module sink ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_module_sink_applies_versions_bitwise(apply: str) -> None:
+    sink = build_sink(module_cfg(apply))
+    assert isinstance(sink, ModuleSink) and sink.state is SinkState.EMPTY
+    for version in (0, 1, 2):
+        weights = version_weights(version)
+        await drive(sink, weights, version)
+        assert sink.version == version and sink.state is SinkState.COMPLETE
+        assert_same(sink.state_dict(), weights)
+
+
+async def test_module_sink_streaming_writes_into_live_parameters() -> None:
+    sink = build_sink(module_cfg("streaming"))
+    assert isinstance(sink, ModuleSink)
+    ptrs = {name: t.data_ptr() for name, t in sink.module.state_dict().items()}
+    weights = version_weights(3)
+    sink.begin(3)
+    async for name, tensor in merge_weight_chunks(
+        split_weight_chunks(weights.items(), BUCKET), BUCKET, into=sink.destination
+    ):
+        assert tensor.data_ptr() == ptrs[name], f"{name} was staged, not written in place"
+        sink.accept(name, tensor)
+    sink.commit(3)
+    assert {n: t.data_ptr() for n, t in sink.module.state_dict().items()} == ptrs
+    assert_same(sink.state_dict(), weights)
+
+
+async def test_module_sink_atomic_is_invisible_until_commit() -> None:
+    sink = build_sink(module_cfg("atomic"))
+    assert isinstance(sink, ModuleSink)
+    v0 = version_weights(0)
+    await drive(sink, v0, 0)
+    v1 = version_weights(1)
+    sink.begin(1)
+    async for name, tensor in merge_weight_chunks(
+        split_weight_chunks(v1.items(), BUCKET), BUCKET, into=sink.destination
+    ):
+        sink.accept(name, tensor)
+    assert_same(sink.state_dict(), v0)  # everything arrived, nothing visible yet
+    sink.commit(1)
+    assert_same(sink.state_dict(), v1)
+
+
+async def test_module_sink_atomic_abort_keeps_previous_version() -> None:
+    sink = build_sink(module_cfg("atomic"))
+    v0 = version_weights(0)
+    await drive(sink, v0, 0)
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(version_weights(1), after=3), 1)
+    assert sink.version == 0 and sink.state is SinkState.COMPLETE and sink.in_flight is None
+    assert_same(sink.state_dict(), v0)
+    await drive(sink, version_weights(2), 2)  # and the next version still applies
+    assert_same(sink.state_dict(), version_weights(2))
+
+
+async def test_module_sink_streaming_abort_marks_incomplete_until_next_version() -> None:
+    sink = build_sink(module_cfg("streaming"))
+    await drive(sink, version_weights(0), 0)
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(version_weights(1), after=3), 1)
+    assert sink.state is SinkState.INCOMPLETE and sink.version == 0
+    await drive(sink, version_weights(2), 2)
+    assert sink.state is SinkState.COMPLETE and sink.version == 2
+    assert_same(sink.state_dict(), version_weights(2))
+
+
+async def test_module_sink_unknown_name_is_named_and_previous_version_kept() -> None:
+    sink = build_sink(module_cfg("atomic"))
+    v0 = version_weights(0)
+    await drive(sink, v0, 0)
+    bad = dict(version_weights(1))
+    bad["model.embed.weight"] = bad.pop("embed.weight")
+    with pytest.raises(SinkError, match=r"'model\.embed\.weight'.*closest: 'embed\.weight'.*trainer\.names"):
+        await drive(sink, bad, 1)
+    assert sink.version == 0 and sink.state is SinkState.COMPLETE
+    assert_same(sink.state_dict(), v0)
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "pattern"),
+    [
+        ("proj.weight", torch.zeros(16, 8), r"'proj\.weight' arrives as torch\.float32\[16, 8\].*\[16, 16\]"),
+        ("norm.weight", torch.zeros(16), r"'norm\.weight'.*torch\.float32.*torch\.bfloat16.*trainer\.dtype"),
+    ],
+)
+async def test_module_sink_shape_and_dtype_mismatch(name: str, tensor: torch.Tensor, pattern: str) -> None:
+    sink = build_sink(module_cfg("atomic"))
+    v0 = version_weights(0)
+    await drive(sink, v0, 0)
+    bad = dict(version_weights(1))
+    bad[name] = tensor
+    with pytest.raises(SinkError, match=pattern):
+        await drive(sink, bad, 1)
+    assert_same(sink.state_dict(), v0)
+
+
+def test_module_sink_factory_errors_are_one_line() -> None:
+    for factory, pattern in [
+        ("no_such_pkg.mod:build", r"cannot import module 'no_such_pkg\.mod'"),
+        ("tests.unit.test_sinks:nope", r"has no attribute 'nope'"),
+        ("tests.unit.test_sinks.build_tiny", r"not of the form package\.module:function"),
+        ("tests.unit.test_sinks:BUCKET", r"names a int, not a callable"),
+        ("tests.unit.test_sinks:version_weights", r"returned a dict, not a torch\.nn\.Module|failed"),
+    ]:
+        cfg = load_config(overrides=["rollout.sink.type=module", f"rollout.sink.factory={factory}"])
+        with pytest.raises(ConfigError, match=pattern) as info:
+            build_sink(cfg)
+        assert "\n" not in str(info.value) and "rollout.sink.factory" in str(info.value)
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.factory is not set"):
+        build_sink(load_config(overrides=["rollout.sink.type=module"]))
+
+
+def test_module_sink_factory_options_are_keyword_arguments() -> None:
+    cfg = load_config(
+        overrides=[
+            "rollout.sink.type=module",
+            "rollout.sink.factory=tests.unit.test_sinks:build_tiny",
+            "rollout.sink.options.vocab=32",
+        ]
+    )
+    sink = build_sink(cfg)
+    assert isinstance(sink, ModuleSink)
+    assert sink.module.embed.weight.shape == (32, 16)
+
+
+# --- safetensors sink -------------------------------------------------------------------------
+
+
+def st_cfg(directory: Path, keep_last: int = 3, apply: str = "atomic"):
+    return load_config(
+        overrides=[
+            "rollout.sink.type=safetensors",
+            f"rollout.sink.dir={directory}",
+            f"rollout.sink.keep_last={keep_last}",
+            f"rollout.apply={apply}",
+        ]
+    )
+
+
+def odd_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(40, 33, generator=g),  # 5280 bytes > bucket
+        "bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(seed, dtype=torch.int64),
+        "mask": torch.rand(9, generator=g) > 0.5,
+        "half": torch.randn(3, generator=g).half(),
+    }
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_safetensors_sink_writes_loadable_files_and_keeps_last(tmp_path: Path, apply: str) -> None:
+    sink = build_sink(st_cfg(tmp_path, keep_last=2, apply=apply))
+    assert isinstance(sink, SafetensorsSink)
+    for version in (1, 2, 3):
+        await drive(sink, odd_weights(version), version)
+        assert sink.latest_path == step_path(tmp_path, version)
+        assert_same(load_file(str(step_path(tmp_path, version))), odd_weights(version))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2.safetensors", "step_3.safetensors"]
+    raw = step_path(tmp_path, 3).read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    assert json.loads(raw[8 : 8 + header_len])["__metadata__"]["version"] == "3"
+
+
+async def test_safetensors_sink_header_larger_than_reservation(tmp_path: Path) -> None:
+    sink = build_sink(st_cfg(tmp_path))
+    # ~1500 tensors with long names: the header is well over the initial 64 KiB reservation
+    weights = {f"layers.{i}.{'x' * 40}.weight": torch.full((2,), float(i)) for i in range(1500)}
+    await drive(sink, weights, 7, bucket=4096)
+    (header_len,) = struct.unpack("<Q", step_path(tmp_path, 7).read_bytes()[:8])
+    assert header_len > MIN_HEADER_RESERVE
+    assert_same(load_file(str(step_path(tmp_path, 7))), weights)
+    await drive(sink, weights, 8, bucket=4096)  # next version reserves enough from the start
+    assert_same(load_file(str(step_path(tmp_path, 8))), weights)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+async def test_safetensors_sink_abort_leaves_no_file(tmp_path: Path) -> None:
+    sink = build_sink(st_cfg(tmp_path))
+    await drive(sink, odd_weights(1), 1)
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(odd_weights(2), after=2), 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1.safetensors"]
+    assert sink.version == 1 and sink.state is SinkState.COMPLETE
+
+
+async def test_safetensors_sink_rejects_dtype_it_cannot_store(tmp_path: Path) -> None:
+    sink = build_sink(st_cfg(tmp_path))
+    with pytest.raises(SinkError, match=r"'z'.*complex128.*trainer\.dtype"):
+        await drive(sink, {"a": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex128)}, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_sink_removes_temp_files_of_dead_writers(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    stale = tmp_path / f".step_4.safetensors.{proc.pid}.tmp"
+    stale.write_bytes(b"partial")
+    live = tmp_path / f".step_4.safetensors.{os.getpid()}.tmp"
+    live.write_bytes(b"someone else's, still writing")
+    build_sink(st_cfg(tmp_path))
+    assert not stale.exists() and live.exists()
+
+
+def test_safetensors_sink_needs_a_dir() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.dir is not set"):
+        build_sink(load_config(overrides=["rollout.sink.type=safetensors"]))
+
+
+# --- callable sink ----------------------------------------------------------------------------
+
+SEEN: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+
+def record(version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    SEEN.append((version, dict(tensors)))
+
+
+def explode(version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    for name, _ in tensors:
+        if name == "bf16":
+            raise RuntimeError("rollout engine refused bf16")
+
+
+def callable_cfg(apply: str, target: str = "tests.unit.test_sinks:record"):
+    return load_config(
+        overrides=["rollout.sink.type=callable", f"rollout.sink.target={target}", f"rollout.apply={apply}"]
+    )
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_callable_sink_gets_each_version(apply: str) -> None:
+    SEEN.clear()
+    sink = build_sink(callable_cfg(apply))
+    assert isinstance(sink, CallableSink)
+    for version in (5, 6):
+        await drive(sink, odd_weights(version), version)
+    assert [v for v, _ in SEEN] == [5, 6]
+    for version, got in SEEN:
+        assert_same(got, odd_weights(version))
+
+
+async def test_callable_sink_streaming_abort_raises_inside_the_function() -> None:
+    seen: list[str] = []
+    errors: list[BaseException] = []
+
+    def fn(version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        try:
+            for name, _ in tensors:
+                seen.append(name)
+        except VersionAborted as exc:
+            errors.append(exc)
+            raise
+
+    sink = CallableSink(callable_cfg("streaming"), fn=fn)
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(odd_weights(1), after=3), 1)
+    assert seen == ["big", "bf16", "empty"]
+    assert len(errors) == 1 and "sender went away" in str(errors[0])
+    assert sink.state is SinkState.INCOMPLETE
+
+
+async def test_callable_sink_atomic_never_sees_a_broken_version() -> None:
+    SEEN.clear()
+    sink = build_sink(callable_cfg("atomic"))
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(odd_weights(1), after=3), 1)
+    assert SEEN == [] and sink.state is SinkState.EMPTY
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_callable_sink_function_error_is_a_sink_error(apply: str) -> None:
+    sink = build_sink(callable_cfg(apply, "tests.unit.test_sinks:explode"))
+    with pytest.raises(SinkError, match=r"rollout\.sink\.target='tests\.unit\.test_sinks:explode' raised RuntimeError"):
+        await drive(sink, odd_weights(1), 1)
+    assert sink.version is None and sink.in_flight is None
+
+
+def test_callable_sink_bad_target() -> None:
+    with pytest.raises(ConfigError, match=r"sink\.target='tests\.unit\.test_sinks:nothing_here'.*no attribute"):
+        build_sink(callable_cfg("atomic", "tests.unit.test_sinks:nothing_here"))
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set"):
+        build_sink(load_config(overrides=["rollout.sink.type=callable"]))
+
+
+def test_load_callable_resolves_dotted_attributes() -> None:
+    assert load_callable("tests.unit.test_sinks:Tiny.forward", "k") is Tiny.forward
+
+
+# --- vllm sink (host side without vLLM) ---------------------------------------------------------
+
+
+def test_vllm_sink_without_vllm_names_the_extra() -> None:
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here; this test checks the message when it is not")
+    except ImportError:
+        pass
+    cfg = load_config(overrides=["rollout.sink.type=vllm", "rollout.sink.options.model=some/model"])
+    with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
+        build_sink(cfg)
+
+
+def test_vllm_sink_needs_a_model() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set.*model to serve"):
+        build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
