@@ -71,6 +71,15 @@ class CastDtype(Choice):
     float64 = "float64"
 
 
+class PauseMode(Choice):
+    """`vllm.pause_mode`: what a vLLM rollout does with in-flight requests while a version loads
+    (vLLM's `pause_generation(mode=...)`)."""
+
+    abort = "abort"
+    wait = "wait"
+    keep = "keep"
+
+
 CAST_DTYPES = tuple(d.value for d in CastDtype)
 MAX_BUCKET_SIZE_MB = 64 * 1024  # 64 GiB: nothing real needs a bigger single bucket
 AUTH_TOKEN_ENV = "LIGHTNING_WEIGHTSYNC_AUTH_TOKEN"
@@ -177,10 +186,29 @@ class RolloutConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """vLLM rollouts: the servers the trainer drives (trainer side) and the server the launcher starts."""
+
+    urls: list[str] = field(default_factory=list)
+    """Trainer side: base URLs of the vLLM servers driven around every version; [] = none."""
+    pause_mode: PauseMode = PauseMode.keep
+    """What vLLM does with in-flight requests while a version loads: abort | wait | keep."""
+    reset_prefix_cache: bool = True
+    """After each version, drop prefix-cache blocks computed with the old weights."""
+    request_timeout_s: float = 600.0
+    """Seconds: bound on each HTTP call to a vLLM server (update_weights spans the whole transfer)."""
+    model: str | None = None
+    """Rollout side: the model `vllm serve` serves; null = rollout.sink.target."""
+    serve_args: list[str] = field(default_factory=list)
+    """Rollout side: extra `vllm serve` arguments, e.g. ["--port", "8000", "--tensor-parallel-size", "2"]."""
+
+
+@dataclass
 class WeightSyncConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 def default_config() -> DictConfig:
@@ -283,6 +311,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
     if ro.sink.keep_last < 1:
         raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
+    _positive("vllm.request_timeout_s", cfg.vllm.request_timeout_s)
+    for url in cfg.vllm.urls:
+        if not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"vllm.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
 
 
 def bucket_size_bytes(cfg: DictConfig) -> int:
