@@ -120,7 +120,9 @@ class NamesConfig:
     strip_prefixes: list[str] = field(default_factory=list)
     """Prefixes removed from the start of each name (wrapper prefixes are always removed)."""
     rename: dict[str, str] = field(default_factory=dict)
-    """Renames after stripping: {trainer_name: rollout_name}."""
+    """Exact renames after stripping: {trainer_name: rollout_name}; only a whole name matches."""
+    rename_regex: dict[str, str] = field(default_factory=dict)
+    """Regex renames after `rename`: {pattern: replacement}, `re.sub` in order, each on the previous result."""
     exclude: list[str] = field(default_factory=list)
     """fnmatch patterns of names not to send."""
 
@@ -144,7 +146,7 @@ class TrainerConfig:
     include_buffers: bool = True
     """Also send persistent buffers."""
     names: NamesConfig = field(default_factory=NamesConfig)
-    """Name rules, applied in order: strip, rename, exclude."""
+    """Name rules, applied in order: strip, rename, rename_regex, exclude."""
 
 
 @dataclass
@@ -157,6 +159,9 @@ class SinkConfig:
     """`package.module:function` returning the torch module to load into (module sink)."""
     dir: str | None = None
     """Output directory (safetensors sink)."""
+    template_dir: str | None = None
+    """safetensors sink: a checkpoint directory whose non-weight files (config.json, tokenizer) are copied
+    next to each version's model.safetensors, so each version is a directory from_pretrained/vLLM loads."""
     keep_last: int = 3
     """Complete versions the safetensors sink keeps on disk."""
     target: str | None = None
@@ -209,6 +214,9 @@ class WeightSyncConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    recipe: dict[str, Any] = field(default_factory=dict)
+    """A recipe script's own knobs (steps, lr, ...): free-form here, validated by that script's schema at
+    start-up (`examples/recipe.py`), so one recipe YAML serves the trainer script and the rollout CLI."""
 
 
 def default_config() -> DictConfig:

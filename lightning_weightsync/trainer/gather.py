@@ -25,25 +25,18 @@ Tensor lifetime: a yielded tensor may alias a live parameter or FSDP1's temporar
 requested; `.clone()` it to keep it (this is the contract `split_weight_chunks` already honours).
 Do not run forward/backward or an optimizer step while the iterator is suspended.
 
-Names: the wrapper components (`_fsdp_wrapped_module`, `_orig_mod`, `_checkpoint_wrapped_module`,
-and DDP's `module`) are dropped from the module path by type, then `prefix` (the attribute of a
-LightningModule that holds the served network, e.g. ``"model"``) selects that submodule and strips
-it, then the config's `trainer.names` applies, in this order:
-``strip_prefixes`` (plain string prefixes, the first that matches is removed), ``rename`` (regular
-expressions, `re.sub(pattern, replacement, name, count=1)` applied in order, each to the previous
-result; anchor them with ``^``/``$``), then ``exclude`` (shell-style `fnmatch` patterns matched
-against the final name, i.e. the name as sent). Excluded tensors are skipped before any collective.
+Names: `names.py` holds the rules (wrappers dropped, `prefix` selected and stripped, then
+`trainer.names`: strip_prefixes, rename (exact), rename_regex, exclude); excluded tensors are skipped
+before any collective. A tensor reachable under two names (tied weights) is sent once, under the
+first name in module order (`names.tied_names` lists the others).
 Finally, with `dtype`, floating-point tensors are cast one at a time (e.g. fp32 master weights to
 bf16 for the rollout); integer and bool tensors keep their dtype.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +45,7 @@ from torch import nn
 
 from ..config import CAST_DTYPES
 from ..errors import ConfigError
+from .names import NameMapper, own_tensors, strip_wrapper_prefixes, walk_modules
 
 log = logging.getLogger(__name__)
 
@@ -62,100 +56,10 @@ except ImportError:  # pragma: no cover - torch 2.4
 
 try:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp._flat_param import FlatParameter
 except ImportError:  # pragma: no cover - builds without distributed FSDP
     FSDP = None  # type: ignore[assignment,misc]
-    FlatParameter = None  # type: ignore[assignment,misc]
-
-# Attribute names under which wrappers hold the wrapped module; always dropped from names.
-WRAPPER_ATTRS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
-# DDP / DataParallel hold the wrapped module as `module`; dropped only when the parent is one of them.
-DDP_ATTR = "module"
 
 NamedTensor = tuple[str, torch.Tensor]
-
-
-def strip_wrapper_prefixes(name: str) -> str:
-    """Drop wrapper components from a dotted name that came from anywhere (e.g. a state dict key).
-
-    `_fsdp_wrapped_module`, `_orig_mod` and `_checkpoint_wrapped_module` are dropped wherever they
-    occur; `module` only as a *leading* component (a DDP/Accelerate wrapper at the root), because a
-    real submodule may well be called `module` deeper down. `iter_full_parameters` does not need
-    this: it drops wrappers by type while walking the tree, which is exact.
-    """
-    parts = [p for p in name.split(".") if p not in WRAPPER_ATTRS]
-    while len(parts) > 1 and parts[0] == DDP_ATTR:
-        parts = [p for p in parts[1:] if p not in WRAPPER_ATTRS]
-    return ".".join(parts)
-
-
-def _strip_module_prefix(name: str, prefix: str) -> str | None:
-    """`name` relative to the submodule `prefix`, or None when it lies outside it."""
-    if not prefix:
-        return name
-    head = prefix.rstrip(".") + "."
-    return name[len(head) :] if name.startswith(head) else None
-
-
-@dataclass(frozen=True)
-class NameMapper:
-    """The raw (wrapper-free) module path of a tensor -> the name sent, or None to skip it.
-
-    Built once from `trainer.names`; the same decisions on every rank, so skipping before a
-    collective keeps the ranks in step.
-    """
-
-    prefix: str | None = None
-    strip_prefixes: tuple[str, ...] = ()
-    rename: tuple[tuple[re.Pattern[str], str], ...] = ()
-    exclude: tuple[str, ...] = ()
-
-    @classmethod
-    def from_config(cls, names_cfg: Mapping[str, Any] | Any | None = None, *, prefix: str | None = None) -> NameMapper:
-        """`names_cfg` is `cfg.trainer.names` (DictConfig, dataclass or plain mapping) or None."""
-        if names_cfg is None:
-            return cls(prefix=prefix or None)
-        get = names_cfg.get if isinstance(names_cfg, Mapping) or hasattr(names_cfg, "get") else None
-
-        def field(key: str) -> Any:
-            return get(key, None) if get is not None else getattr(names_cfg, key, None)
-
-        strip = tuple(str(p) for p in (field("strip_prefixes") or ()))
-        if any(not p for p in strip):
-            raise ConfigError("trainer.names.strip_prefixes contains an empty prefix; remove it")
-        rename: list[tuple[re.Pattern[str], str]] = []
-        for pattern, repl in dict(field("rename") or {}).items():
-            try:
-                rename.append((re.compile(str(pattern)), str(repl)))
-            except re.error as exc:
-                raise ConfigError(
-                    f"trainer.names.rename key {pattern!r} is not a valid regular expression: {exc}"
-                ) from None
-        exclude = tuple(str(p) for p in (field("exclude") or ()))
-        return cls(prefix=prefix or None, strip_prefixes=strip, rename=tuple(rename), exclude=exclude)
-
-    def __call__(self, name: str) -> str | None:
-        if self.prefix is not None:
-            stripped = _strip_module_prefix(name, self.prefix)
-            if stripped is None:
-                return None
-            name = stripped
-        for p in self.strip_prefixes:
-            if name.startswith(p):
-                name = name[len(p) :]
-                break
-        for pattern, repl in self.rename:
-            try:
-                name = pattern.sub(repl, name, count=1)
-            except re.error as exc:  # a bad group reference in the replacement
-                raise ConfigError(
-                    f"trainer.names.rename {pattern.pattern!r} -> {repl!r} failed on {name!r}: {exc}"
-                ) from None
-        if not name:
-            raise ConfigError("trainer.names strip_prefixes/rename turned a tensor name into ''; check them")
-        if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
-            return None
-        return name
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -171,37 +75,14 @@ def _is_fsdp1(module: nn.Module) -> bool:
     return FSDP is not None and isinstance(module, FSDP)
 
 
-def _is_wrapper_edge(parent: nn.Module, attr: str) -> bool:
-    if attr in WRAPPER_ATTRS:
-        return True
-    return attr == DDP_ATTR and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-
-
-def _walk_modules(
-    module: nn.Module, path: tuple[str, ...], stop: Callable[[nn.Module], bool]
-) -> Iterator[tuple[tuple[str, ...], nn.Module]]:
-    """Pre-order (path, module), paths without wrapper components; children for which `stop` is
-    true are neither yielded nor entered."""
-    yield path, module
-    for attr, child in module._modules.items():
-        if child is None or stop(child):
-            continue
-        yield from _walk_modules(child, path if _is_wrapper_edge(module, attr) else (*path, attr), stop)
-
-
 def _walk_tensors(
     root: nn.Module, path: tuple[str, ...], stop: Callable[[nn.Module], bool], include_buffers: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(raw name, tensor) in state-dict order: per module its parameters, then its persistent
     buffers. A tensor reachable under two names (tied weights) is yielded once, under the first."""
     seen: set[int] = set()  # ids of tensors that stay alive (they are module attributes) during the walk
-    for mod_path, mod in _walk_modules(root, path, stop):
-        named: list[tuple[str, torch.Tensor | None]] = list(mod._parameters.items())
-        if include_buffers:
-            named += [(n, b) for n, b in mod._buffers.items() if n not in mod._non_persistent_buffers_set]
-        for attr, tensor in named:
-            if tensor is None or (FlatParameter is not None and isinstance(tensor, FlatParameter)):
-                continue
+    for mod_path, mod in walk_modules(root, path, stop):
+        for attr, tensor in own_tensors(mod, include_buffers):
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
@@ -211,7 +92,7 @@ def _walk_tensors(
 def _fsdp1_units(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
     if FSDP is None:
         return []
-    return [(p, m) for p, m in _walk_modules(module, (), lambda _: False) if _is_fsdp1(m)]
+    return [(p, m) for p, m in walk_modules(module, (), lambda _: False) if _is_fsdp1(m)]
 
 
 def _global_rank() -> int:
@@ -233,7 +114,7 @@ def iter_full_parameters(
         module: the model as training holds it: FSDP1/FSDP2/DDP-wrapped, compiled, or plain. For
             FSDP1 pass the root wrapper (what the strategy trains), not an inner submodule.
         include_buffers: also yield persistent buffers (`trainer.include_buffers`).
-        names_cfg: `cfg.trainer.names` (strip_prefixes, rename, exclude); see the module docstring.
+        names_cfg: `cfg.trainer.names` (strip_prefixes, rename, rename_regex, exclude); see names.py.
         dtype: cast floating-point tensors to this dtype (`trainer.dtype`), one tensor at a time.
         keep_on_rank: the global rank that receives the tensors; every other rank yields nothing
             but must still exhaust the iterator (see `drain`). None: every rank yields.
@@ -257,7 +138,7 @@ def iter_full_parameters(
             if name in emitted:
                 raise ConfigError(
                     f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
-                    "fix trainer.names.rename / strip_prefixes"
+                    "fix trainer.names.rename / rename_regex / strip_prefixes"
                 )
             emitted[name] = raw
             if isinstance(tensor, DTensor):

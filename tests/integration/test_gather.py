@@ -90,7 +90,7 @@ def test_name_mapper_order_and_patterns() -> None:
     mapper = NameMapper.from_config(
         {
             "strip_prefixes": ["backbone.", "net."],
-            "rename": {r"^layers\.(\d+)\.": r"model.layers.\1.", r"\.w$": ".weight"},
+            "rename_regex": {r"^layers\.(\d+)\.": r"model.layers.\1.", r"\.w$": ".weight"},
             "exclude": ["*.inv_freq", "lm_head.*"],
         },
         prefix="model",
@@ -105,12 +105,12 @@ def test_name_mapper_order_and_patterns() -> None:
 
 
 def test_name_mapper_errors() -> None:
-    with pytest.raises(ConfigError, match=r"trainer\.names\.rename.*\[unclosed"):
-        NameMapper.from_config({"rename": {"[unclosed": "x"}})
+    with pytest.raises(ConfigError, match=r"trainer\.names\.rename_regex.*\[unclosed"):
+        NameMapper.from_config({"rename_regex": {"[unclosed": "x"}})
     with pytest.raises(ConfigError, match="strip_prefixes"):
         NameMapper.from_config({"strip_prefixes": [""]})
     with pytest.raises(ConfigError, match="turned a tensor name into ''"):
-        NameMapper.from_config({"rename": {".*": ""}})("embed.weight")
+        NameMapper.from_config({"rename_regex": {".*": ""}})("embed.weight")
     with pytest.raises(ConfigError, match=r"trainer\.dtype='int8'"):
         resolve_dtype("int8")
 
@@ -127,7 +127,7 @@ def test_name_mapper_reads_config_object() -> None:
 def test_collision_is_a_config_error() -> None:
     net = make_net()
     with pytest.raises(ConfigError, match=r"'embed\.weight' and 'blocks\.0\.fc\.weight' are both sent as 'weight'"):
-        drain(iter_full_parameters(net, names_cfg={"rename": {r".*\.": ""}}))
+        drain(iter_full_parameters(net, names_cfg={"rename_regex": {r".*\.": ""}}))
 
 
 # ---------------------------------------------------------------- single-process modules

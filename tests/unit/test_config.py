@@ -308,7 +308,8 @@ def _leaf_paths(node, prefix: str = "") -> dict[str, object]:
     return out
 
 
-_FREE_MAPPINGS = {"trainer.names.rename", "rollout.sink.options"}  # user-keyed dicts, not sections
+# user-keyed dicts, not sections
+_FREE_MAPPINGS = {"trainer.names.rename", "trainer.names.rename_regex", "rollout.sink.options", "recipe"}
 
 
 def test_default_yaml_mirrors_structured_config() -> None:
