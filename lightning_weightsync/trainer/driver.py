@@ -28,6 +28,7 @@ from .gather import NamedTensor, iter_full_parameters
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender, SendStats
+    from .rollout_control import RolloutControl
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class SyncDriver:
         self.on_failure = FailurePolicy(cfg.trainer.on_failure)
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
+        # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
+        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
+        self.rollouts: RolloutControl | None = None
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,6 +87,10 @@ class SyncDriver:
                 sender.start()
                 self.sender = sender
                 logger.info("weight sender listening on %s:%d", self.cfg.transport.host, sender.port)
+                if self.rollouts is None:
+                    from .rollout_control import RolloutControl
+
+                    self.rollouts = RolloutControl.from_config(self.cfg)
             except Exception as exc:
                 error = exc
                 sender.close()
@@ -92,6 +100,8 @@ class SyncDriver:
             raise SyncFailed(f"the weight sender on global rank {SENDER_RANK} failed to start; see its log")
 
     def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
         if self.sender is not None:
             sender, self.sender = self.sender, None
             try:
@@ -127,11 +137,19 @@ class SyncDriver:
             if self.sender is None:
                 raise WeightSyncError("SyncDriver.sync() before start()")
             try:
-                self.last_stats = self.sender.send_weights(weights, version=version)
+                if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
+                    sender = self.sender
+                    self.last_stats = self.rollouts.run_version(
+                        version, lambda: sender.send_weights(weights, version=version)
+                    )
+                else:
+                    self.last_stats = self.sender.send_weights(weights, version=version)
             except ConfigError:
                 raise  # raised by the gather on every rank at the same point: nobody is left waiting
             except Exception as exc:
                 error = exc
+                for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' gathers
+                    pass
         else:
             for _ in weights:  # joins the all-gathers; yields nothing here
                 pass

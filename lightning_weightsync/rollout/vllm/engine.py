@@ -1,0 +1,131 @@
+"""`LightningWeightSyncEngine`: vLLM's `WeightTransferEngine` with our chunked, fixed-memory receiver.
+
+Registered under the name `lightning_weightsync` by the `vllm.general_plugins` entry point
+(`plugin.py`), so a stock server is a rollout:
+
+    LIGHTNING_WEIGHTSYNC_CONFIG=sync.yaml VLLM_SERVER_DEV_MODE=1 \\
+        vllm serve Qwen/Qwen3-8B --weight-transfer-config '{"backend": "lightning_weightsync"}'
+
+What it adds over vLLM's built-in NCCL engine (vllm/distributed/weight_transfer/nccl_engine.py):
+fixed-size buckets (a tensor larger than a bucket is chunked, never grows a buffer), two buckets
+a side (no per-version allocation), versioned, signed control messages, every wait bounded by
+`transport.timeout_s`, a failed version leaves the group usable for the next, and any of our
+backends (gloo, nccl, hccl, shm, cuda_ipc). The engine body is vLLM-free (`worker.py`); this
+module binds it to vLLM's base classes and model-loading hooks, and is only imported by vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import BackendUnavailable, ConfigError
+from .worker import InitInfo, UpdateInfo, WeightSyncEngineBody
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError as exc:  # pragma: no cover - exercised by the vllm-contract venv
+    raise BackendUnavailable(
+        f"the lightning_weightsync vLLM engine needs vLLM ({exc}); install vLLM first (it pins torch), "
+        "then: pip install 'lightning_weightsync[vllm]'"
+    ) from None
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LightningWeightSyncInitInfo(WeightTransferInitInfo):
+    """`init_info` (POST /init_weight_transfer_engine): see `worker.InitInfo`."""
+
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LightningWeightSyncUpdateInfo(WeightTransferUpdateInfo):
+    """`update_info` (POST /update_weights): see `worker.UpdateInfo`."""
+
+    version: int | None = None
+    timeout_s: float | None = None
+
+
+assert [f for f in InitInfo.__dataclass_fields__] == list(LightningWeightSyncInitInfo.__dataclass_fields__)
+assert [f for f in UpdateInfo.__dataclass_fields__] == list(LightningWeightSyncUpdateInfo.__dataclass_fields__)
+
+
+class LightningWeightSyncEngine(
+    WeightSyncEngineBody, WeightTransferEngine[LightningWeightSyncInitInfo, LightningWeightSyncUpdateInfo]
+):
+    """One per vLLM GPU worker, built by `WeightTransferEngineFactory.create_engine` after the model
+    loaded; `receive_weights` runs one version of our `WeightReceiver` into `model.load_weights`."""
+
+    init_info_cls = LightningWeightSyncInitInfo
+    update_info_cls = LightningWeightSyncUpdateInfo
+    supports_draft_weight_update = False
+    defers_processing = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._weightsync_setup()
+
+    # -- vLLM model hooks ---------------------------------------------------------------------------
+    def _check_model_supported(self) -> None:
+        if getattr(self.vllm_config, "speculative_config", None) is not None:
+            logger.warning(
+                "lightning_weightsync engine: speculative decoding is on; only the target model is updated "
+                "(draft updates are refused), so the drafter's acceptance rate drops as the policy moves"
+            )
+        uva = getattr(getattr(self.vllm_config, "offload_config", None), "uva", None)
+        if self._needs_layerwise_reload() and getattr(uva, "cpu_offload_gb", 0):
+            raise ConfigError(
+                "lightning_weightsync engine: a quantized model with --cpu-offload-gb; vLLM's layerwise reload "
+                "does not compose with CPU offloading (vllm/model_executor/model_loader/reload); remove it"
+            )
+
+    def _check_awake(self) -> None:
+        if not getattr(self.model_config, "enable_sleep_mode", False):
+            return
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            asleep = any(
+                d.tag == "weights" and d.is_asleep for d in CuMemAllocator.get_instance().pointer_to_data.values()
+            )
+        except Exception:  # another sleep-mode backend (XPU) or no allocator: nothing to check
+            return
+        if asleep:
+            raise ConfigError(
+                "lightning_weightsync engine: the model weights are asleep (sleep mode); wake them first "
+                "(POST /wake_up?tags=weights), then update"
+            )
+
+    def _needs_layerwise_reload(self) -> bool:
+        # Quantized models post-process their weights after loading (FP8 scales, repacked MoE / MLA
+        # layouts): loading raw checkpoint tensors into them in place would be wrong. vLLM's layerwise
+        # reload (what its NCCL engine uses) re-creates each layer, loads and re-processes it.
+        return getattr(self.model_config, "quantization", None) is not None
+
+    def _begin_layerwise_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def _finish_layerwise_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def _load_context(self) -> Any:
+        # As vLLM's NCCL engine: a checkpoint stream may omit MTP layers the target does not load.
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        return disable_mtp_completeness_check()
+
+
+__all__ = ["LightningWeightSyncEngine", "LightningWeightSyncInitInfo", "LightningWeightSyncUpdateInfo"]

@@ -1,0 +1,349 @@
+"""The body of the vLLM weight-transfer engine, free of vLLM imports (`engine.py` adds vLLM's base).
+
+vLLM's V1 GPU worker builds one `WeightTransferEngine` per worker when the server runs with
+`--weight-transfer-config '{"backend": "lightning_weightsync"}'` (vllm/v1/worker/gpu_worker.py,
+`load_model`), and calls it only through these methods, each from the worker's main thread inside
+an engine-core `collective_rpc`:
+
+    init_weight_transfer_engine(init_info) -> parse_init_info -> init_transfer_engine
+    start_weight_update()                  -> start_weight_update
+    update_weights(update_info)            -> parse_update_info -> receive_weights; accelerator sync
+    finish_weight_update()                 -> finish_weight_update
+    shutdown_weight_transfer_engine()/exit -> shutdown
+
+Between two versions the worker generates; nothing of ours blocks it. Our `WeightReceiver` lives
+on its own asyncio loop in a daemon thread (`_LoopThread`), so it keeps its ZeroMQ registration and
+heartbeats alive while the worker is busy; `receive_weights` runs exactly one version, pulling
+merged tensors from that loop and handing them to `model.load_weights` one at a time on the
+worker's thread (vLLM's own name mapping, fusing and tensor-parallel sharding apply). On GPU the
+buckets are on the worker's device (`transport.device` = the engine's `device`), so nothing makes
+a host hop. Memory beyond the model: two buckets plus one merged tensor.
+
+The trainer drives a version (`trainer/rollout_control.py`): pause -> start_weight_update ->
+update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version) -> resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from omegaconf import OmegaConf
+
+from ...errors import ConfigError, SinkError, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CONFIG_ENV = "LIGHTNING_WEIGHTSYNC_CONFIG"
+"""Path of the weightsync YAML the engine reads in every vLLM worker (`launch.py` sets it)."""
+BACKEND_NAME = "lightning_weightsync"
+"""The name registered with vLLM's `WeightTransferEngineFactory` (`--weight-transfer-config`)."""
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+@dataclass
+class InitInfo:
+    """`init_info` of POST /init_weight_transfer_engine: optional; the engine starts its receiver
+    from `$LIGHTNING_WEIGHTSYNC_CONFIG` on its own. `overrides` (`key=value`, as on the command
+    line) restart it with a changed config, e.g. pointing at a new trainer. Secrets do not belong
+    here (the request is plain HTTP): give `transport.auth_token` in the YAML or the environment."""
+
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class UpdateInfo:
+    """`update_info` of POST /update_weights: which version the trainer is about to send.
+
+    `version`: the version the trainer announces; a different version arriving fails the update
+    (a stale or foreign sender). None accepts whatever comes. `timeout_s`: bound on waiting for the
+    version to start; None = `transport.timeout_s`.
+    """
+
+    version: int | None = None
+    timeout_s: float | None = None
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread, so the receiver heartbeats while the worker generates."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._device = device
+        self._thread = threading.Thread(target=self._run, name="weightsync-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # buckets and broadcasts default to the worker's GPU
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def cancel_all(self, timeout_s: float = 10.0) -> None:
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.call(cancel(), timeout_s)
+        except Exception as exc:  # best effort: tearing down
+            logger.debug("cancelling the receiver's tasks: %s", exc)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def worker_rank() -> int:
+    """This worker's rank in vLLM's world group (0 when torch.distributed is not up)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def worker_identity(base: str | None, rank: int) -> str:
+    """`<rollout.identity or hostname-pid>-w<rank>`: unique per worker process, also across servers
+    on one host (the pid is the worker's own), so two daemons never collide."""
+    return f"{base or f'{socket.gethostname()}-{os.getpid()}'}-w{rank}"
+
+
+class WeightSyncEngineBody:
+    """Everything the `lightning_weightsync` vLLM engine does; `engine.py` mixes it in front of
+    vLLM's `WeightTransferEngine`, whose `__init__` sets `config`, `vllm_config`, `device`,
+    `model` and `model_config`, and whose `update_weights` calls `receive_weights`.
+
+    `receive_weights` loads into `self.model`, which the worker may retarget (draft models are
+    refused: `supports_draft_weight_update = False`).
+    """
+
+    init_info_cls: type[Any] = InitInfo
+    update_info_cls: type[Any] = UpdateInfo
+    supports_draft_weight_update = False  # one sender stream per version: the target model's
+    defers_processing = False
+
+    device: torch.device
+    model: torch.nn.Module
+    model_config: Any
+    vllm_config: Any
+
+    def _weightsync_setup(self, *, rank: int | None = None, config_path: str | None = None) -> None:
+        """Called from `__init__`: start the receiver if `$LIGHTNING_WEIGHTSYNC_CONFIG` is set."""
+        self.rank = worker_rank() if rank is None else rank
+        self.version: int | None = None  # the version the model holds, when whole
+        self.incomplete = False  # a version broke after it touched the model
+        self.last_report: dict[str, Any] = {}
+        self._loop: _LoopThread | None = None
+        self._receiver: Any = None
+        self._reload_active = False
+        self.identity: str | None = None
+        self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
+        self._check_model_supported()
+        if self._config_path:
+            self._start_receiver([])
+        else:
+            logger.warning(
+                "lightning_weightsync engine: $%s is not set; the receiver starts on "
+                "POST /init_weight_transfer_engine (init_info.overrides) or at the first update",
+                CONFIG_ENV,
+            )
+
+    # -- what vLLM calls ---------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: Any) -> None:
+        """(Re)start the receiver with `init_info.overrides` on top of `$LIGHTNING_WEIGHTSYNC_CONFIG`."""
+        overrides = list(getattr(init_info, "overrides", []) or [])
+        self._stop_receiver()
+        self._start_receiver(overrides)
+
+    def start_weight_update(self) -> None:
+        """Check that the model can take weights now; begin vLLM's layerwise reload when the model
+        post-processes its weights after loading (quantized: FP8, some MoE / MLA layouts)."""
+        self._check_awake()
+        if self._receiver is None:
+            self._start_receiver([])
+        if self._needs_layerwise_reload():
+            self._begin_layerwise_reload()
+            self._reload_active = True
+
+    def receive_weights(self, update_info: Any) -> None:
+        """Receive one version from the trainer and load it tensor by tensor into `self.model`.
+
+        A `load_weights` failure does not stop the receive: the rest of the version is drained so the
+        sender and the other receivers stay in step, the version is nacked with the reason, and the
+        error is raised here (vLLM turns it into a failed `update_weights` RPC). The sender sees the
+        same reason in its ack, so the trainer's error names it too.
+        """
+        loop, receiver = self._loop, self._receiver
+        if loop is None or receiver is None:
+            raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
+        expected = getattr(update_info, "version", None)
+        wait_s = getattr(update_info, "timeout_s", None)
+        model = self.model
+        started = time.perf_counter()
+        touched = False
+        load_error: str | None = None
+        nbytes = num_tensors = 0
+        stream = receiver.receive_weights(auto_ack=False, wait_s=wait_s)
+        try:
+            with self._load_context():
+                while True:
+                    try:
+                        name, tensor = loop.call(stream.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    if expected is not None and receiver.version != expected:
+                        load_error = f"the trainer announced version {expected} but version {receiver.version} arrived"
+                    nbytes += tensor.numel() * tensor.element_size()
+                    num_tensors += 1
+                    if load_error is not None:
+                        continue  # drain: stay in step with the sender
+                    touched = True
+                    try:
+                        model.load_weights([(name, tensor)])
+                    except Exception as exc:
+                        load_error = f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}"
+                    del tensor
+        except WeightSyncError as exc:  # the receive itself failed: timeout, abort, dead or bad peer
+            self.incomplete = self.incomplete or touched
+            self._abandon_layerwise_reload()
+            self.last_report = {"ok": False, "version": receiver.version, "error": str(exc), "touched": touched}
+            raise
+        except BaseException:
+            self.incomplete = self.incomplete or touched
+            self._abandon_layerwise_reload()
+            loop.call(stream.aclose())
+            raise
+        version = int(receiver.version)
+        if load_error is not None:
+            loop.call(receiver.ack(ok=False, error=load_error))
+            self.incomplete = self.incomplete or touched
+            self._abandon_layerwise_reload()
+            self.last_report = {"ok": False, "version": version, "error": load_error, "touched": touched}
+            raise SinkError(f"{self.identity}: version {version}: {load_error}")
+        loop.call(receiver.ack(ok=True))
+        self.version, self.incomplete = version, False
+        self.last_report = {
+            "ok": True,
+            "version": version,
+            "nbytes": nbytes,
+            "num_tensors": num_tensors,
+            "seconds": time.perf_counter() - started,
+        }
+        logger.info(
+            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
+            self.identity,
+            version,
+            num_tensors,
+            nbytes / 1e6,
+            self.last_report["seconds"],
+        )
+
+    def finish_weight_update(self) -> None:
+        """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun."""
+        if self._reload_active:
+            self._reload_active = False
+            self._finish_layerwise_reload()
+
+    def shutdown(self) -> None:
+        """Close the receiver (cancelling a receive in flight); the worker itself lives on."""
+        self._stop_receiver()
+
+    # -- receiver life cycle ----------------------------------------------------------------------
+    def _start_receiver(self, overrides: list[str]) -> None:
+        from ...config import load_config
+        from ...engine.receiver import WeightReceiver
+
+        if not self._config_path and not overrides:
+            raise ConfigError(
+                f"lightning_weightsync engine: no config; set ${CONFIG_ENV} to the weightsync YAML in the "
+                "environment of `vllm serve` (`lightning-weightsync rollout rollout.sink.type=vllm` does it)"
+            )
+        base = OmegaConf.load(self._config_path) if self._config_path else None
+        cfg = load_config(base=base, overrides=overrides)  # type: ignore[arg-type]
+        self.identity = worker_identity(cfg.rollout.identity, self.rank)
+        device = torch.device(self.device)
+        cfg = load_config(
+            base=cfg,
+            overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
+        )
+        loop = _LoopThread(device)
+        receiver = WeightReceiver(cfg)
+        try:
+            loop.call(receiver.start(), timeout_s=float(cfg.transport.timeout_s))
+        except BaseException:
+            loop.stop()
+            raise
+        self._loop, self._receiver = loop, receiver
+        logger.info(
+            "lightning_weightsync engine: worker %d receives as %s from %s:%d on %s",
+            self.rank,
+            self.identity,
+            cfg.transport.host,
+            cfg.transport.port,
+            device,
+        )
+
+    def _stop_receiver(self) -> None:
+        loop, receiver = self._loop, self._receiver
+        self._loop = self._receiver = None
+        if loop is None:
+            return
+        loop.cancel_all()
+        if receiver is not None:
+            try:
+                loop.call(receiver.close(), timeout_s=30)
+            except Exception as exc:  # best effort: the worker may be going away
+                logger.warning("closing the weight receiver failed: %s", exc)
+        loop.stop()
+
+    # -- vLLM model hooks (overridden in engine.py with the real vLLM calls) -----------------------
+    def _check_model_supported(self) -> None:
+        """Refuse what this engine cannot update correctly, at start-up, with the reason."""
+
+    def _check_awake(self) -> None:
+        """Refuse an update while the weights are asleep (sleep mode offloaded or discarded them)."""
+
+    def _needs_layerwise_reload(self) -> bool:
+        return False
+
+    def _begin_layerwise_reload(self) -> None:
+        raise NotImplementedError
+
+    def _finish_layerwise_reload(self) -> None:
+        raise NotImplementedError
+
+    def _abandon_layerwise_reload(self) -> None:
+        """After a failed version: put the kept kernel tensors back (vLLM's fallback for layers that
+        got nothing) so the model is never left on the meta device; the worker then ends the session."""
+        if self._reload_active:
+            self._reload_active = False
+            try:
+                self._finish_layerwise_reload()
+            except Exception:
+                logger.exception("finishing the layerwise reload after a failed version failed")
+
+    def _load_context(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+__all__ = ["BACKEND_NAME", "CONFIG_ENV", "InitInfo", "UpdateInfo", "WeightSyncEngineBody", "worker_identity"]

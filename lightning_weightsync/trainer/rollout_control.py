@@ -1,0 +1,345 @@
+"""The trainer drives each version through its vLLM rollouts: pause, receive, version, resume.
+
+vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/online/api_router.py for
+`vllm serve`, `LLM` / `AsyncLLM` methods in process). Each rollout runs our engine
+(`rollout/vllm/engine.py`), whose `receive_weights` takes one version from our sender. The sending
+rank therefore wraps every send in the rollouts' update session:
+
+    every rollout:  POST /pause?mode=<vllm.pause_mode>        (generation stops stepping)
+                    POST /start_weight_update
+                    POST /update_weights {"update_info": {"version": v}}   <- in a thread each, since
+                         it returns only when the workers' receive_weights did, i.e. after...
+    this process:   sender.send_weights(...)                 <- ...our broadcast, run meanwhile
+    every rollout:  POST /finish_weight_update {"weight_version": "v"}   (vLLM records the version)
+                    POST /reset_prefix_cache                 (blocks computed with old weights)
+                    POST /resume                             (always, also after any failure)
+
+So generation runs between versions and is paused only for the transfer. A failing call is named
+with its rollout's URL and fails the version (`PeerError`, i.e. `trainer.on_failure` applies); a
+rollout whose update failed is not finished (vLLM already closed its session), the others are, and
+every paused rollout is resumed. This layer talks HTTP with the standard library and never imports
+the rollout layer or vLLM (in-process engines are duck-typed, see `EngineRolloutClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from omegaconf import DictConfig
+
+from ..config import PauseMode
+from ..errors import PeerError, WeightSyncTimeout
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RolloutClient(Protocol):
+    """One rollout engine's weight-update surface (vLLM's RL routes, or its engine methods)."""
+
+    name: str
+
+    def pause(self, mode: PauseMode) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None) -> None: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def resume(self) -> None: ...
+
+
+class HTTPRolloutClient:
+    """`vllm serve` (started with VLLM_SERVER_DEV_MODE=1, which registers the RL and cache routes).
+
+    Routes and bodies as vLLM 0.33.0 defines them: `/pause` takes `mode` as a query parameter;
+    `/update_weights` a JSON body `{"update_info": {...}}`; `/finish_weight_update` an optional
+    `{"weight_version": "<str>"}`; `/reset_prefix_cache` answers `{"success": bool}`.
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.name = self.url
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict[str, Any] | None = None, query: dict[str, str] | None = None) -> Any:
+        target = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(target, data=data, method="POST")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:500].decode(errors="replace")
+            raise PeerError(f"vLLM rollout {self.url}: POST {path} failed: HTTP {exc.code}: {detail}") from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise WeightSyncTimeout(
+                    f"vLLM rollout {self.url}: POST {path} got no answer within vllm.request_timeout_s="
+                    f"{self.timeout_s}s"
+                ) from None
+            raise PeerError(
+                f"vLLM rollout {self.url}: POST {path}: cannot reach the server ({exc.reason}); check vllm.urls"
+            ) from None
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"vLLM rollout {self.url}: POST {path} got no answer within vllm.request_timeout_s={self.timeout_s}s"
+            ) from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None
+
+    def pause(self, mode: PauseMode) -> None:
+        self._post("/pause", query={"mode": str(mode)})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None) -> None:
+        self._post("/finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+
+    def reset_prefix_cache(self) -> bool:
+        answer = self._post("/reset_prefix_cache")
+        return bool(answer.get("success")) if isinstance(answer, dict) else False
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+
+@dataclass
+class _UpdateRequest:
+    """The shape of vLLM's `WeightTransferUpdateRequest` (its one field), used when vLLM's own class
+    cannot be imported; `LLM.update_weights` and `AsyncLLM.update_weights` both read `.update_info`."""
+
+    update_info: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineRolloutClient:
+    """An in-process `vllm.LLM` or `vllm.v1.engine.async_llm.AsyncLLM`.
+
+    `AsyncLLM` methods are coroutines bound to the loop the engine runs on: pass that `loop` (this
+    client is called from the trainer's thread). `LLM` has no pause: it only generates inside your
+    own `generate()` calls, so do not call those while a version is sent.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        name: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.engine, self.loop, self.timeout_s = engine, loop, timeout_s
+        self.name = name or type(engine).__name__
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.engine, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            if self.loop is not None:
+                return asyncio.run_coroutine_threadsafe(result, self.loop).result(self.timeout_s)  # type: ignore[arg-type]
+            return asyncio.run(result)  # type: ignore[arg-type]
+        return result
+
+    def pause(self, mode: PauseMode) -> None:
+        if hasattr(self.engine, "pause_generation"):
+            self._call("pause_generation", mode=str(mode))
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest as request_cls
+        except ImportError:
+            request_cls = _UpdateRequest  # type: ignore[misc,assignment]
+        self._call("update_weights", request_cls(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache"))
+
+    def resume(self) -> None:
+        if hasattr(self.engine, "resume_generation"):
+            self._call("resume_generation")
+
+
+@dataclass
+class RolloutTimings:
+    """Seconds each phase of the last version took (the paused window is `paused_s`)."""
+
+    version: int
+    paused_s: float = 0.0
+    update_s: float = 0.0
+    finish_s: float = 0.0
+
+
+class RolloutControl:
+    """Runs one version's update session on every rollout around the trainer's send.
+
+    Args:
+        clients: the rollouts (`HTTPRolloutClient` per `vllm.urls`, or `EngineRolloutClient`s).
+        pause_mode: `vllm.pause_mode`.
+        reset_prefix_cache: `vllm.reset_prefix_cache`.
+        timeout_s: `vllm.request_timeout_s`, also the bound on waiting for `update_weights`
+            after the send returned.
+        receive_timeout_s: how long a worker waits for the version to start (`update_info.timeout_s`;
+            `transport.timeout_s` from config), so a send that never starts cannot hold a worker.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[RolloutClient],
+        *,
+        pause_mode: PauseMode = PauseMode.keep,
+        reset_prefix_cache: bool = True,
+        timeout_s: float = 600.0,
+        receive_timeout_s: float | None = None,
+    ) -> None:
+        self.clients = list(clients)
+        self.receive_timeout_s = receive_timeout_s
+        self.pause_mode = PauseMode(pause_mode)
+        self.reset_prefix_cache = reset_prefix_cache
+        self.timeout_s = timeout_s
+        self.last_timings: RolloutTimings | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * len(self.clients)), thread_name_prefix="rollout-ctl")
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> RolloutControl | None:
+        """One HTTP client per `vllm.urls`; None when there are none."""
+        v = cfg.vllm
+        if not v.urls:
+            return None
+        timeout_s = float(v.request_timeout_s)
+        return cls(
+            [HTTPRolloutClient(str(u), timeout_s) for u in v.urls],
+            pause_mode=PauseMode(v.pause_mode),
+            reset_prefix_cache=bool(v.reset_prefix_cache),
+            timeout_s=timeout_s,
+            receive_timeout_s=float(cfg.transport.timeout_s),
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _on_all(
+        self, clients: Sequence[RolloutClient], what: str, call: Callable[[RolloutClient], Any]
+    ) -> tuple[list[RolloutClient], list[str]]:
+        """`call` on every client at once; (the clients it succeeded on, one error line per failure)."""
+        futures = [(c, self._pool.submit(call, c)) for c in clients]
+        ok: list[RolloutClient] = []
+        errors: list[str] = []
+        for client, future in futures:
+            error = _outcome(future, self.timeout_s, client, what)
+            if error is None:
+                ok.append(client)
+            else:
+                errors.append(error)
+        return ok, errors
+
+    def run_version(self, version: int, send: Callable[[], T]) -> T:
+        """Pause and open an update on every rollout, run `send()` while they receive, finish with
+        `weight_version=str(version)`, resume. Raises `PeerError` naming each failed rollout; `send`
+        is not called when a rollout could not be paused or started (the caller drains its stream)."""
+        timings = RolloutTimings(version)
+        self.last_timings = timings
+        start = time.perf_counter()
+        paused: list[RolloutClient] = []
+        errors: list[str] = []
+        try:
+            paused, errors = self._on_all(self.clients, "pause", lambda c: c.pause(self.pause_mode))
+            started: list[RolloutClient] = []
+            if not errors:
+                started, errors = self._on_all(paused, "start_weight_update", lambda c: c.start_weight_update())
+            if errors:
+                self._finish(started, None)  # close the sessions that did open
+                raise PeerError(f"version {version} not sent: " + "; ".join(errors))
+            update_info: dict[str, Any] = {"version": version}
+            if self.receive_timeout_s is not None:
+                update_info["timeout_s"] = self.receive_timeout_s
+            updates = [(c, self._pool.submit(c.update_weights, update_info)) for c in started]
+            t0 = time.perf_counter()
+            try:
+                result = send()
+            except BaseException:
+                for client, future in updates:  # the workers fail their receive too; collect, then raise
+                    _outcome(future, self.timeout_s, client, "update_weights")
+                raise
+            updated = []
+            for client, future in updates:
+                error = _outcome(future, self.timeout_s, client, "update_weights")
+                if error is None:
+                    updated.append(client)
+                else:
+                    errors.append(error)
+            timings.update_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            errors += self._finish(updated, None if errors else str(version))
+            if errors:
+                raise PeerError(f"version {version}: " + "; ".join(errors))
+            if self.reset_prefix_cache:
+                self._reset_prefix_cache(version)
+            timings.finish_s = time.perf_counter() - t1
+            return result
+        finally:
+            _, resume_errors = self._on_all(paused, "resume", lambda c: c.resume())
+            timings.paused_s = time.perf_counter() - start
+            for error in resume_errors:  # never masks the version's own error; loud, generation is stuck
+                logger.error("%s (generation stays paused there until /resume succeeds)", error)
+
+    def _finish(self, clients: list[RolloutClient], weight_version: str | None) -> list[str]:
+        if not clients:
+            return []
+        return self._on_all(clients, "finish_weight_update", lambda c: c.finish_weight_update(weight_version))[1]
+
+    def _reset_prefix_cache(self, version: int) -> None:
+        futures = [(c, self._pool.submit(c.reset_prefix_cache)) for c in self.clients]
+        for client, future in futures:
+            try:
+                if not future.result(self.timeout_s):
+                    logger.warning(
+                        "vLLM rollout %s: the prefix cache was not reset after version %d (running requests hold "
+                        "blocks, pause_mode=keep); cached prefixes may reuse KV computed with the previous weights",
+                        client.name,
+                        version,
+                    )
+            except Exception as exc:  # cache hygiene is not worth failing a delivered version
+                logger.warning("vLLM rollout %s: resetting the prefix cache failed: %s", client.name, exc)
+
+
+def _outcome(future: Future[Any], timeout_s: float, client: RolloutClient, what: str) -> str | None:
+    """None when `future` succeeded, else one line naming the rollout and the call."""
+    try:
+        future.result(timeout_s)
+        return None
+    except FutureTimeout:
+        return f"vLLM rollout {client.name}: {what} not done within vllm.request_timeout_s={timeout_s}s"
+    except Exception as exc:
+        text = str(exc)
+        if client.name in text:  # the HTTP client names its URL already
+            return text
+        return f"vLLM rollout {client.name}: {what} failed: {type(exc).__name__}: {text}"
+
+
+__all__ = ["EngineRolloutClient", "HTTPRolloutClient", "RolloutClient", "RolloutControl", "RolloutTimings"]
