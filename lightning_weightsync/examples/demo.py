@@ -83,7 +83,7 @@ def _print_table(records: list[dict[str, Any]]) -> None:
             str(r["num_buckets"]),
             str(r["num_chunked_tensors"]),
             f"{r['seconds']:.3f}",
-            f"{r['gbps']:.3f}",
+            f"{r['bytes_per_second'] / 1e9:.3f}",
             r["outcome"] if r["ok"] else f"{r['outcome']}: {r['error']}",
         )
     Console(highlight=False).print(table)

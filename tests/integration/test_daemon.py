@@ -351,7 +351,7 @@ def test_vllm_sink_refuses_its_own_extension_option() -> None:
 
 
 def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:
-    from lightning_weightsync.rollout.daemon import _Progress
+    from lightning_weightsync.rollout.observability import Progress as _Progress
 
     off = _Progress(enabled=False)
     off.bucket(1, 100)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from lightning_weightsync import SinkError, VersionAborted, load_config, merge_weight_chunks, split_weight_chunks
 from lightning_weightsync.errors import BackendUnavailable, ConfigError
-from lightning_weightsync.rollout.sinks import SinkState, build_sink, load_callable
+from lightning_weightsync.rollout.sinks import Sink, SinkState, build_sink, load_callable
 from lightning_weightsync.rollout.sinks.callable import CallableSink
 from lightning_weightsync.rollout.sinks.module import ModuleSink
 from lightning_weightsync.rollout.sinks.safetensors import MIN_HEADER_RESERVE, SafetensorsSink, step_path
@@ -408,3 +408,22 @@ def test_vllm_sink_without_vllm_names_the_extra() -> None:
 def test_vllm_sink_needs_a_model() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set.*model to serve"):
         build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
+
+
+def test_every_daemon_sink_type_is_registered_once() -> None:
+    """`rollout.sink.type` choices and the sink registry cannot drift: every choice but `vllm` (served by
+    vLLM's own workers, not the daemon) has exactly one registered class."""
+    from lightning_weightsync.config import SinkType
+    from lightning_weightsync.rollout.sinks import SINKS
+
+    assert set(SINKS) == set(SinkType) - {SinkType.vllm}
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.type=vllm is not a daemon sink"):
+        build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
+
+
+def test_only_sinks_that_hold_tensors_offer_a_snapshot() -> None:
+    from lightning_weightsync.config import SinkType
+    from lightning_weightsync.rollout.sinks import SINKS
+
+    assert SINKS[SinkType.safetensors].snapshot is Sink.snapshot  # writes to disk: nothing to dump
+    assert SINKS[SinkType.module].snapshot is not Sink.snapshot

@@ -5,36 +5,33 @@
 - `vllm`: a vLLM engine whose GPU workers receive and `load_weights` themselves;
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
-`build_sink(cfg)` is the registry; sink modules are imported only when chosen, so the optional
-`vllm` extra is never imported unless asked for.
+Each sink registers itself under its `SinkType` with `@register_sink` (base.py); `build_sink(cfg)`
+reads that registry, and a unit test keeps it equal to the `SinkType` choices.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from omegaconf import DictConfig
 
+from ...config import SinkType
 from ...errors import ConfigError
-from .base import RemoteSink, Sink, SinkState, VersionReport, load_callable, load_object
-
-SINKS: dict[str, str] = {
-    "module": "lightning_weightsync.rollout.sinks.module:ModuleSink",
-    "safetensors": "lightning_weightsync.rollout.sinks.safetensors:SafetensorsSink",
-    "vllm": "lightning_weightsync.rollout.vllm.sink:VLLMSink",
-    "callable": "lightning_weightsync.rollout.sinks.callable:CallableSink",
-}
+from . import callable, module, safetensors  # noqa: F401 - registration
+from .base import SINKS, Sink, SinkState, load_callable, load_object, register_sink
 
 
-def build_sink(cfg: DictConfig) -> Sink | RemoteSink:
+def build_sink(cfg: DictConfig) -> Sink:
     """The sink named by `rollout.sink.type`, built from the rest of `rollout.sink`."""
-    kind = str(cfg.rollout.sink.type)
-    path = SINKS.get(kind)
-    if path is None:
-        raise ConfigError(f"rollout.sink.type={kind!r} is not allowed; choose one of: {', '.join(SINKS)}")
-    module_name, _, cls_name = path.partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    kind = SinkType(cfg.rollout.sink.type)
+    cls = SINKS.get(kind)
+    if cls is None:
+        if kind is SinkType.vllm:
+            raise ConfigError(
+                "rollout.sink.type=vllm is not a daemon sink: vLLM workers receive by themselves through the "
+                "lightning_weightsync weight-transfer engine; start them with `lightning-weightsync rollout "
+                "rollout.sink.type=vllm ...` (docs/backends.md)"
+            )
+        raise ConfigError(f"rollout.sink.type={kind} has no sink; choose one of: {', '.join(map(str, SINKS))}")
     return cls(cfg)
 
 
-__all__ = ["SINKS", "RemoteSink", "Sink", "SinkState", "VersionReport", "build_sink", "load_callable", "load_object"]
+__all__ = ["SINKS", "Sink", "SinkState", "build_sink", "load_callable", "load_object", "register_sink"]

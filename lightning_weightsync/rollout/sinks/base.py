@@ -30,12 +30,12 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig
 
-from ...config import ApplyMode
+from ...config import ApplyMode, SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
 
@@ -141,6 +141,11 @@ class Sink(ABC):
     def in_flight(self) -> int | None:
         return self._in_flight
 
+    def snapshot(self) -> dict[str, torch.Tensor] | None:
+        """What the sink serves now, as tensors, for a dump on exit; None where the sink does not hold
+        its tensors (it wrote them to disk, or handed them on). An optional capability."""
+        return None
+
     # --- for subclasses -------------------------------------------------------------------------
     def _begin(self, version: int) -> None:  # noqa: B027 - optional hook
         pass
@@ -186,6 +191,24 @@ class RemoteSink(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the remote receivers and whatever hosts them; idempotent."""
+
+
+S = TypeVar("S", bound=type[Sink])
+
+SINKS: dict[SinkType, type[Sink]] = {}
+"""Every daemon sink by its `rollout.sink.type`; filled by `@register_sink`, read by `build_sink`."""
+
+
+def register_sink(kind: SinkType) -> Callable[[S], S]:
+    """Class decorator: the one place a sink says which `rollout.sink.type` it serves."""
+
+    def register(cls: S) -> S:
+        if kind in SINKS and SINKS[kind] is not cls:
+            raise ValueError(f"sink type {kind} is registered twice ({SINKS[kind].__name__}, {cls.__name__})")
+        SINKS[kind] = cls
+        return cls
+
+    return register
 
 
 def load_object(path: str | None, knob: str) -> Any:

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ...config import ApplyMode
+from ...config import ApplyMode, SinkType
 from ...errors import SinkError, VersionAborted
 from ...protocol.chunks import TensorMeta
-from .base import Sink, SinkState, load_callable
+from .base import Sink, SinkState, load_callable, register_sink
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class _Abort:
         self.reason = reason
 
 
+@register_sink(SinkType.callable)
 class CallableSink(Sink):
     """Calls `rollout.sink.target(version, iterator of (name, tensor))` once per version."""
 

@@ -23,14 +23,15 @@ import threading
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ...config import ApplyMode
+from ...config import ApplyMode, SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
-from .base import Sink, describe, load_callable
+from .base import Sink, describe, load_callable, register_sink
 
 logger = logging.getLogger(__name__)
 
 
+@register_sink(SinkType.module)
 class ModuleSink(Sink):
     """Loads versions into `self.module` in place; see the module docstring for the two policies."""
 
@@ -78,6 +79,9 @@ class ModuleSink(Sink):
                 f"{live.dtype}{list(live.shape)}; cast on the trainer with trainer.dtype or fix rollout.sink.factory"
             )
         return live
+
+    def snapshot(self) -> dict[str, torch.Tensor] | None:
+        return self.state_dict()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A consistent snapshot (clones) of what the module holds now, taken under `self.lock`."""

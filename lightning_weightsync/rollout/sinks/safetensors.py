@@ -32,10 +32,11 @@ from typing import BinaryIO
 import torch
 from omegaconf import DictConfig
 
+from ...config import SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta, as_bytes
 from ...transport.process import process_alive
-from .base import Sink
+from .base import Sink, register_sink
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@register_sink(SinkType.safetensors)
 class SafetensorsSink(Sink):
     """Writes each complete version to `<rollout.sink.dir>/step_<version>.safetensors`, keeps the last K."""
 
