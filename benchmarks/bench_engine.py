@@ -24,7 +24,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import queue as queue_mod
-import socket
 import sys
 import threading
 import time
@@ -36,16 +35,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from lightning_weightsync.transport.process import free_port
+
 MiB = 1024 * 1024
 GOAL_THROUGHPUT = 0.9
 GOAL_SMALL_SPEEDUP = 3.0
 SLACK_BYTES = 16 * MiB  # interpreter, sockets, allocator rounding: not data
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _RssPeak:
@@ -179,7 +174,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
 def _run_processes(world: int, case: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = {"store": _free_port(), "control": _free_port()}
+    ports = {"store": free_port(), "control": free_port()}
     procs = [ctx.Process(target=_worker, args=(r, world, ports, case, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

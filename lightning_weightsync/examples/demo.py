@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,30 +29,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..transport.process import free_port, process_group
+
 BUCKET_MB = 0.03125  # 32 KiB
 FACTORY = "lightning_weightsync.examples.tiny_lm:build_model"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
 def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A subprocess in its own process group, output to `log`, always reaped (killed if still running)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+    with open(log, "wb") as out, process_group(cmd, stdout=out, stderr=subprocess.STDOUT) as proc:
+        yield proc
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -133,7 +119,7 @@ def run_demo(steps: int = 4, workdir: str | os.PathLike[str] | None = None, time
     stats, held, final = root / "versions.jsonl", root / "rollout_final.safetensors", root / "trainer_final.safetensors"
     for stale in (stats, held, final):
         stale.unlink(missing_ok=True)
-    port = _free_port()
+    port = free_port()
     transport = [
         f"transport.port={port}",
         f"transport.bucket_size_mb={BUCKET_MB}",

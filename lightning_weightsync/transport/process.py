@@ -1,8 +1,15 @@
-"""Liveness of a process on this host, for cleanup and fault detection without any messages."""
+"""Local processes: liveness (fault detection without any messages), free ports, and child process
+groups that are always cleaned up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 
 def process_alive(pid: int) -> bool:
@@ -20,3 +27,29 @@ def process_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS says is free on `host` now (tests, the demo and benchmarks; never fixed ports)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def process_group(
+    cmd: Sequence[str], *, env: Mapping[str, str] | None = None, **popen_kwargs: Any
+) -> Iterator[subprocess.Popen[Any]]:
+    """A subprocess in its own session, killed together with its children (SIGKILL to the process
+    group) and reaped on exit, also when the caller fails: a trainer with spawned ranks or a daemon
+    never outlives the test, demo or benchmark that started it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(list(cmd), env=full_env, start_new_session=True, **popen_kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import queue as queue_mod
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +16,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lightning_weightsync.transport.process import process_group
+
 DEFAULT_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    """Ask the OS for a free TCP port on loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _trampoline(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, index: int) -> None:
@@ -118,24 +110,10 @@ def spawned(fn: Callable[..., Any], *args: Any) -> Iterator[mp.process.BaseProce
 @contextlib.contextmanager
 def popen(cmd: Sequence[str], *, env: dict[str, str] | None = None, **kwargs: Any) -> Iterator[subprocess.Popen[str]]:
     """A subprocess (e.g. the CLI) in its own process group, killed with its children on exit."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        list(cmd),
-        env=full_env,
-        start_new_session=True,
-        text=True,
-        stdout=kwargs.pop("stdout", subprocess.PIPE),
-        stderr=kwargs.pop("stderr", subprocess.STDOUT),
-        **kwargs,
-    )
-    try:
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.STDOUT)
+    with process_group(cmd, env=env, text=True, **kwargs) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=10)
 
 
 PYTHON = sys.executable
