@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lightning_weightsync.transport.process import free_port as free_port  # re-exported for the tests
 from lightning_weightsync.transport.process import process_group
 
 DEFAULT_TIMEOUT_S = 120.0
