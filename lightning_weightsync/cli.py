@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import io
 import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 from .errors import BackendUnavailable, ConfigError, PeerError, SinkError, WeightSyncTimeout
@@ -87,25 +85,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
 
 
-BENCHMARKS = ("bench_chunking", "bench_engine")
+BENCHMARKS = ("chunking", "engine")  # modules of lightning_weightsync/bench/
 
 
 def _find_benchmark(name: str) -> ModuleType | None:
-    """`benchmarks/<name>.py` ships with the source checkout: import it from the CWD or the checkout."""
+    """`lightning_weightsync.bench.<name>`: shipped with the package, so it runs where it is installed."""
     try:
-        return importlib.import_module(f"benchmarks.{name}")
+        return importlib.import_module(f".bench.{name}", __package__)
     except ModuleNotFoundError as exc:
-        if exc.name not in ("benchmarks", f"benchmarks.{name}"):
+        if exc.name != f"{__package__}.bench.{name}":
             raise
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        path = root / "benchmarks" / f"{name}.py"
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            return module
     return None
 
 
@@ -118,7 +107,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         module = _find_benchmark(name)
         if module is None or not callable(getattr(module, "run", None)):
             what = "has no run(json_out)" if module is not None else "was not found"
-            message = f"benchmarks/{name}.py {what}; run from a source checkout of lightning_weightsync"
+            message = f"benchmark {name!r} {what} (lightning_weightsync/bench/{name}.py)"
             print(f"{PROG}: {message}", file=sys.stderr if args.json else sys.stdout)
             missing.append(name)
             continue
@@ -164,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=240.0, help="give up after this long (default 240)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout) and print their ratios")
+    p = sub.add_parser("bench", help="run the benchmarks and print their ratios to same-run baselines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
     p.set_defaults(func=cmd_bench)

@@ -617,7 +617,7 @@ def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The microbenchmark runs, checks its own bytes, and reports every field (no timing asserted)."""
     import json
 
-    from benchmarks.bench_chunking import run as run_bench
+    from lightning_weightsync.bench.chunking import run as run_bench
 
     result = run_bench(True, sizes=[64 * 1024, 1 << 20], bucket_size=300_000, total_bytes=2 << 20, repeats=1)
     printed = json.loads(capsys.readouterr().out)

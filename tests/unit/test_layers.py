@@ -1,6 +1,6 @@
 """The package tree is the architecture: an import only ever points down the layers.
 
-    errors <- protocol <- transport <- config <- engine <- trainer | rollout <- examples <- cli, __init__
+    errors <- protocol <- transport <- config <- engine <- trainer | rollout <- examples <- bench <- cli, __init__
 
 `config` sits above `transport` because validation asks the backend registry which names exist.
 Trainer and rollout never import each other; they meet only through the engine and the wire. Every
@@ -30,8 +30,9 @@ LAYERS: dict[str, int] = {
     "trainer": 5,
     "rollout": 5,
     "examples": 6,
-    "cli": 7,
-    "__init__": 7,
+    "bench": 7,
+    "cli": 8,
+    "__init__": 8,
 }
 MAX_ROOT_MODULES = 7
 

@@ -14,7 +14,7 @@ Three measurements, each against a baseline measured in the same run, in the sam
 The engine's time is taken from a version after the first (the group is formed and reused), and
 includes metadata, acks and merging. Best of `repeats`.
 
-    python benchmarks/bench_engine.py [--json] [--receivers 1] [--scale 4] [--bucket-mb 64 256]
+    python -m lightning_weightsync.bench.engine [--json] [--receivers 1] [--scale 4] [--bucket-mb 64 256]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from lightning_weightsync.transport.process import free_port
+from ..transport.process import free_port
 
 MiB = 1024 * 1024
 GOAL_THROUGHPUT = 0.9
@@ -71,13 +71,13 @@ class _RssPeak:
 
 
 def _model_stream(scale: int) -> list[tuple[str, torch.Tensor]]:
-    from lightning_weightsync.examples.inventory import model_stream
+    from ..examples.inventory import model_stream
 
     return list(model_stream("qwen3-8b", scale=scale, extras=False))
 
 
 def _cfg(port: int, bucket_mb: float, receivers: int) -> Any:
-    from lightning_weightsync import load_config
+    from ..config import load_config
 
     return load_config(
         overrides=[
@@ -127,7 +127,8 @@ def _worker(role: int, world: int, ports: dict[str, int], case: dict[str, Any], 
 
 
 def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]) -> dict[str, Any]:
-    from lightning_weightsync import WeightReceiver, WeightSender
+    from ..engine.receiver import WeightReceiver
+    from ..engine.sender import WeightSender
 
     torch.set_num_threads(1)
     stream = _model_stream(case["scale"])

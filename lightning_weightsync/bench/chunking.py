@@ -14,7 +14,7 @@ What is measured, per tensor size (a stream of equal tensors, `total` bytes in a
 Baseline and subject run interleaved in one process, best of `repeats` runs each; ratios are
 baseline_seconds / subject_seconds (1.0 = as fast as memcpy). Goal: >= 0.8 for tensors of 4 MiB+.
 
-    python benchmarks/bench_chunking.py [--json] [--bucket-mb 32] [--total-mb 256] [--device cuda]
+    python -m lightning_weightsync.bench.chunking [--json] [--bucket-mb 32] [--total-mb 256] [--device cuda]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_weightsync.protocol.chunks import TensorMeta, merge_weight_chunks, split_weight_chunks
+from ..protocol.chunks import TensorMeta, merge_weight_chunks, split_weight_chunks
 
 KiB = 1024
 MiB = 1024 * KiB
