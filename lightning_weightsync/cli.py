@@ -61,11 +61,15 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from .config import SinkType, load_config
     from .rollout.daemon import run_daemon
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(args.log_level)
+    if cfg.rollout.sink.type is SinkType.vllm:  # a vLLM server that generates and receives (rollout/vllm/launch.py)
+        from .rollout.vllm.launch import launch
+
+        return launch(cfg)
     run_daemon(cfg, stats_path=args.stats_jsonl, dump_path=args.dump_on_exit)
     return 0
 

@@ -14,8 +14,6 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,12 +21,11 @@ import torch
 
 from lightning_weightsync import PeerError, WeightSender, WeightSyncError
 from lightning_weightsync.rollout.daemon import RolloutDaemon
-from lightning_weightsync.rollout.sinks import SinkState, build_sink, load_object
+from lightning_weightsync.rollout.sinks import SinkState
 from lightning_weightsync.rollout.sinks.module import ModuleSink
-from lightning_weightsync.rollout.vllm.sink import EXTENSION_CLS, VLLMSink, WeightSyncWorkerExtension
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
-from tests.unit.test_sinks import Tiny, assert_same, version_weights
+from tests.unit.test_sinks import assert_same, version_weights
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,146 +205,6 @@ async def test_safetensors_and_callable_sinks_behind_the_daemon(tmp_path) -> Non
         assert_same(load_file(str(tmp_path / f"step_{version}.safetensors")), version_weights(version))
     assert [v for v, _ in got] == [1, 2]
     assert_same(got[1][1], version_weights(2))
-
-
-# --- vLLM worker extension, driven through STAND-INS (vLLM cannot run on this machine) ------------
-
-
-class StandInVLLMModel(Tiny):
-    """STAND-IN for a vLLM model: only `load_weights(iterable of (name, tensor))`, copying by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loaded: list[str] = []
-        self.fail_on: str | None = None
-
-    def load_weights(self, weights) -> set[str]:
-        params = self.state_dict(keep_vars=True)
-        for name, tensor in weights:
-            if name == self.fail_on:
-                raise RuntimeError(f"cannot load {name}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            self.loaded.append(name)
-        return set(self.loaded)
-
-
-class StandInWorker:
-    """STAND-IN for a vLLM GPU worker: the attributes the extension relies on (device, rank, model_runner)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.device = torch.device("cpu")
-        self.model_runner = SimpleNamespace(model=StandInVLLMModel())
-
-
-class StandInLLM:
-    """STAND-IN for `vllm.LLM`: mixes the extension into N workers, `collective_rpc` runs on all at once."""
-
-    def __init__(self, *, model: str, worker_extension_cls: str, tensor_parallel_size: int = 1, **kwargs: Any):
-        module, _, cls = worker_extension_cls.rpartition(".")
-        extension = load_object(f"{module}:{cls}", "worker_extension_cls")  # vLLM resolves it the same way
-        worker_cls = type("Worker", (extension, StandInWorker), {})
-        self.model, self.kwargs = model, kwargs
-        self.workers = [worker_cls(rank) for rank in range(tensor_parallel_size)]
-        self.prefix_cache_resets = 0
-        self.shut_down = False
-        self.pool = ThreadPoolExecutor(max_workers=tensor_parallel_size)
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        futures = [self.pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
-        return [f.result(timeout=60) for f in futures]
-
-    def reset_prefix_cache(self) -> bool:
-        self.prefix_cache_resets += 1
-        return True
-
-    @property
-    def llm_engine(self) -> SimpleNamespace:
-        return SimpleNamespace(shutdown=self._shutdown)
-
-    def _shutdown(self) -> None:
-        """As vLLM ending its worker processes: their receivers go away even mid-RPC."""
-        for worker in self.workers:
-            worker.close_weight_receiver()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.shut_down = True
-
-
-def vllm_sink(port: int, apply: str = "streaming") -> tuple[VLLMSink, StandInLLM]:
-    cfg = daemon_cfg(
-        port,
-        rollout__sink__type="vllm",
-        rollout__sink__target="stand-in/tiny",
-        rollout__apply=apply,
-        rollout__identity="vllm",
-        trainer__min_receivers=2,
-        **{"rollout__sink__options__tensor_parallel_size": 2, "rollout__sink__options__enforce_eager": "true"},
-    )
-    made: list[StandInLLM] = []
-
-    def factory(**kwargs: Any) -> StandInLLM:
-        made.append(StandInLLM(**kwargs))
-        return made[-1]
-
-    sink = VLLMSink(cfg, llm_factory=factory)
-    return sink, made[0]
-
-
-@pytest.mark.parametrize("apply", ["streaming", "atomic"])
-async def test_vllm_sink_each_worker_receives_and_loads(apply: str) -> None:
-    port = free_port()
-    sink, llm = vllm_sink(port, apply)
-    assert llm.model == "stand-in/tiny" and llm.kwargs == {"enforce_eager": True}
-    assert isinstance(llm.workers[0], WeightSyncWorkerExtension) and EXTENSION_CLS.endswith("WeightSyncWorkerExtension")
-    daemon = RolloutDaemon(sink.cfg, sink=sink, handle_signals=False)
-    async with running(daemon), sender_on(port, trainer__min_receivers=2) as sender:
-        for version in (0, 1):
-            stats = await sender.send_weights(version_weights(version).items(), version=version)
-            assert stats.receivers == 2  # one receiver per vLLM worker
-            await until(lambda v=version: sink.version == v)
-        assert sink.workers == ["vllm-w0", "vllm-w1"]
-        for worker in llm.workers:
-            assert_same(worker.model_runner.model.state_dict(), version_weights(1))
-        assert llm.prefix_cache_resets == 2
-        assert sink.worker_versions == [{"version": 1, "ok": True}] * 2
-    assert [w.weight_policy_version() for w in llm.workers] == [{"version": 1, "state": "complete"}] * 2
-    assert [r.version for r in daemon.records] == [0, 1] and daemon.records[1].nbytes == stats.nbytes
-    assert llm.shut_down
-
-
-async def test_vllm_worker_load_failure_is_nacked_and_marked_incomplete() -> None:
-    port = free_port()
-    sink, llm = vllm_sink(port, "streaming")
-    daemon = RolloutDaemon(sink.cfg, sink=sink, handle_signals=False)
-    async with running(daemon), sender_on(port, trainer__min_receivers=2) as sender:
-        await sender.send_weights(version_weights(0).items(), version=0)
-        await until(lambda: sink.version == 0)
-        llm.workers[1].model_runner.model.fail_on = "norm.weight"
-        with pytest.raises(PeerError, match=r"vllm-w1.*load_weights failed on 'norm\.weight'"):
-            await sender.send_weights(version_weights(1).items(), version=1)
-        await until(lambda: len(daemon.records) == 2)
-        assert sink.state is SinkState.INCOMPLETE and sink.version == 0
-        llm.workers[1].model_runner.model.fail_on = None
-        await sender.send_weights(version_weights(2).items(), version=2)  # both workers still in step
-        await until(lambda: sink.version == 2)
-        assert sink.state is SinkState.COMPLETE
-        for worker in llm.workers:
-            assert_same(worker.model_runner.model.state_dict(), version_weights(2))
-    assert daemon.records[1].outcome == "failed" and "norm.weight" in (daemon.records[1].error or "")
-
-
-def test_vllm_sink_refuses_its_own_extension_option() -> None:
-    cfg = daemon_cfg(
-        free_port(),
-        rollout__sink__type="vllm",
-        rollout__sink__target="m",
-        rollout__sink__options__worker_extension_cls="x.Y",
-    )
-    from lightning_weightsync import ConfigError
-
-    with pytest.raises(ConfigError, match="worker_extension_cls is set by the vllm sink"):
-        build_sink(cfg)
 
 
 def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_weightsync import SinkError, VersionAborted, load_config, merge_weight_chunks, split_weight_chunks
-from lightning_weightsync.errors import BackendUnavailable, ConfigError
+from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.rollout.sinks import Sink, SinkState, build_sink, load_callable
 from lightning_weightsync.rollout.sinks.callable import CallableSink
 from lightning_weightsync.rollout.sinks.module import ModuleSink
@@ -388,26 +388,6 @@ def test_callable_sink_bad_target() -> None:
 
 def test_load_callable_resolves_dotted_attributes() -> None:
     assert load_callable("tests.unit.test_sinks:Tiny.forward", "k") is Tiny.forward
-
-
-# --- vllm sink (host side without vLLM) ---------------------------------------------------------
-
-
-def test_vllm_sink_without_vllm_names_the_extra() -> None:
-    try:
-        import vllm  # noqa: F401
-
-        pytest.skip("vLLM is installed here; this test checks the message when it is not")
-    except ImportError:
-        pass
-    cfg = load_config(overrides=["rollout.sink.type=vllm", "rollout.sink.options.model=some/model"])
-    with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
-        build_sink(cfg)
-
-
-def test_vllm_sink_needs_a_model() -> None:
-    with pytest.raises(ConfigError, match=r"rollout\.sink\.target is not set.*model to serve"):
-        build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
 
 
 def test_every_daemon_sink_type_is_registered_once() -> None:

@@ -2,7 +2,8 @@
 
 - `module`: a live torch module built by `rollout.sink.factory` (loaded in place);
 - `safetensors`: `<rollout.sink.dir>/step_<version>.safetensors`, the last `keep_last` kept;
-- `vllm`: a vLLM engine whose GPU workers receive and `load_weights` themselves;
+- (`vllm` is not a daemon sink: `lightning-weightsync rollout rollout.sink.type=vllm` starts a vLLM
+  server whose workers receive themselves, see `rollout/vllm/launch.py`);
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
 Each sink registers itself under its `SinkType` with `@register_sink` (base.py); `build_sink(cfg)`
