@@ -24,8 +24,15 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
         from cupy.cuda import nccl  # type: ignore[import-not-found]
     except ImportError as exc:
         raise BackendUnavailable(
-            "transport.backend=nccl needs cupy: pip install 'lightning_weightsync[nccl]' (cupy-cuda12x) on a CUDA host"
+            "transport.backend=nccl needs cupy: pip install 'lightning_weightsync[nccl]' (cupy-cuda13x, for torch "
+            "2.11+ / CUDA 13; on CUDA 12 use cupy-cuda12x) on a CUDA host"
         ) from exc
+    if not getattr(nccl, "available", True):  # a cupy wheel built without NCCL imports fine, then fails late
+        raise BackendUnavailable(
+            "transport.backend=nccl: this cupy has no NCCL (cupy.cuda.nccl.available is False); install the cupy "
+            "wheel matching your CUDA (pip install cupy-cuda13x, or cupy-cuda12x on CUDA 12) or use "
+            "transport.backend=torch_pg"
+        )
     return cupy, nccl
 
 
