@@ -67,10 +67,10 @@ def module_cfg(apply: str = "atomic", **extra: str) -> object:
     return load_config(overrides=overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
-async def drive(sink, weights, version: int, bucket: int = BUCKET) -> None:
+async def drive(sink, weights, version: int, bucket: int = BUCKET, tied=None) -> None:
     """What the daemon does for one version, minus the network."""
     items = weights.items() if isinstance(weights, dict) else weights
-    sink.begin(version)
+    sink.begin(version, tied=tied)
     try:
         async for name, tensor in merge_weight_chunks(
             split_weight_chunks(items, bucket), bucket, into=sink.destination
@@ -172,7 +172,7 @@ async def test_module_sink_unknown_name_is_named_and_previous_version_kept() -> 
     await drive(sink, v0, 0)
     bad = dict(version_weights(1))
     bad["model.embed.weight"] = bad.pop("embed.weight")
-    with pytest.raises(SinkError, match=r"'model\.embed\.weight'.*closest: 'embed\.weight'.*trainer\.names"):
+    with pytest.raises(SinkError, match=r"'model\.embed\.weight'.*has 'embed\.weight'.*module_attr='model'"):
         await drive(sink, bad, 1)
     assert sink.version == 0 and sink.state is SinkState.COMPLETE
     assert_same(sink.state_dict(), v0)
@@ -407,3 +407,151 @@ def test_only_sinks_that_hold_tensors_offer_a_snapshot() -> None:
 
     assert SINKS[SinkType.safetensors].snapshot is Sink.snapshot  # writes to disk: nothing to dump
     assert SINKS[SinkType.module].snapshot is not Sink.snapshot
+
+
+# --- tied weights (issue 12 point 3), name hints (points 2 and 7) --------------------------------
+
+
+def sent_once(seed: int) -> dict[str, torch.Tensor]:
+    """What a trainer sends for `Tiny`: the tied head only once, under the embedding's name."""
+    weights = version_weights(seed)
+    del weights["head.weight"]
+    return weights
+
+
+TIED = {"embed.weight": ("head.weight",)}
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_module_sink_tied_weight_sent_once_no_warning(apply: str, caplog: pytest.LogCaptureFixture) -> None:
+    sink = build_sink(module_cfg(apply))
+    assert isinstance(sink, ModuleSink)
+    for version in (1, 2):
+        with caplog.at_level("WARNING"):
+            await drive(sink, sent_once(version), version, tied=TIED if version == 2 else None)
+        assert "keep their old values" not in caplog.text  # the alias shares the embedding's storage
+        assert_same(sink.state_dict(), version_weights(version))
+        assert sink.module.head.weight is sink.module.embed.weight  # still one Parameter
+    # a tensor the version really did not carry is still reported
+    partial = sent_once(3)
+    del partial["proj.bias"]
+    with caplog.at_level("WARNING"):
+        await drive(sink, partial, 3)
+    assert "'proj.bias'" in caplog.text and "'head.weight'" not in caplog.text
+
+
+class Untied(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = torch.nn.Parameter(torch.zeros(64, 16))  # the rollout built its copy untied
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_module_sink_restores_a_tie_the_wire_declares(apply: str) -> None:
+    sink = ModuleSink(module_cfg(apply), module=Untied())
+    await drive(sink, sent_once(1), 1, tied=TIED)
+    assert torch.equal(sink.module.head.weight, version_weights(1)["embed.weight"])
+    assert sink.module.head.weight.data_ptr() != sink.module.embed.weight.data_ptr()
+
+
+async def test_module_sink_name_mismatch_names_module_attr() -> None:
+    sink = build_sink(module_cfg())
+    prefixed = {f"model.{k}": v for k, v in sent_once(1).items()}
+    with pytest.raises(SinkError) as info:
+        await drive(sink, prefixed, 1)
+    message = str(info.value)
+    assert "module_attr='model'" in message and "trainer.names.strip_prefixes=[model.]" in message
+    assert "not in the rollout module" in message
+
+
+@pytest.mark.parametrize("apply", ["atomic", "streaming"])
+async def test_callable_sink_yields_every_tied_name(apply: str) -> None:
+    got: dict[int, list[tuple[str, torch.Tensor]]] = {}
+
+    def fn(version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        got[version] = list(tensors)
+
+    cfg = load_config(overrides=["rollout.sink.type=callable", f"rollout.apply={apply}"])
+    sink = CallableSink(cfg, fn)
+    await drive(sink, sent_once(1), 1, tied=TIED)
+    names = [n for n, _ in got[1]]
+    assert names.index("head.weight") == names.index("embed.weight") + 1
+    assert sorted(names) == sorted(version_weights(1))
+    held = dict(got[1])
+    assert held["head.weight"] is held["embed.weight"]
+    assert_same(held, version_weights(1))
+
+
+def test_sink_rejects_inconsistent_tied_lists() -> None:
+    sink = CallableSink(load_config(overrides=["rollout.sink.type=callable"]), lambda v, t: None)
+    with pytest.raises(SinkError, match="aliased twice"):
+        sink.begin(1, tied={"a": ("b",), "c": ("b",)})
+    with pytest.raises(SinkError, match="non-empty"):
+        sink.begin(1, tied={"a": ("",)})
+
+
+async def test_safetensors_sink_tied_file_loads_strictly_like_a_hf_checkpoint(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    sink = build_sink(st_cfg(tmp_path))
+    await drive(sink, sent_once(1), 1, tied=TIED)
+    path = step_path(tmp_path, 1)
+    assert "head.weight" not in load_file(str(path))  # written once, as HF writes tied checkpoints
+    with safe_open(str(path), "pt") as f:
+        assert json.loads(f.metadata()["tied"]) == {"embed.weight": ["head.weight"]}
+    model = Tiny()
+    _, unexpected = load_model(model, str(path), strict=True)  # the tie covers the absent alias
+    assert not unexpected
+    assert_same({k: v.detach() for k, v in model.state_dict().items()}, version_weights(1))
+
+
+def st_args(out: Path) -> list[str]:
+    return ["rollout.sink.type=safetensors", f"rollout.sink.dir={out}"]
+
+
+async def test_safetensors_sink_template_dir_makes_checkpoint_directories(tmp_path: Path) -> None:
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "config.json").write_text('{"model_type": "tiny"}')
+    (template / "tokenizer.json").write_text("{}")
+    (template / "model.safetensors").write_bytes(b"old weights, never copied")
+    (template / "model.safetensors.index.json").write_text("{}")
+    out = tmp_path / "out"
+    cfg = load_config(
+        overrides=[
+            "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.sink.keep_last=2",
+            f"rollout.sink.template_dir={template}",
+        ]
+    )  # fmt: skip
+    sink = build_sink(cfg)
+    for version in (1, 2, 3, 3):  # the same version twice: a restarted trainer re-sends it
+        if sink.version == version:
+            sink = build_sink(cfg)
+        await drive(sink, odd_weights(version), version)
+    assert sorted(p.name for p in out.iterdir()) == ["step_2", "step_3"]  # keep_last, no temp dirs left
+    step = out / "step_3"
+    assert sorted(p.name for p in step.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sink.latest_path == step / "model.safetensors"
+    assert_same(load_file(str(step / "model.safetensors")), odd_weights(3))
+    with pytest.raises(ConfigError, match="template_dir"):
+        build_sink(load_config(overrides=[*st_args(out), f"rollout.sink.template_dir={tmp_path}/nope"]))
+
+
+async def test_safetensors_sink_template_abort_leaves_nothing(tmp_path: Path) -> None:
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    cfg = load_config(
+        overrides=["rollout.sink.type=safetensors", f"rollout.sink.dir={out}", f"rollout.sink.template_dir={template}"]
+    )
+    sink = build_sink(cfg)
+    with pytest.raises(VersionAborted):
+        await drive(sink, broken(odd_weights(1), after=2), 1)
+    assert list(out.iterdir()) == []
+
+
+def test_factory_import_error_mentions_pythonpath() -> None:
+    with pytest.raises(ConfigError, match="PYTHONPATH"):
+        load_callable("no_such_module_anywhere:build", "rollout.sink.factory")

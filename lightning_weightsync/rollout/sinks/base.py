@@ -28,7 +28,7 @@ import enum
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -83,12 +83,19 @@ class Sink(ABC):
         self.apply = ApplyMode(cfg.rollout.apply)
         self.version: int | None = None  # last complete version
         self.state = SinkState.EMPTY
+        self.tied: dict[str, tuple[str, ...]] = {}  # the version in flight's {sent name: aliases}
         self._in_flight: int | None = None
 
     # --- the driven interface -------------------------------------------------------------------
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Start `version`. `tied` says which tensors the trainer sends once for several names
+        (``{sent_name: (alias, ...)}``, e.g. ``{"model.embed_tokens.weight": ("lm_head.weight",)}``
+        with tied embeddings); every sink honours it (module: restores the tie; safetensors: writes
+        the tensor once, as Hugging Face checkpoints do, and records the aliases; callable: yields
+        every name). Sinks that hold a module also find the ties of that module on their own."""
         if self._in_flight is not None:
             raise SinkError(f"version {version} begun while version {self._in_flight} is still in flight")
+        self.tied = _check_tied(tied)
         self._in_flight = version
         self._begin(version)
 
@@ -211,6 +218,23 @@ def register_sink(kind: SinkType) -> Callable[[S], S]:
     return register
 
 
+def _check_tied(tied: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:
+    """`tied` as {sent name: aliases}, checked: names are non-empty strings and no alias is also
+    sent or aliased twice (that would make the version's content ambiguous)."""
+    out: dict[str, tuple[str, ...]] = {}
+    seen: set[str] = set()
+    for source, aliases in (tied or {}).items():
+        names = (source, *aliases)
+        if not all(isinstance(n, str) and n for n in names):
+            raise SinkError(f"tied names {names!r} are not all non-empty strings")
+        for alias in aliases:
+            if alias in seen or alias in (tied or {}) or alias == source:
+                raise SinkError(f"tied name {alias!r} is sent or aliased twice")
+            seen.add(alias)
+        out[source] = tuple(aliases)
+    return out
+
+
 def load_object(path: str | None, knob: str) -> Any:
     """Resolve `package.module:attribute` (dots allowed in the attribute) or raise one-line `ConfigError`."""
     if not path or not isinstance(path, str):
@@ -221,7 +245,11 @@ def load_object(path: str | None, knob: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{knob}={path!r}: cannot import module {module_name!r} ({exc})") from None
+        raise ConfigError(
+            f"{knob}={path!r}: cannot import module {module_name!r} ({exc}); the current directory is "
+            "searched, like `python -m`; a module elsewhere needs its directory on PYTHONPATH "
+            "(PYTHONPATH=/path/to/dir lightning-weightsync ...) or pip install -e of its package"
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

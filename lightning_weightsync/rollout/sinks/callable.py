@@ -11,6 +11,10 @@
   version is not acknowledged as applied.
 
 Tensors handed over are the function's to keep: they do not alias any receive buffer.
+
+Tied weights: a tensor the trainer sends once for several names (`begin(version, tied=...)`) is
+handed over under each of its names, right after one another, as the same tensor object, so the
+function sees every name its model has (`lm_head.weight` and `model.embed_tokens.weight`).
 """
 
 from __future__ import annotations
@@ -109,10 +113,11 @@ class CallableSink(Sink):
         return None  # merge allocates a fresh tensor that the function may keep
 
     def _accept(self, name: str, tensor: torch.Tensor) -> None:
-        if self.apply is ApplyMode.streaming:
-            self._put((name, tensor))
-        else:
-            self._held.append((name, tensor))
+        for each in (name, *self.tied.get(name, ())):
+            if self.apply is ApplyMode.streaming:
+                self._put((each, tensor))
+            else:
+                self._held.append((each, tensor))
 
     def _commit(self, version: int) -> None:
         if self.apply is ApplyMode.streaming:

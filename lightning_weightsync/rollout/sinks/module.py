@@ -12,6 +12,12 @@ code that embeds the daemon (then it stays where it is).
   that take `self.lock` never see a half-applied version. The price is one extra copy of the model.
   Copy rather than pointer-swap on purpose: live storages keep their addresses, so anything that
   captured them (CUDA graphs, compiled modules, an inference engine) stays valid.
+
+Tied weights (`lm_head.weight` is `model.embed_tokens.weight`): the trainer sends the tensor once.
+Names of the module that share one storage count as one tensor here, so the alias is neither
+"missing" nor written twice; when the version says an alias is tied (`begin(version, tied=...)`)
+and this module keeps it as a tensor of its own (built untied), the sent value is copied into it,
+so the tie holds after every version either way.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class ModuleSink(Sink):
             name: t.data if isinstance(t, torch.nn.Parameter) else t
             for name, t in self.module.state_dict(keep_vars=True).items()
         }
+        # names sharing one storage (tied weights) -> the first name of that storage
+        self._storage_of: dict[str, str] = _storage_groups(self._live)
         self._shadows: dict[int, torch.Tensor] = {}  # id(live tensor) -> staging tensor (atomic)
         self._received: dict[str, torch.Tensor] = {}
         self._touched_live = False
@@ -67,12 +75,7 @@ class ModuleSink(Sink):
     def _target(self, meta: TensorMeta) -> torch.Tensor:
         live = self._live.get(meta.name)
         if live is None:
-            close = difflib.get_close_matches(meta.name, self._live, n=1)
-            hint = f" (closest: {close[0]!r})" if close else ""
-            raise SinkError(
-                f"tensor {meta.name!r} {describe(meta)} is not in the rollout module{hint}; map trainer names with "
-                "trainer.names.strip_prefixes / rename / exclude, or fix rollout.sink.factory"
-            )
+            raise SinkError(_unknown_name_message(meta, self._live))
         if tuple(live.shape) != meta.shape or live.dtype != meta.dtype:
             raise SinkError(
                 f"tensor {meta.name!r} arrives as {meta.dtype}{list(meta.shape)} but the rollout module holds "
@@ -122,7 +125,10 @@ class ModuleSink(Sink):
         self._received[name] = live
 
     def _commit(self, version: int) -> None:
-        missing = [n for n in self._live if n not in self._received]
+        carried = {self._storage_of[n] for n in self._received}
+        for aliases in (self.tied.get(n, ()) for n in self._received):
+            carried.update(self._storage_of[a] for a in aliases if a in self._live)
+        missing = [n for n in self._live if self._storage_of[n] not in carried]
         if missing:
             logger.warning(
                 "version %d did not carry %d of the module's %d tensors (e.g. %s); they keep their old values",
@@ -138,7 +144,28 @@ class ModuleSink(Sink):
                     if id(live) not in done:
                         live.copy_(self._shadows[id(live)])
                         done.add(id(live))
+                self._restore_ties()
+        else:
+            with torch.no_grad():
+                self._restore_ties()
         self._received = {}
+
+    def _restore_ties(self) -> None:
+        """Aliases the version declares tied but this module keeps apart get the sent value."""
+        for source, aliases in self.tied.items():
+            src = self._received.get(source)
+            if src is None:
+                continue
+            for alias in aliases:
+                live = self._live.get(alias)
+                if live is None or self._storage_of[alias] == self._storage_of[source]:
+                    continue  # not in this module, or tied here already (one storage)
+                if live.shape != src.shape or live.dtype != src.dtype:
+                    raise SinkError(
+                        f"{alias!r} is tied to {source!r} on the trainer but the rollout module holds it as "
+                        f"{live.dtype}{list(live.shape)}, not {src.dtype}{list(src.shape)}; fix rollout.sink.factory"
+                    )
+                live.copy_(src)
 
     def _abort(self, version: int, reason: str) -> bool:
         self._received = {}
@@ -147,3 +174,31 @@ class ModuleSink(Sink):
 
     def close(self) -> None:
         self._shadows.clear()
+
+
+def _storage_groups(live: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each name -> the first name whose tensor is the same view of the same storage (tied weights)."""
+    first: dict[tuple[object, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in live.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        out[name] = first.setdefault(key, name) if t.numel() else name
+    return out
+
+
+def _unknown_name_message(meta: TensorMeta, live: dict[str, torch.Tensor]) -> str:
+    """Say which name arrived, what the module has instead, and the knob that maps one to the other."""
+    head, _, rest = meta.name.partition(".")
+    what = f"tensor {meta.name!r} {describe(meta)} is not in the rollout module"
+    if rest and rest in live:  # the classic: a LightningModule's `self.model` prefix on every name
+        return (
+            f"{what}, which has {rest!r}: the trainer sends its LightningModule attribute {head!r} as a name "
+            f"prefix; pass module_attr={head!r} to WeightSyncCallback / AccelerateWeightSync, or set "
+            f"trainer.names.strip_prefixes=[{head}.]"
+        )
+    close = difflib.get_close_matches(meta.name, live, n=1)
+    hint = f" (closest: {close[0]!r})" if close else ""
+    return (
+        f"{what}{hint}; choose what the trainer sends with module_attr (WeightSyncCallback / AccelerateWeightSync) "
+        "and map names with trainer.names.strip_prefixes / rename / rename_regex / exclude, or fix rollout.sink.factory"
+    )

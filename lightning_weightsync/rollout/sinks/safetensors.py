@@ -16,6 +16,18 @@ that no version needs to be materialised as a dict for `safetensors.torch.save_f
 with `safetensors.torch.load_file` and are checked that way in the tests.
 
 Both apply policies behave the same here: a file is only ever visible whole.
+
+Checkpoint directories (`rollout.sink.template_dir`): each version becomes
+`<dir>/step_<version>/model.safetensors` plus copies of the template's non-weight files
+(`config.json`, tokenizer files, `generation_config.json`, ...), staged in a hidden temp directory
+and renamed into place whole, so every version is a Hugging Face checkpoint that
+`AutoModelForCausalLM.from_pretrained` or vLLM loads as is.
+
+Tied weights: a tensor sent once for several names (`begin(version, tied=...)`) is written once,
+under the name it was sent as, which is what Hugging Face checkpoints of tied models hold
+(`model.embed_tokens.weight`, no `lm_head.weight`): `from_pretrained` re-ties it from the config and
+`safetensors.torch.load_model(model, path)` accepts the missing alias because the model shares it.
+The aliases are recorded in the header's `__metadata__["tied"]` (JSON) for anyone who needs them.
 """
 
 from __future__ import annotations
@@ -42,6 +54,12 @@ logger = logging.getLogger(__name__)
 
 FINAL_RE = re.compile(r"^step_(\d+)\.safetensors$")
 TEMP_RE = re.compile(r"^\.step_(\d+)\.safetensors\.(\d+)\.tmp2?$")
+FINAL_DIR_RE = re.compile(r"^step_(\d+)$")
+TEMP_DIR_RE = re.compile(r"^\.step_(\d+)\.(\d+)\.tmpdir$")
+WEIGHTS_NAME = "model.safetensors"
+# files of a template checkpoint that are weights (ours replace them), never copied
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MIN_HEADER_RESERVE = 64 * 1024
 COPY_CHUNK = 16 * 1024 * 1024
 
@@ -104,6 +122,14 @@ class SafetensorsSink(Sink):
         except OSError as exc:
             raise ConfigError(f"rollout.sink.dir={str(self.dir)!r} cannot be created: {exc}") from None
         self.keep_last = int(cfg.rollout.sink.keep_last)
+        template = cfg.rollout.sink.get("template_dir")
+        self.template: Path | None = Path(str(template)) if template else None
+        if self.template is not None and not self.template.is_dir():
+            raise ConfigError(
+                f"rollout.sink.template_dir={str(self.template)!r} is not a directory; give a checkpoint directory "
+                "holding config.json (and tokenizer files), e.g. the one the trainer's model came from"
+            )
+        self._stage: Path | None = None  # the version's temp directory (template mode)
         self._file: BinaryIO | None = None
         self._tmp: Path | None = None
         self._reserve = MIN_HEADER_RESERVE
@@ -114,17 +140,29 @@ class SafetensorsSink(Sink):
 
     @property
     def latest_path(self) -> Path | None:
-        return step_path(self.dir, self.version) if self.version is not None else None
+        """The weights file of the last complete version (inside its directory in template mode)."""
+        if self.version is None:
+            return None
+        return self.dir / f"step_{self.version}" / WEIGHTS_NAME if self.template else step_path(self.dir, self.version)
 
     def _remove_stale_temps(self) -> None:
         for p in self.dir.iterdir():
-            m = TEMP_RE.match(p.name)
+            m = TEMP_RE.match(p.name) or TEMP_DIR_RE.match(p.name)
             if m and not process_alive(int(m.group(2))):
                 logger.info("removing %s left by a crashed writer", p)
-                p.unlink(missing_ok=True)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
 
     def _begin(self, version: int) -> None:
-        self._tmp = self.dir / f".step_{version}.safetensors.{os.getpid()}.tmp"
+        if self.template is not None:
+            self._stage = self.dir / f".step_{version}.{os.getpid()}.tmpdir"
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage.mkdir()
+            self._tmp = self._stage / WEIGHTS_NAME
+        else:
+            self._tmp = self.dir / f".step_{version}.safetensors.{os.getpid()}.tmp"
         self._reserve = max(MIN_HEADER_RESERVE, (self._last_header_len * 5 // 4 + 4095) // 8 * 8)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         self._file.seek(8 + self._reserve)
@@ -156,7 +194,11 @@ class SafetensorsSink(Sink):
         self._data_len += nbytes
 
     def _header(self, version: int) -> bytes:
-        header = {"__metadata__": {"format": "pt", "version": str(version)}, **self._entries}
+        metadata = {"format": "pt", "version": str(version)}
+        tied = {source: list(aliases) for source, aliases in self.tied.items() if source in self._entries}
+        if tied:
+            metadata["tied"] = json.dumps(tied, separators=(",", ":"))
+        header = {"__metadata__": metadata, **self._entries}
         return json.dumps(header, separators=(",", ":")).encode()
 
     def _commit(self, version: int) -> None:
@@ -187,19 +229,44 @@ class SafetensorsSink(Sink):
         os.fsync(f.fileno())
         f.close()
         self._file = None
-        final = step_path(self.dir, version)
-        os.replace(tmp, final)
+        if self._stage is not None:
+            final = self._publish_dir(self._stage, version)
+            self._stage = None
+        else:
+            final = step_path(self.dir, version)
+            os.replace(tmp, final)
         self._tmp = None
         _fsync_dir(self.dir)
         self._last_header_len = len(header)
         self._prune()
         logger.debug("wrote %s (%d tensors, %d bytes)", final, len(self._entries), self._data_len)
 
+    def _publish_dir(self, stage: Path, version: int) -> Path:
+        """Copy the template's non-weight files into the staged version, then rename it into place."""
+        assert self.template is not None
+        for src in sorted(self.template.iterdir()):
+            if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES) and src.name not in WEIGHT_INDEXES:
+                shutil.copy2(src, stage / src.name)
+        _fsync_dir(stage)
+        final = self.dir / f"step_{version}"
+        if final.exists():  # the same version again (a restarted trainer re-sends it): replace it whole
+            old = self.dir / f".step_{version}.{os.getpid()}.old.tmpdir"
+            os.replace(final, old)
+            os.replace(stage, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, final)
+        return final
+
     def _prune(self) -> None:
-        files = [p for p in self.dir.iterdir() if FINAL_RE.match(p.name)]
-        files.sort(key=lambda p: (p.stat().st_mtime_ns, int(FINAL_RE.match(p.name).group(1))))  # type: ignore[union-attr]
-        for old in files[: max(0, len(files) - self.keep_last)]:
-            old.unlink(missing_ok=True)
+        pattern = FINAL_DIR_RE if self.template is not None else FINAL_RE
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := pattern.match(p.name))]
+        found.sort(key=lambda vp: (vp[1].stat().st_mtime_ns, vp[0]))
+        for _, old in found[: max(0, len(found) - self.keep_last)]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def _abort(self, version: int, reason: str) -> bool:
         if self._file is not None:
@@ -209,6 +276,9 @@ class SafetensorsSink(Sink):
             self._tmp.unlink(missing_ok=True)
             self._tmp.with_name(self._tmp.name + "2").unlink(missing_ok=True)
             self._tmp = None
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
         self._entries = {}
         return False  # nothing visible changed: the previous files are untouched
 
