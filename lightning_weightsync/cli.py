@@ -17,6 +17,7 @@ import importlib
 import io
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -136,6 +137,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Stream trainer weights to RL rollout processes.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{rollout,config,demo,bench}")
 
     p = sub.add_parser("rollout", help="run the rollout daemon: receive every version into the configured sink")
@@ -164,8 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _import_from_cwd() -> None:
+    """Let `rollout.sink.factory=my_models:build` find `./my_models.py`, as `python -m` would: the
+    console script's sys.path starts with its own bin/ directory, not the current directory."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _import_from_cwd()
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -293,3 +293,23 @@ def test_demo_verification_catches_one_flipped_bit(tmp_path: Path) -> None:
     save_file(weights, str(tmp_path / "rollout.safetensors"), metadata={"version": "6", "state": "complete"})
     ok, message = verify(tmp_path / "rollout.safetensors", tmp_path / "trainer.safetensors")
     assert not ok and "rollout holds version 6, trainer last synced version 7" in message
+
+
+def test_version_flag() -> None:
+    result = subprocess.run([str(CONSOLE_SCRIPT), "--version"], capture_output=True, text=True, timeout=60)
+    from lightning_weightsync import __version__
+
+    assert result.returncode == 0 and result.stdout.strip() == f"lightning-weightsync {__version__}"
+
+
+def test_console_script_imports_a_factory_from_the_current_directory(tmp_path: Path) -> None:
+    """Issue 12 point 7: `rollout.sink.factory=my_models:build` with ./my_models.py, no PYTHONPATH,
+    is found as `python -m` would find it (the factory raising proves it was imported and called)."""
+    (tmp_path / "my_models.py").write_text("def build():\n    raise RuntimeError('imported from the cwd')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [str(CONSOLE_SCRIPT), "rollout", "rollout.sink.factory=my_models:build", "rollout.progress=false"]
+    result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result.returncode, result.stderr, r"my_models:build'? failed: RuntimeError: imported from")
+    argv[2] = "rollout.sink.factory=elsewhere_models:build"
+    result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result.returncode, result.stderr, r"cannot import module 'elsewhere_models'.*PYTHONPATH")
