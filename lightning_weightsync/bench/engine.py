@@ -1,20 +1,23 @@
 """End-to-end engine benchmark on loopback: real processes, real ZeroMQ, real gloo groups.
 
-Three measurements, each against a baseline measured in the same run, in the same processes:
-1. throughput: `WeightSender.send_weights` of a model-shaped stream (Qwen3-8B's 399 tensors with
-   every dimension divided by `scale`: 1 GB at scale 4, the real mix of one huge embedding, large MLP
-   and small norm tensors) through `bucket_mb` buckets, receivers merging `into=` preallocated
-   destinations, vs a raw gloo broadcast of the same total bytes in bucket-sized pieces (no
-   packing, no metadata, no merging). Goal: ratio >= 0.9 at 64 MiB+ buckets.
-2. small tensors: the engine vs one broadcast per tensor (what TRL's per-parameter sync does) on a
-   model of many small tensors (Qwen3-8B names and shapes, scaled down). Goal: >= 3x faster.
-3. memory: peak RSS growth of sender and receiver during a version, against the design budget
-   (sender: 2 buckets; receiver: 2 buckets, + the largest tensor when there is no destination).
+Each figure against a baseline measured in the same run, in the same processes:
+- throughput: `WeightSender.send_weights` of a model-shaped stream (Qwen3-8B's 399 tensors with every
+  dimension divided by `scale`: 977 MiB at scale 4, the real mix of one huge embedding, large MLP and
+  small norm tensors) at 16, 64 and 256 MiB buckets, the receiver merging `into=` preallocated
+  destinations (what the module sink's streaming apply does) or assembling tensors itself, vs a raw gloo
+  broadcast of the same total bytes in bucket-sized pieces (no packing, no metadata, no merging).
+  Goal: ratio >= 0.9 with `into=` at 64 MiB. Peak extra RSS per side vs the budget (sender: 2 buckets;
+  receiver: 2 buckets, + the largest tensor without `into=`; + 16 MiB slack for the interpreter).
+- receivers: the same at 64 MiB with 1, 2, 3 receivers (all on this machine's cores).
+- growth: seconds per GiB for 1/8, 1/4, 1/2 and all of the Qwen3-8B tensors, and for the
+  Qwen3-30B-A3B shape (fused 3-D experts), so a user can extrapolate to their model.
+- small tensors: the engine vs one broadcast per tensor (TRL style) on loopback; over a link with real
+  latency see `python -m lightning_weightsync.bench.latency` (network namespaces).
 
-The engine's time is taken from a version after the first (the group is formed and reused), and
-includes metadata, acks and merging. Best of `repeats`.
+The engine's time is taken from versions after the first (the group is formed and reused), and
+includes metadata, acks and merging. Best of `repeats`. Every run also checks what it moved, bitwise.
 
-    python -m lightning_weightsync.bench.engine [--json] [--receivers 1] [--scale 4] [--bucket-mb 64 256]
+    python -m lightning_weightsync.bench.engine [--json] [--sections throughput growth] [--scale 4]
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ class _RssPeak:
         self.extra = self._peak - self._base
 
 
-def _model_stream(scale: int) -> list[tuple[str, torch.Tensor]]:
-    from ..examples.inventory import model_stream
+def _model_stream(scale: int, model: str = "qwen3-8b", fraction: float = 1.0) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors with every dimension divided by `scale`; `fraction` keeps that share of the
+    tensors in inventory order (embedding first, then whole layers), so bytes grow like a deeper model."""
+    from ..examples.inventory import inventories, model_stream
 
-    return list(model_stream("qwen3-8b", scale=scale, extras=False))
+    count = max(1, round(len(inventories()[model]) * fraction))
+    return list(model_stream(model, scale=scale, max_tensors=count, extras=False))
 
 
 def _cfg(port: int, bucket_mb: float, receivers: int) -> Any:
@@ -131,7 +137,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     from ..engine.sender import WeightSender
 
     torch.set_num_threads(1)
-    stream = _model_stream(case["scale"])
+    stream = _model_stream(case["scale"], case.get("model", "qwen3-8b"), case.get("fraction", 1.0))
     bucket = int(case["bucket_mb"] * MiB)
     repeats = case["repeats"]
     pg = _raw_group(role, world, ports["store"])
@@ -153,19 +159,28 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
                 result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
             result["engine_s"] = min(times[1:])
             result["nbytes"] = stats.nbytes
+            result["largest_bytes"] = max(t.numel() * t.element_size() for _, t in stream)
             result["buckets"] = stats.num_buckets
             result["direct_buckets"] = stats.direct_buckets
 
     async def receive() -> None:
-        dest = {n: torch.zeros_like(t) for n, t in stream}  # touched: their pages count before we measure
+        into = case.get("into", True)
+        # destinations are touched before we measure: their pages are the model's, not the transfer's
+        dest = {n: torch.zeros_like(t) for n, t in stream} if into else {}
+        expected = dict(stream)
         async with WeightReceiver(cfg, identity=f"bench-{role}") as receiver:
-            for _ in range(repeats + 1):
+            for version in range(repeats + 1):
                 with _RssPeak() as rss:
-                    async for _name, _t in receiver.receive_weights(into=lambda m: dest[m.name]):
-                        pass
+                    if into:
+                        async for _name, _t in receiver.receive_weights(into=lambda m: dest[m.name]):
+                            pass
+                    else:  # the receiver assembles each tensor itself; the consumer drops it at once
+                        async for name, t in receiver.receive_weights():
+                            if version == 0:  # the untimed warm-up version is checked bitwise
+                                assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
                 result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
-        for name, t in stream:  # the benchmark also checks what it moved
-            assert torch.equal(dest[name], t), name
+        for name, t in dest.items():  # the benchmark also checks what it moved, bitwise
+            assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
 
     pg.broadcast(torch.zeros(1), 0).wait()  # all processes set up before the engine phase
     asyncio.run(send() if role == 0 else receive())
@@ -198,50 +213,78 @@ def _run_processes(world: int, case: dict[str, Any], timeout_s: float = 600) -> 
     return [results[r] for r in range(world)]
 
 
+def _case(world: int, repeats: int, **case: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    sender, *receivers = _run_processes(world, {"repeats": repeats, **case})
+    return sender, receivers
+
+
+def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: list[dict[str, Any]]) -> dict[str, Any]:
+    nbytes = sender["nbytes"]
+    bucket = case["bucket_mb"] * MiB
+    largest = sender.get("largest_bytes", 0)
+    budget_receiver = 2 * bucket + (0 if case.get("into", True) else largest) + SLACK_BYTES
+    return {
+        **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction") if k in case},
+        "receivers": len(receivers),
+        "total_mb": nbytes / MiB,
+        "buckets": sender["buckets"],
+        "direct_buckets": sender["direct_buckets"],
+        "engine_s": sender["engine_s"],
+        "raw_s": sender["baseline_s"],
+        "engine_s_per_GiB": sender["engine_s"] / (nbytes / 2**30),
+        "raw_s_per_GiB": sender["baseline_s"] / (nbytes / 2**30),
+        "ratio": sender["baseline_s"] / sender["engine_s"],
+        "sender_extra_mb": sender["peak_extra_bytes"] / MiB,
+        "receiver_extra_mb": max(r["peak_extra_bytes"] for r in receivers) / MiB,
+        "sender_budget_mb": (2 * bucket + SLACK_BYTES) / MiB,
+        "receiver_budget_mb": budget_receiver / MiB,
+    }
+
+
 def run(
     json_out: bool = False,
     *,
-    receivers: int = 1,
     scale: int = 4,
-    bucket_mbs: tuple[float, ...] = (64, 256),
+    bucket_mbs: tuple[float, ...] = (16, 64, 256),
+    receivers: tuple[int, ...] = (1, 2, 3),
+    fractions: tuple[float, ...] = (0.125, 0.25, 0.5),
+    moe_scale: int = 4,
     repeats: int = 3,
+    sections: tuple[str, ...] = ("throughput", "receivers", "growth", "small_tensors"),
 ) -> dict[str, Any]:
-    world = receivers + 1
-    report: dict[str, Any] = {"receivers": receivers, "throughput": [], "small_tensors": None, "memory": []}
-    for bucket_mb in bucket_mbs:
-        case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb}
-        sender, *recvs = _run_processes(world, {**case, "repeats": repeats})
-        nbytes = sender["nbytes"]
-        row = {
-            "bucket_mb": bucket_mb,
-            "total_mb": nbytes / MiB,
-            "buckets": sender["buckets"],
-            "direct_buckets": sender["direct_buckets"],
-            "engine_GBps": nbytes / sender["engine_s"] / 1e9,
-            "raw_gloo_GBps": nbytes / sender["baseline_s"] / 1e9,
-            "ratio": sender["baseline_s"] / sender["engine_s"],
-            "goal": GOAL_THROUGHPUT,
+    """Every section against a baseline measured in the same run, in the same processes:
+    throughput (with and without `into=` destinations, per bucket size: ratio to a raw gloo broadcast
+    of the same bytes; peak extra memory per side vs the documented budget), receivers (1..3 at 64 MiB),
+    growth (seconds per GiB as the model grows, and for the fused-expert MoE shape), small tensors
+    (the engine vs one broadcast per tensor, on loopback: see `bench.latency` for a real link)."""
+    report: dict[str, Any] = {"goal_ratio": GOAL_THROUGHPUT, "goal_small_speedup": GOAL_SMALL_SPEEDUP}
+    if "throughput" in sections:
+        rows = report["throughput"] = []
+        for bucket_mb in bucket_mbs:
+            for into in (True, False):
+                case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb, "into": into}
+                rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+    if "receivers" in sections:
+        rows = report["receivers"] = []
+        for n in receivers:
+            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True}
+            rows.append(_throughput_row(case, *_case(n + 1, repeats, **case)))
+    if "growth" in sections:
+        rows = report["growth"] = []
+        shapes = [("qwen3-8b", scale, f) for f in (*fractions, 1.0)] + [("qwen3-30b-a3b", moe_scale, 1.0)]
+        for model, model_scale, fraction in shapes:
+            case = {"kind": "model", "model": model, "scale": model_scale, "fraction": fraction, "bucket_mb": 64}
+            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+    if "small_tensors" in sections:
+        small, _ = _case(2, repeats, kind="small", scale=64, bucket_mb=64)
+        report["small_tensors"] = {
+            "tensors": len(_model_stream(64)),
+            "total_mb": small["nbytes"] / MiB,
+            "engine_s": small["engine_s"],
+            "per_tensor_broadcast_s": small["baseline_s"],
+            "speedup": small["baseline_s"] / small["engine_s"],
+            "link": "loopback (no latency: see `python -m lightning_weightsync.bench.latency` for a real link)",
         }
-        report["throughput"].append(row)
-        budget = 2 * bucket_mb * MiB + SLACK_BYTES
-        report["memory"].append(
-            {
-                "bucket_mb": bucket_mb,
-                "sender_extra_mb": sender["peak_extra_bytes"] / MiB,
-                "receiver_extra_mb": max(r["peak_extra_bytes"] for r in recvs) / MiB,
-                "budget_mb": budget / MiB,
-                "within_budget": max([sender["peak_extra_bytes"]] + [r["peak_extra_bytes"] for r in recvs]) <= budget,
-            }
-        )
-    small = _run_processes(world, {"kind": "small", "scale": 64, "bucket_mb": 64, "repeats": repeats})[0]
-    report["small_tensors"] = {
-        "tensors": len(_model_stream(64)),
-        "total_mb": small["nbytes"] / MiB,
-        "engine_s": small["engine_s"],
-        "per_tensor_broadcast_s": small["baseline_s"],
-        "speedup": small["baseline_s"] / small["engine_s"],
-        "goal": GOAL_SMALL_SPEEDUP,
-    }
     if json_out:
         print(json.dumps(report, indent=2))
     else:
@@ -250,43 +293,53 @@ def run(
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"engine benchmark, loopback gloo, {report['receivers']} receiver(s)")
-    print(
-        f"{'bucket MiB':>10} {'MiB':>6} {'buckets':>8} {'direct':>7} {'engine GB/s':>12} {'raw gloo GB/s':>14} "
-        f"{'ratio':>6} {'goal':>5}"
+    head = (
+        f"{'model':>14} {'scale':>5} {'frac':>5} {'bucket':>6} {'into':>5} {'recv':>4} {'MiB':>6} {'direct':>6} "
+        f"{'engine s/GiB':>12} {'raw s/GiB':>9} {'ratio':>6} {'send +MiB':>9} {'recv +MiB':>9} {'budget s/r':>11}"
     )
-    for r in report["throughput"]:
+    for section in ("throughput", "receivers", "growth"):
+        if section not in report:
+            continue
         print(
-            f"{r['bucket_mb']:>10g} {r['total_mb']:>6.0f} {r['buckets']:>8} {r['direct_buckets']:>7} "
-            f"{r['engine_GBps']:>12.2f} {r['raw_gloo_GBps']:>14.2f} {r['ratio']:>6.2f} {r['goal']:>5}"
+            f"== {section} (loopback gloo; ratio = raw gloo broadcast time / engine time, goal {report['goal_ratio']})"
         )
-    s = report["small_tensors"]
-    print(
-        f"small tensors: {s['tensors']} tensors, {s['total_mb']:.1f} MiB: engine {s['engine_s'] * 1e3:.1f} ms vs "
-        f"per-tensor broadcast {s['per_tensor_broadcast_s'] * 1e3:.1f} ms -> {s['speedup']:.1f}x (goal {s['goal']}x)"
-    )
-    for m in report["memory"]:
+        print(head)
+        for r in report[section]:
+            print(
+                f"{r.get('model', 'qwen3-8b'):>14} {r['scale']:>5} {r.get('fraction', 1.0):>5.3g} "
+                f"{r['bucket_mb']:>6g} {'yes' if r.get('into', True) else 'no':>5} {r['receivers']:>4} "
+                f"{r['total_mb']:>6.0f} {r['direct_buckets']:>6} {r['engine_s_per_GiB']:>12.3f} "
+                f"{r['raw_s_per_GiB']:>9.3f} {r['ratio']:>6.2f} {r['sender_extra_mb']:>9.0f} "
+                f"{r['receiver_extra_mb']:>9.0f} {r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
+            )
+    s = report.get("small_tensors")
+    if s:
         print(
-            f"memory, bucket {m['bucket_mb']:g} MiB: sender +{m['sender_extra_mb']:.0f} MiB, receiver "
-            f"+{m['receiver_extra_mb']:.0f} MiB, budget {m['budget_mb']:.0f} MiB (2 buckets + 16 MiB): "
-            f"{'within' if m['within_budget'] else 'OVER'}"
+            f"== small tensors: {s['tensors']} tensors, {s['total_mb']:.1f} MiB: engine "
+            f"{s['engine_s'] * 1e3:.1f} ms vs per-tensor broadcast {s['per_tensor_broadcast_s'] * 1e3:.1f} ms -> {s['speedup']:.1f}x on {s['link']}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--receivers", type=int, default=1)
+    p.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--scale", type=int, default=4, help="divide every Qwen3-8B dimension by this")
-    p.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256])
+    p.add_argument("--moe-scale", type=int, default=4, help="divide every Qwen3-30B-A3B dimension by this")
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sections", nargs="+", default=["throughput", "receivers", "growth", "small_tensors"])
     a = p.parse_args(argv)
     run(
         a.json,
-        receivers=a.receivers,
+        receivers=tuple(a.receivers),
         scale=a.scale,
+        moe_scale=a.moe_scale,
         bucket_mbs=tuple(a.bucket_mb),
+        fractions=tuple(a.fractions),
         repeats=a.repeats,
+        sections=tuple(a.sections),
     )
     return 0
 
