@@ -1,7 +1,11 @@
 """Tiny causal LM trained with Hugging Face Accelerate, syncing its weights every optimizer step.
 
     torchrun --standalone --nproc-per-node 2 recipes/accelerate_tiny.py --config recipes/accelerate_tiny.yaml
-    accelerate launch --cpu --num_processes 2 recipes/accelerate_tiny.py --config recipes/accelerate_tiny.yaml
+
+Launch with torchrun on CPU: `accelerate launch --cpu --num_processes 2` starts ONE process
+(Accelerate's CPU launcher ignores --num_processes unless multi-CPU is set up with mpirun or
+`accelerate config`). Under torchrun even a plain `Accelerator()` that does not see the launch
+(process_index 0 everywhere) works: the sending rank is taken from torch.distributed.
 
 The one weightsync line is `AccelerateWeightSync(accelerator, model, cfg)` after `prepare`.
 On CPU Accelerate uses DDP (it ignores the FSDP plugin); `recipe.fsdp2_by_hand=true` shards the
@@ -12,7 +16,6 @@ Serve it with the same rollout command as recipes/tiny_lm_cpu.yaml.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from lightning_weightsync.errors import ConfigError
-from lightning_weightsync.examples.tiny_lm import SyntheticTokens, build_model, load_recipe
+from lightning_weightsync.examples.recipe import recipe_main
+from lightning_weightsync.examples.tiny_lm import SyntheticTokens, build_model
 from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 logger = logging.getLogger("lightning_weightsync.recipes.accelerate_tiny")
@@ -49,7 +52,7 @@ def batches(loader: Any) -> Iterator[torch.Tensor]:
         yield from loader
 
 
-def train(recipe: AccelerateRecipe, cfg: DictConfig) -> dict[str, Any]:
+def train(recipe: AccelerateRecipe, cfg: DictConfig) -> str | None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=recipe.cpu, gradient_accumulation_steps=recipe.accumulate_grad_batches)
@@ -97,36 +100,18 @@ def train(recipe: AccelerateRecipe, cfg: DictConfig) -> dict[str, Any]:
             from safetensors.torch import save_file
 
             save_file(tensors, recipe.save_final, metadata={"step": str(weight_sync.step)})
-    summary = {
-        "steps": weight_sync.step,
-        "micro_batches": micro_batches,
-        "last_synced_version": weight_sync.last_synced_version,
-        "failures": weight_sync.failures,
-        "is_main_process": accelerator.is_main_process,
-    }
+    line = (
+        f"accelerate_tiny: {weight_sync.step} steps ({micro_batches} micro-batches), "
+        f"last synced version {weight_sync.last_synced_version}, {weight_sync.failures} failed syncs"
+    )
+    is_main = accelerator.is_main_process
     weight_sync.close()
     accelerator.wait_for_everyone()
-    return summary
+    return line if is_main else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", "-c", metavar="FILE.yaml", help="recipe YAML (recipe: + weightsync sections)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. recipe.steps=8 transport.port=29600")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        recipe, cfg = load_recipe(args.config, args.overrides, schema=AccelerateRecipe)
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
-    summary = train(recipe, cfg)
-    if summary["is_main_process"]:
-        print(
-            f"accelerate_tiny: {summary['steps']} steps ({summary['micro_batches']} micro-batches), "
-            f"last synced version {summary['last_synced_version']}, {summary['failures']} failed syncs"
-        )
-    return 0
+    return recipe_main(train, AccelerateRecipe, argv, description=__doc__)
 
 
 if __name__ == "__main__":

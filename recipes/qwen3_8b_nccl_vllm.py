@@ -18,17 +18,14 @@ Bucket size: 3072 MB moves the 1.16 GiB embedding in one piece; `transport.bucke
 
 from __future__ import annotations
 
-import argparse
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.examples.qwen3 import Qwen3Recipe, lightning_module, synthetic_batches
-from lightning_weightsync.examples.tiny_lm import load_recipe
+from lightning_weightsync.examples.recipe import recipe_main
 from lightning_weightsync.trainer.lightning import WeightSyncCallback
 
 
@@ -53,17 +50,7 @@ def build(recipe: Qwen3Recipe, cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", "-c", metavar="FILE.yaml", required=True)
-    p.add_argument("overrides", nargs="*", metavar="key=value")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    try:
-        recipe, cfg = load_recipe(args.config, args.overrides, schema=Qwen3Recipe)
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
+def train(recipe: Qwen3Recipe, cfg: DictConfig) -> None:
     import lightning.pytorch as pl
 
     objs = build(recipe, cfg)
@@ -80,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     data = torch.utils.data.DataLoader(SyntheticStream(recipe), batch_size=recipe.batch_size)
     trainer.fit(objs["module"], train_dataloaders=data)
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return recipe_main(train, Qwen3Recipe, argv, description=__doc__, config_required=True)
 
 
 if __name__ == "__main__":

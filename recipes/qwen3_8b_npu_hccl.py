@@ -13,14 +13,11 @@ NPUs through torch_npu and an HCCL process group) and `AccelerateWeightSync`:
 
 from __future__ import annotations
 
-import argparse
-import logging
 from collections.abc import Sequence
 
 import torch
 from omegaconf import DictConfig
 
-from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.examples.qwen3 import (
     Qwen3Recipe,
     build_empty_qwen3,
@@ -30,7 +27,7 @@ from lightning_weightsync.examples.qwen3 import (
     shard_qwen3,
     synthetic_batches,
 )
-from lightning_weightsync.examples.tiny_lm import load_recipe
+from lightning_weightsync.examples.recipe import recipe_main
 from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 
@@ -61,18 +58,7 @@ def train(recipe: Qwen3Recipe, cfg: DictConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", "-c", metavar="FILE.yaml", required=True)
-    p.add_argument("overrides", nargs="*", metavar="key=value")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    try:
-        recipe, cfg = load_recipe(args.config, args.overrides, schema=Qwen3Recipe)
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
-    train(recipe, cfg)
-    return 0
+    return recipe_main(train, Qwen3Recipe, argv, description=__doc__, config_required=True)
 
 
 if __name__ == "__main__":

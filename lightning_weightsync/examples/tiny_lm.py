@@ -4,11 +4,10 @@ Run (2 CPU processes over gloo; Lightning launches the second one itself)::
 
     python -m lightning_weightsync.examples.tiny_lm [--config recipes/tiny_lm_cpu.yaml] [key=value ...]
 
-`key=value` overrides go to the recipe when they start with ``recipe.`` (``recipe.steps=8``) and to
-the weightsync config otherwise (``transport.port=29600``). The YAML holds both: a ``recipe:``
-section (`RecipeConfig`) and the usual ``transport:``/``trainer:``/``rollout:`` sections, each
-validated on its own so a typo in either fails at start-up. This command line is stable: the
-rollout demo runs it as a subprocess.
+The YAML is one weightsync config with a ``recipe:`` section (`RecipeConfig`); `key=value`
+overrides reach either part (``recipe.steps=8``, ``transport.port=29600``) and everything is
+validated once at start-up (`examples/recipe.py`, the one `main()` of every recipe). This command
+line is stable: the rollout demo runs it as a subprocess.
 
 On the rollout side, serve the same network with the module sink::
 
@@ -27,21 +26,19 @@ rank 0 writes the final full weights, named exactly as sent, for comparison with
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from torch import nn
 
-from ..config import load_config
 from ..errors import ConfigError
+from .recipe import recipe_main
 
 logger = logging.getLogger("lightning_weightsync.examples.tiny_lm")  # also when run as __main__
 
@@ -162,50 +159,12 @@ class RecipeConfig:
     strategy: str = "model_parallel"  # model_parallel (FSDP2 via fully_shard) | ddp
     seed: int = 0
     accumulate_grad_batches: int = 1
-    module_attr: str = "model"  # LightningModule attribute synced (its prefix is stripped from names)
+    module_attr: str | None = None  # LightningModule attribute synced; None: its one child holding tensors
     save_final: str | None = None  # safetensors path: final full weights, named as sent (rank 0)
     save_checkpoint: str | None = None  # Lightning checkpoint written after training (resume with ckpt_path)
     ckpt_path: str | None = None  # resume from this checkpoint
     output_dir: str = "runs/tiny_lm"  # CSV logs (weightsync/* metrics)
     model: dict[str, Any] = field(default_factory=dict)  # TinyLMConfig overrides
-
-
-def load_recipe(
-    path: str | Path | None = None, overrides: Sequence[str] = (), *, schema: type[Any] = RecipeConfig
-) -> tuple[Any, DictConfig]:
-    """(recipe, weightsync cfg) from one YAML file + `key=value` overrides (``recipe.*`` -> recipe).
-
-    `schema` is the dataclass of the ``recipe:`` section (other recipes reuse this loader with their
-    own); unknown keys in either part are a `ConfigError`.
-    """
-    raw: DictConfig = OmegaConf.create()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe file not found: {p}")
-        loaded = OmegaConf.load(p)
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"recipe file {p} must hold a mapping at top level")
-        raw = loaded
-    recipe_over = [o[len("recipe.") :] for o in overrides if o.startswith("recipe.")]
-    sync_over = [o for o in overrides if not o.startswith("recipe.")]
-    recipe_section = raw.pop("recipe", None) or {}
-    try:
-        rc = OmegaConf.merge(OmegaConf.structured(schema), recipe_section)
-        if recipe_over:
-            bad = [o for o in recipe_over if "=" not in o]
-            if bad:
-                raise ConfigError(f"override 'recipe.{bad[0]}' is not of the form key=value")
-            rc = OmegaConf.merge(rc, OmegaConf.from_dotlist(recipe_over))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        raise ConfigError(f"invalid recipe key 'recipe.{key}': {str(exc).strip().splitlines()[0]}") from None
-    recipe = schema(**OmegaConf.to_container(rc, resolve=True))  # type: ignore[arg-type]
-    for key in ("steps", "batch_size", "seq_len", "devices", "accumulate_grad_batches"):
-        if hasattr(recipe, key) and getattr(recipe, key) < 1:
-            raise ConfigError(f"recipe.{key}={getattr(recipe, key)} must be >= 1")
-    cfg = load_config(overrides=sync_over, base=raw)
-    return recipe, cfg
 
 
 def _lightning_module(recipe: RecipeConfig) -> Any:
@@ -258,8 +217,8 @@ def _save_final_callback(path: str, sync: Any) -> Any:
     return SaveFinalWeights()
 
 
-def train(recipe: RecipeConfig, cfg: DictConfig) -> dict[str, Any]:
-    """Fit the tiny LM with the weight sync callback; returns a summary (meaningful on rank 0)."""
+def train(recipe: RecipeConfig, cfg: DictConfig) -> str | None:
+    """Fit the tiny LM with the weight sync callback; the summary line on global rank 0, else None."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -308,56 +267,22 @@ def train(recipe: RecipeConfig, cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(_lightning_module(recipe), train_dataloaders=data, ckpt_path=recipe.ckpt_path)
     if recipe.save_checkpoint:
         trainer.save_checkpoint(recipe.save_checkpoint)
-    return {
-        "global_step": trainer.global_step,
-        "last_synced_version": sync.last_synced_version,
-        "failures": sync.failures,
-        "is_global_zero": trainer.is_global_zero,
-        "model": asdict(model_cfg),
-    }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m lightning_weightsync.examples.tiny_lm",
-        description="Train a tiny causal LM (FSDP2 over gloo on CPU) and sync its weights after every step.",
+    if not trainer.is_global_zero:
+        return None
+    return (
+        f"tiny_lm: {trainer.global_step} steps, last synced version {sync.last_synced_version}, "
+        f"{sync.failures} failed syncs" + (f", final weights -> {recipe.save_final}" if recipe.save_final else "")
     )
-    p.add_argument("--config", "-c", metavar="FILE.yaml", help="recipe YAML (recipe: + weightsync sections)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. recipe.steps=8 transport.port=29600")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    return p
-
-
-def _setup_logging(level: str) -> None:
-    """Our loggers only (Lightning configures its own; the root logger would print its lines twice)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    pkg = logging.getLogger("lightning_weightsync")
-    if not pkg.handlers:
-        pkg.addHandler(handler)
-    pkg.setLevel(level.upper())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
-    try:
-        recipe, cfg = load_recipe(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
-    summary = train(recipe, cfg)
-    if summary["is_global_zero"]:
-        print(
-            f"tiny_lm: {summary['global_step']} steps, last synced version {summary['last_synced_version']}, "
-            f"{summary['failures']} failed syncs"
-            + (f", final weights -> {recipe.save_final}" if recipe.save_final else "")
-        )
-    return 0
+    return recipe_main(
+        train, RecipeConfig, argv, description=__doc__, prog="python -m lightning_weightsync.examples.tiny_lm"
+    )
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["RecipeConfig", "SyntheticTokens", "TinyLM", "TinyLMConfig", "build_model", "load_recipe", "main", "train"]
+__all__ = ["RecipeConfig", "SyntheticTokens", "TinyLM", "TinyLMConfig", "build_model", "main", "train"]

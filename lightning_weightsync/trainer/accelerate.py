@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import load_config
 from ..errors import ConfigError, WeightSyncError
-from .driver import SENDER_RANK, SyncDriver
+from .driver import SENDER_RANK, SyncDriver, SyncRecord
 from .gather import NamedTensor
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,10 @@ class AccelerateWeightSync:
         initial_step: optimizer steps already taken (when resuming); versions continue from it.
 
     Every rank must construct it (the start-up and every sync are collective). Global rank 0 owns
-    the sender. Logs `weightsync/*` through `accelerator.log` when trackers are configured.
+    the sender: torch.distributed's rank when it is initialised (so a plain `Accelerator()` under
+    torchrun, which reports process 0 on every CPU rank, still has one sender), else
+    `accelerator.process_index`. Logs `weightsync/*` through `accelerator.log` when trackers are
+    configured.
     """
 
     def __init__(
@@ -69,18 +72,17 @@ class AccelerateWeightSync:
         self.cfg = cfg if cfg is not None else load_config()
         self.every_n_steps = int(self.cfg.trainer.every_n_steps)
         self.step = int(initial_step)
-        self.last_synced_version: int | None = None
-        self.last_stats: Any = None
-        self.failures = 0
+        self.record = SyncRecord()  # last synced version, failures, last SendStats: kept by SyncDriver
         inner = self._inner_optimizer(optimizer)
         plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
         if plugin is not None:
             logger.info("Accelerate FSDP plugin active (fsdp_version=%s)", getattr(plugin, "fsdp_version", 1))
         self._driver = SyncDriver(
             self.cfg,
-            is_sender=int(accelerator.process_index) == SENDER_RANK,
+            rank=int(accelerator.process_index),
             device=torch.device(accelerator.device),
             prefix=module_attr,
+            record=self.record,
         )
         self._driver.start()
         self._hook = inner.register_step_post_hook(self._after_optimizer_step)
@@ -115,22 +117,10 @@ class AccelerateWeightSync:
         if self._driver.sender is None and self._driver.is_sender:
             raise WeightSyncError("AccelerateWeightSync.sync() after close()")
         if not self._driver.sync(self.model, version):
-            self.failures += 1
             return False
-        self.last_synced_version = version
-        stats = self._driver.last_stats
-        if stats is not None:
-            self.last_stats = stats
-            if getattr(self.accelerator, "trackers", None):
-                self.accelerator.log(
-                    {
-                        "weightsync/seconds": float(stats.seconds),
-                        "weightsync/GBps": float(stats.gbps),
-                        "weightsync/version": float(version),
-                        "weightsync/receivers": float(stats.receivers),
-                    },
-                    step=self.step,
-                )
+        metrics = self.record.metrics(version)
+        if metrics is not None and getattr(self.accelerator, "trackers", None):
+            self.accelerator.log(metrics, step=self.step)
         return True
 
     def weights(self, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
@@ -141,6 +131,19 @@ class AccelerateWeightSync:
     def port(self) -> int | None:
         """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
         return self._driver.port
+
+    @property
+    def last_synced_version(self) -> int | None:
+        return self.record.last_synced_version
+
+    @property
+    def failures(self) -> int:
+        return self.record.failures
+
+    @property
+    def last_stats(self) -> Any:
+        """`SendStats` of the last delivered version (the sending rank; None elsewhere)."""
+        return self.record.last_stats
 
     # -- life cycle / state ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -155,9 +158,8 @@ class AccelerateWeightSync:
 
     def state_dict(self) -> dict[str, Any]:
         """For `accelerator.register_for_checkpointing(weight_sync)`."""
-        return {"step": self.step, "last_synced_version": self.last_synced_version, "failures": self.failures}
+        return {"step": self.step, **self.record.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state.get("step", self.step))
-        self.last_synced_version = state.get("last_synced_version")
-        self.failures = int(state.get("failures", 0))
+        self.record.load_state_dict(state)

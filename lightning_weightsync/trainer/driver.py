@@ -9,13 +9,21 @@ The integrations decide *when* to sync; `SyncDriver` does one sync the same way 
 
 The agreement is what keeps a failed send from hanging training: without it rank 0 would raise
 (or not) on its own while the other ranks walk into the next step's collectives alone.
+
+The bookkeeping both integrations report (last synced version, failures, the sending rank's
+`SendStats` and the `weightsync/*` metrics they log, the resumable state) lives here once, and the
+sending rank is decided here once: the global rank of torch.distributed whenever it is initialised
+(an `Accelerator()` that did not see the launcher says process 0 on every rank; torch.distributed
+does not lie), the integration's own notion of rank only in a single process.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,24 +61,95 @@ class SyncFailed(WeightSyncError):
     """Raised on ranks that did not send when the sending rank's sync failed (`on_failure: raise`)."""
 
 
+def process_rank(fallback: int) -> int:
+    """This process's global rank: torch.distributed's when it is initialised, else `fallback`.
+
+    A launcher that started several processes (`WORLD_SIZE` > 1) without torch.distributed being
+    initialised would make every process think it is rank 0 and try to bind the sender's port;
+    that is a `ConfigError` naming the launch, raised before anything binds.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise ConfigError(
+            f"process RANK={os.environ.get('RANK', '?')} of WORLD_SIZE={world}: the launcher started {world} "
+            "processes but torch.distributed is not initialised here, so every process would be the sender; "
+            "create the Accelerator / Lightning Trainer (or call torch.distributed.init_process_group) first"
+        )
+    return fallback
+
+
+@dataclass
+class SyncRecord:
+    """What the integrations report and checkpoint, kept once for both (Lightning, Accelerate).
+
+    The same on every rank, except `last_stats` (the sending rank's `SendStats`, None elsewhere).
+    It exists before the driver does (a callback is built before the processes are), so resumed
+    state can be loaded into it at any time.
+    """
+
+    last_synced_version: int | None = None
+    failures: int = 0
+    last_stats: SendStats | None = None
+
+    def delivered(self, version: int, stats: SendStats | None) -> None:
+        self.last_synced_version = version
+        if stats is not None:
+            self.last_stats = stats
+
+    def metrics(self, version: int) -> dict[str, float] | None:
+        """The `weightsync/*` metrics both integrations log for a delivered `version` (sending rank only)."""
+        stats = self.last_stats
+        if stats is None or self.last_synced_version != version or stats.version != version:
+            return None
+        return {
+            "weightsync/seconds": float(stats.seconds),
+            "weightsync/GBps": float(stats.gbps),
+            "weightsync/version": float(version),
+            "weightsync/receivers": float(stats.receivers),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_synced_version": self.last_synced_version, "failures": self.failures}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_synced_version = state.get("last_synced_version")
+        self.failures = int(state.get("failures", 0))
+
+
 class SyncDriver:
     """One sync at a time: gather everywhere, send from global rank 0, agree, apply the policy.
 
     Args:
         cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.*`.
-        is_sender: true on global rank 0 only; it creates and owns the `BlockingWeightSender`.
+        rank: the integration's global rank of this process (Lightning's `trainer.global_rank`,
+            Accelerate's `process_index`); torch.distributed's rank wins when it is initialised
+            (`process_rank`). Global rank 0 creates and owns the `BlockingWeightSender`.
         device: the device for the agreement all-reduce (see `all_ranks_max`).
         prefix: the submodule whose tensors are sent, stripped from names (see `iter_full_parameters`).
+
+        record: the integration's `SyncRecord`, updated by every sync (a new one when None).
     """
 
-    def __init__(self, cfg: DictConfig, *, is_sender: bool, device: torch.device | None, prefix: str | None) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        *,
+        rank: int,
+        device: torch.device | None,
+        prefix: str | None,
+        record: SyncRecord | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.is_sender = is_sender
+        self.rank = process_rank(rank)
+        self.is_sender = self.rank == SENDER_RANK
         self.device = device
         self.prefix = prefix
         self.on_failure = FailurePolicy(cfg.trainer.on_failure)
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
+        self.record = record if record is not None else SyncRecord()
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
         # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
         self.rollouts: RolloutControl | None = None
@@ -94,10 +173,17 @@ class SyncDriver:
             except Exception as exc:
                 error = exc
                 sender.close()
+                t = self.cfg.transport
+                logger.error(
+                    "global rank %d: the weight sender could not start on %s:%s (transport.host / transport.port): %s",
+                    self.rank, t.host, t.port, exc,
+                )  # fmt: skip
         if all_ranks_max(FATAL if error is not None else OK, self.device) != OK:
             if error is not None:
                 raise error
-            raise SyncFailed(f"the weight sender on global rank {SENDER_RANK} failed to start; see its log")
+            raise SyncFailed(
+                f"global rank {self.rank}: the weight sender on global rank {SENDER_RANK} failed to start; see its log"
+            )
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -156,7 +242,9 @@ class SyncDriver:
         code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
         agreed = all_ranks_max(code, self.device)
         if agreed == OK:
+            self.record.delivered(version, self.last_stats)
             return True
+        self.record.failures += 1
         if agreed == RECOVERABLE and self.on_failure is FailurePolicy.warn:
             if error is not None:
                 logger.warning(
@@ -168,6 +256,6 @@ class SyncDriver:
         if error is not None:
             raise error
         raise SyncFailed(
-            f"weight sync of version {version} failed on global rank {SENDER_RANK} (trainer.on_failure="
-            f"{self.on_failure}); see that rank's log"
+            f"global rank {self.rank}: weight sync of version {version} failed on the sending global rank "
+            f"{SENDER_RANK} (trainer.on_failure={self.on_failure}); see that rank's log"
         )

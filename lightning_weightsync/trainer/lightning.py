@@ -1,6 +1,6 @@
 """`WeightSyncCallback`: push the trainer's weights to rollout processes every N optimizer steps.
 
-    trainer = L.Trainer(..., callbacks=[WeightSyncCallback(load_config("sync.yaml"), module_attr="model")])
+    trainer = L.Trainer(..., callbacks=[WeightSyncCallback(load_config("sync.yaml"))])
 
 The callback only decides *when*: after every `trainer.every_n_steps` real optimizer steps (and
 once when training starts, if `trainer.sync_on_fit_start`). *How* is `gather.iter_full_parameters`
@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 
 from ..config import load_config
 from ..errors import WeightSyncError
-from .driver import SENDER_RANK, SyncDriver
+from .driver import SENDER_RANK, SyncDriver, SyncRecord
 from .gather import NamedTensor
+from .names import served_child
 
 try:
     import lightning.pytorch as pl
@@ -39,8 +40,15 @@ class WeightSyncCallback(pl.Callback):
             `trainer.names.*`, `trainer.min_receivers` and `transport.*` (for the sender).
         module_attr: the attribute of your LightningModule that holds the network the rollout
             serves (e.g. ``"model"`` for ``self.model = ...``). Only its tensors are sent, and the
-            ``model.`` prefix is stripped from their names. None (default): the whole
-            LightningModule, names as in its `state_dict()`.
+            ``model.`` prefix is stripped from their names. None (default): the rule below.
+            ``""``: the whole LightningModule, names as in its `state_dict()`.
+
+    Which network (``module_attr=None``): when the LightningModule has no parameters or persistent
+    buffers of its own and exactly one direct child holds them all (the usual ``self.model =
+    AutoModelForCausalLM...``; a loss module without state does not count), that child is sent under
+    its own names (``model.embed_tokens.weight``, as the rollout's copy of the same class names it).
+    Otherwise the whole LightningModule is sent under its state-dict names. Decided once, at the
+    first sync (after `configure_model`), identically on every rank, and logged.
 
     When:
         - `on_train_start` (after a resumed checkpoint is restored): version `trainer.global_step`
@@ -70,9 +78,8 @@ class WeightSyncCallback(pl.Callback):
         self.cfg = cfg if cfg is not None else load_config()
         self.module_attr = module_attr
         self.every_n_steps = int(self.cfg.trainer.every_n_steps)
-        self.last_synced_version: int | None = None
-        self.last_stats: Any = None  # SendStats of the last delivered version (rank 0)
-        self.failures = 0
+        self.record = SyncRecord()  # last synced version, failures, last SendStats (rank 0): see SyncDriver
+        self._prefix: str | None = None  # resolved module_attr
         self._driver: SyncDriver | None = None
         self._seen_step = 0  # global_step at the last batch end: a change means the optimizer stepped
         self._last_attempted: int | None = None
@@ -83,9 +90,10 @@ class WeightSyncCallback(pl.Callback):
             return
         self._driver = SyncDriver(
             self.cfg,
-            is_sender=trainer.global_rank == SENDER_RANK,
+            rank=trainer.global_rank,
             device=trainer.strategy.root_device,
-            prefix=self.module_attr,
+            prefix=None,  # resolved at the first sync: configure_model may create the network later
+            record=self.record,
         )
         self._driver.start()
 
@@ -104,6 +112,19 @@ class WeightSyncCallback(pl.Callback):
     def port(self) -> int | None:
         """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
         return self._driver.port if self._driver is not None else None
+
+    @property
+    def last_synced_version(self) -> int | None:
+        return self.record.last_synced_version
+
+    @property
+    def failures(self) -> int:
+        return self.record.failures
+
+    @property
+    def last_stats(self) -> Any:
+        """`SendStats` of the last delivered version (global rank 0; None elsewhere)."""
+        return self.record.last_stats
 
     # -- when ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -130,28 +151,38 @@ class WeightSyncCallback(pl.Callback):
         if self._driver is None:
             raise WeightSyncError("WeightSyncCallback.sync() outside trainer.fit() (the sender is not set up)")
         self._last_attempted = version
+        self._resolve_prefix(trainer)
         if not self._driver.sync(self._module(trainer), version):
-            self.failures += 1
             return
-        self.last_synced_version = version
-        stats = self._driver.last_stats
-        if stats is None:  # not the sending rank
-            return
-        self.last_stats = stats
-        metrics = {
-            "weightsync/seconds": float(stats.seconds),
-            "weightsync/GBps": float(stats.gbps),
-            "weightsync/version": float(version),
-            "weightsync/receivers": float(stats.receivers),
-        }
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=trainer.global_step)
+        metrics = self.record.metrics(version)
+        if metrics is not None:  # the sending rank
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
 
     def weights(self, trainer: pl.Trainer, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
         """The exact stream a sync sends (same names, dtype and exclusions); every rank must exhaust it."""
         if self._driver is None:
             raise WeightSyncError("WeightSyncCallback.weights() outside trainer.fit()")
+        self._resolve_prefix(trainer)
         return self._driver.weights(self._module(trainer), keep_on_rank=keep_on_rank)
+
+    def _resolve_prefix(self, trainer: pl.Trainer) -> None:
+        """`module_attr`, or the documented rule (see the class docstring), once per fit."""
+        assert self._driver is not None
+        if self._prefix is None:
+            if self.module_attr is not None:
+                self._prefix = self.module_attr
+            else:
+                self._prefix = (
+                    served_child(trainer.lightning_module, include_buffers=bool(self.cfg.trainer.include_buffers)) or ""
+                )
+                logger.info(
+                    "WeightSyncCallback: no module_attr given; sending %s (pass module_attr to choose)",
+                    f"LightningModule.{self._prefix}, its one child holding tensors, under its own names"
+                    if self._prefix
+                    else "the whole LightningModule under its state-dict names",
+                )
+        self._driver.prefix = self._prefix or None
 
     def _module(self, trainer: pl.Trainer) -> torch.nn.Module:
         # the module as the strategy trains it (DDP/FSDP1 wrapper, or the FSDP2 LightningModule):
@@ -167,8 +198,7 @@ class WeightSyncCallback(pl.Callback):
         return f"WeightSyncCallback{{'module_attr': {self.module_attr!r}}}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_synced_version": self.last_synced_version, "failures": self.failures}
+        return self.record.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_synced_version = state_dict.get("last_synced_version")
-        self.failures = int(state_dict.get("failures", 0))
+        self.record.load_state_dict(state_dict)

@@ -155,7 +155,7 @@ def test_recipe_module_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # type hints resolve through sys.modules
     spec.loader.exec_module(mod)
-    from lightning_weightsync.examples.tiny_lm import load_recipe
+    from lightning_weightsync.examples.recipe import load_recipe
 
     recipe, cfg = load_recipe(RECIPE.with_suffix(".yaml"), ["recipe.steps=2"], schema=mod.AccelerateRecipe)
     assert recipe.steps == 2 and cfg.transport.bucket_size_mb == 0.03125
