@@ -316,7 +316,8 @@ def _print(report: dict[str, Any]) -> None:
     if s:
         print(
             f"== small tensors: {s['tensors']} tensors, {s['total_mb']:.1f} MiB: engine "
-            f"{s['engine_s'] * 1e3:.1f} ms vs per-tensor broadcast {s['per_tensor_broadcast_s'] * 1e3:.1f} ms -> {s['speedup']:.1f}x on {s['link']}"
+            f"{s['engine_s'] * 1e3:.1f} ms vs per-tensor broadcast {s['per_tensor_broadcast_s'] * 1e3:.1f} ms "
+            f"-> {s['speedup']:.1f}x on {s['link']}"
         )
 
 
