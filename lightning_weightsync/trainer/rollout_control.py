@@ -295,7 +295,7 @@ class RolloutControl:
                     errors.append(error)
             timings.update_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            errors += self._finish(updated, None if errors else str(version))
+            errors += self._finish(updated, str(version))  # those that loaded it whole hold `version`
             if errors:
                 raise PeerError(f"version {version}: " + "; ".join(errors))
             if self.reset_prefix_cache:

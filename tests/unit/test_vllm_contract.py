@@ -1,0 +1,81 @@
+"""The vLLM API we use cannot drift silently: the stand-ins the CPU tests run against have exactly
+the signatures and routes of vLLM 0.33.0 (tests/data/vllm_api.json, taken from its source by
+tests/support/vllm_api.py); `./dev vllm-contract` re-derives the JSON from an installed vLLM and runs
+our engine on vLLM's real base class (tests/unit/test_vllm_real.py)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_weightsync.errors import BackendUnavailable
+from lightning_weightsync.rollout.vllm.worker import WeightSyncEngineBody
+from tests.support.vllm_standin import StandInServer, StandInWeightTransferEngine, StandInWorker
+from tests.unit.test_vllm_control import FakeAsyncLLM
+
+REPO = Path(__file__).resolve().parents[2]
+API = json.loads((REPO / "tests" / "data" / "vllm_api.json").read_text())
+
+
+def params(fn: object) -> list[str]:
+    out = []
+    for p in inspect.signature(fn).parameters.values():  # type: ignore[arg-type]
+        out.append({p.VAR_POSITIONAL: f"*{p.name}", p.VAR_KEYWORD: f"**{p.name}"}.get(p.kind, p.name))
+    return out
+
+
+def methods(cls_name: str) -> dict[str, dict]:
+    return {m["method"]: m for m in API["methods"] if m["class"] == cls_name}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [(StandInWeightTransferEngine, "WeightTransferEngine"), (StandInWorker, "Worker"), (FakeAsyncLLM, "AsyncLLM")],
+)
+def test_stand_ins_have_vllms_signatures(ours: type, theirs: str) -> None:
+    api = methods(theirs)
+    defined = [n for n, v in vars(ours).items() if inspect.isfunction(v) and not n.startswith("_")]
+    if ours is StandInWeightTransferEngine:
+        defined.append("__init__")  # our engine is constructed exactly as vLLM's factory does it
+    assert defined, ours
+    for name in defined:
+        assert name in api, f"{ours.__name__}.{name}: vLLM's {theirs} has no such method (invented API)"
+        assert params(getattr(ours, name)) == api[name]["params"], f"{ours.__name__}.{name}"
+        assert inspect.iscoroutinefunction(getattr(ours, name)) == api[name]["async"], name
+
+
+def test_stand_in_server_has_vllms_routes_and_parameters() -> None:
+    routes = {r["path"]: (r["query"], r["body"]) for r in API["routes"]}
+    assert {p: (q, b) for p, (q, b) in StandInServer.ROUTES.items()} == routes
+    assert all(r["method"] == "POST" for r in API["routes"])
+
+
+def test_our_engine_overrides_vllms_abstract_methods_with_their_signatures() -> None:
+    api = methods("WeightTransferEngine")
+    for name in ("init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights", "shutdown"):
+        assert params(getattr(WeightSyncEngineBody, name)) == api[name]["params"], name
+
+
+def test_the_vllm_extra_covers_the_checked_version() -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    pin = re.search(r'^vllm = \["vllm>=([\d.]+),<([\d.]+)"\]', text, re.M)
+    assert pin, "pyproject: the vllm extra must be a range"
+    low, high = (tuple(int(x) for x in v.split(".")) for v in pin.groups())
+    checked = tuple(int(x) for x in API["vllm_version"].split("."))
+    assert low <= checked < high
+    assert 'lightning_weightsync = "lightning_weightsync.rollout.vllm.plugin:register"' in text
+
+
+def test_the_engine_module_without_vllm_names_the_extra() -> None:
+    try:
+        importlib.import_module("vllm.distributed.weight_transfer.base")
+        pytest.skip("vLLM is installed here; ./dev vllm-contract tests the real engine")
+    except ImportError:
+        pass
+    with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
+        importlib.import_module("lightning_weightsync.rollout.vllm.engine")

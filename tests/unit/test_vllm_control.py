@@ -1,0 +1,202 @@
+"""`RolloutControl` over real HTTP (a recording server with vLLM 0.33.0's routes): the order of the
+calls, their query and body parameters (checked against tests/data/vllm_api.json), update_weights
+running while the sender sends, failures named by URL, and resume always."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_weightsync.config import PauseMode, load_config
+from lightning_weightsync.errors import PeerError
+from lightning_weightsync.trainer.rollout_control import (
+    EngineRolloutClient,
+    HTTPRolloutClient,
+    RolloutControl,
+)
+from tests.support.mp import free_port
+
+API = json.loads((Path(__file__).resolve().parents[1] / "data" / "vllm_api.json").read_text())
+ROUTES = {r["path"]: r for r in API["routes"]}
+
+
+class Recorder:
+    """An HTTP server answering vLLM's RL routes; records (path, query, body); can fail or block a route."""
+
+    def __init__(self, fail: str | None = None, block_update: threading.Event | None = None) -> None:
+        self.calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self.fail, self.block_update = fail, block_update
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                url = urllib.parse.urlparse(self.path)
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else {}
+                recorder.calls.append((url.path, dict(urllib.parse.parse_qsl(url.query)), body))
+                if url.path == "/update_weights" and recorder.block_update is not None:
+                    recorder.block_update.wait(10)
+                code = 500 if url.path == recorder.fail else 200
+                payload = b"Internal Server Error" if code == 500 else json.dumps({"success": True}).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [p for p, _, _ in self.calls]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def servers():
+    made: list[Recorder] = []
+
+    def make(**kwargs: Any) -> Recorder:
+        made.append(Recorder(**kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def control(*recorders: Recorder, urls: list[str] | None = None, **kwargs: Any) -> RolloutControl:
+    clients = [HTTPRolloutClient(u, 10) for u in (urls or [r.url for r in recorders])]
+    return RolloutControl(clients, timeout_s=10, receive_timeout_s=30, **kwargs)
+
+
+FULL = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+
+
+def test_one_version_calls_vllm_routes_in_order_with_their_real_parameters(servers) -> None:
+    a, b = servers(block_update=threading.Event()), servers()
+    ctl = control(a, b, pause_mode=PauseMode.keep)
+
+    def send() -> str:
+        # update_weights is in flight on both rollouts while we send (a's handler waits for us)
+        assert "/update_weights" in a.paths() or _eventually(lambda: "/update_weights" in a.paths())
+        a.block_update.set()
+        return "stats"
+
+    assert ctl.run_version(7, send) == "stats"
+    for r in (a, b):
+        assert r.paths() == FULL
+        calls = {p: (q, body) for p, q, body in r.calls}
+        assert calls["/pause"][0] == {"mode": "keep"}
+        assert calls["/update_weights"][1] == {"update_info": {"version": 7, "timeout_s": 30.0}}
+        assert calls["/finish_weight_update"][1] == {"weight_version": "7"}  # vLLM's weight_version is a str
+        for path, query, body in r.calls:  # only parameters vLLM 0.33.0's routes declare
+            assert set(query) <= set(ROUTES[path]["query"]) and set(body) <= set(ROUTES[path]["body"]), path
+    assert ctl.last_timings is not None and ctl.last_timings.paused_s >= ctl.last_timings.update_s
+    ctl.close()
+
+
+def _eventually(pred: Any, timeout_s: float = 5) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_failed_update_is_named_by_url_others_finish_and_everyone_resumes(servers) -> None:
+    good, bad = servers(), servers(fail="/update_weights")
+    ctl = control(good, bad)
+    with pytest.raises(PeerError, match=rf"version 3: vLLM rollout {bad.url}: POST /update_weights failed: HTTP 500"):
+        ctl.run_version(3, lambda: None)
+    assert good.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+    # vLLM's worker already ended the failed session: finishing it would fail again
+    assert bad.paths() == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
+
+
+def test_an_unreachable_rollout_means_nothing_is_sent_and_the_others_resume(servers) -> None:
+    good = servers()
+    dead = f"http://127.0.0.1:{free_port()}"
+    ctl = control(urls=[good.url, dead])
+    sent = []
+    with pytest.raises(PeerError, match=rf"not sent: vLLM rollout {dead}: POST /pause: cannot reach the server"):
+        ctl.run_version(1, lambda: sent.append(1))
+    assert not sent and good.paths() == ["/pause", "/resume"]
+
+
+def test_a_failed_send_still_resumes_every_rollout(servers) -> None:
+    a = servers()
+    ctl = control(a, reset_prefix_cache=False)
+
+    def send() -> None:
+        raise RuntimeError("broadcast failed")
+
+    with pytest.raises(RuntimeError, match="broadcast failed"):
+        ctl.run_version(2, send)
+    assert a.paths()[0] == "/pause" and a.paths()[-1] == "/resume" and "/finish_weight_update" not in a.paths()
+
+
+def test_from_config_builds_one_client_per_url() -> None:
+    cfg = load_config(overrides=["vllm.urls=[http://a:8000,http://b:8000/]", "vllm.pause_mode=abort"])
+    ctl = RolloutControl.from_config(cfg)
+    assert ctl is not None and [c.name for c in ctl.clients] == ["http://a:8000", "http://b:8000"]
+    assert ctl.pause_mode is PauseMode.abort and ctl.receive_timeout_s == cfg.transport.timeout_s
+    assert RolloutControl.from_config(load_config()) is None
+    with pytest.raises(Exception, match=r"vllm\.urls.*not an http"):
+        load_config(overrides=["vllm.urls=[rollout-0:8000]"])
+
+
+class FakeAsyncLLM:
+    """STAND-IN for `AsyncLLM`'s weight-update methods (coroutines, names and parameters as in vLLM
+    0.33.0; test_vllm_contract checks them against the snapshot)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.calls.append(("pause_generation", mode))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume_generation", None))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start_weight_update", None))
+
+    async def update_weights(self, request: Any) -> None:
+        self.calls.append(("update_weights", request.update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish_weight_update", weight_version))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        return True
+
+
+def test_in_process_async_engine_is_driven_through_its_methods() -> None:
+    engine = FakeAsyncLLM()
+    ctl = RolloutControl([EngineRolloutClient(engine)], pause_mode=PauseMode.wait)
+    ctl.run_version(5, lambda: None)
+    assert engine.calls == [
+        ("pause_generation", "wait"),
+        ("start_weight_update", None),
+        ("update_weights", {"version": 5}),
+        ("finish_weight_update", "5"),
+        ("reset_prefix_cache", None),
+        ("resume_generation", None),
+    ]

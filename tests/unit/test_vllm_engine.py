@@ -1,0 +1,142 @@
+"""Our vLLM engine body with a real `WeightSender` over gloo, in one process (the engine's receiver
+runs on its own loop thread, as in a vLLM worker): one version per `update_weights`, loaded tensor by
+tensor, bitwise; a failing `load_weights` is nacked with its reason, the rest is drained and the next
+version lands (the group stays usable); a version other than the announced one is refused."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lightning_weightsync import PeerError
+from lightning_weightsync.engine.sender import BlockingWeightSender
+from lightning_weightsync.errors import SinkError
+from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.rollout.vllm.worker import worker_identity
+from tests.support.engine import engine_cfg
+from tests.support.mp import free_port
+from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
+
+
+class Flaky(StandInModel):
+    """`load_weights` fails on one name while `fail_on` is set."""
+
+    fail_on: str | None = None
+    calls: int = 0
+    most_at_once: int = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        weights = list(weights)
+        self.calls += 1
+        self.most_at_once = max(self.most_at_once, len(weights))
+        if self.fail_on is not None and any(n == self.fail_on for n, _ in weights):
+            raise ValueError("shape mismatch (injected)")
+        return super().load_weights(weights)
+
+
+def _setup(tmp_path: Path) -> tuple[Any, StandInWorker, Flaky, BlockingWeightSender]:
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1)
+    path = tmp_path / "sync.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    torch.manual_seed(7)
+    model = Flaky(build_model().config)
+    engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
+                           str(path))  # fmt: skip
+    sender = BlockingWeightSender(cfg)
+    sender.start()
+    return cfg, StandInWorker(engine), model, sender
+
+
+def _version(v: int) -> list[tuple[str, torch.Tensor]]:
+    model = build_model(seed=v)
+    return [(k, t.detach().clone()) for k, t in model.state_dict().items()]
+
+
+def _update(worker: StandInWorker, sender: BlockingWeightSender, version: int, announced: int | None = None) -> Any:
+    """As the trainer does it: the rollout's update_weights runs while the sender broadcasts."""
+    errors: list[BaseException] = []
+
+    def rollout() -> None:
+        try:
+            worker.update_weights({"version": version if announced is None else announced, "timeout_s": 20})
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker.start_weight_update()
+    thread = threading.Thread(target=rollout)
+    thread.start()
+    try:
+        stats = sender.send_weights(_version(version), version=version)
+    except BaseException as exc:
+        stats = exc
+    thread.join(30)
+    assert not thread.is_alive()
+    if not errors:
+        worker.finish_weight_update()
+    return stats, errors
+
+
+def test_each_update_receives_one_version_bitwise_tensor_by_tensor(tmp_path: Path) -> None:
+    _, worker, model, sender = _setup(tmp_path)
+    try:
+        for v in (1, 2):
+            stats, errors = _update(worker, sender, v)
+            assert not errors and stats.receivers == 1
+            state = model.state_dict()
+            for name, t in _version(v):
+                assert torch.equal(state[name], t), name
+        engine = worker.weight_transfer_engine
+        assert engine.version == 2 and not engine.incomplete
+        assert model.most_at_once == 1  # streaming: one full tensor at a time, never the whole version
+        assert engine.identity == worker_identity(None, 0) and engine.identity.endswith("-w0")
+    finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()
+
+
+def test_load_failure_is_nacked_drained_and_the_next_version_lands(tmp_path: Path) -> None:
+    _, worker, model, sender = _setup(tmp_path)
+    try:
+        model.fail_on = "norm.weight"
+        stats, errors = _update(worker, sender, 1)
+        # the worker's update_weights fails naming the tensor (vLLM makes it an HTTP 500) ...
+        assert len(errors) == 1 and isinstance(errors[0], SinkError)
+        assert "'norm.weight'" in str(errors[0]) and "shape mismatch" in str(errors[0])
+        # ... and the sender's ack carries the same reason
+        assert isinstance(stats, PeerError) and "norm.weight" in str(stats)
+        assert worker.weight_transfer_engine.incomplete and not worker._weight_update_active
+        model.fail_on = None
+        stats, errors = _update(worker, sender, 2)  # same group, next version: complete
+        assert not errors and not isinstance(stats, BaseException)
+        state = model.state_dict()
+        assert all(torch.equal(state[n], t) for n, t in _version(2))
+        assert not worker.weight_transfer_engine.incomplete
+    finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()
+
+
+def test_a_version_other_than_the_announced_one_is_refused(tmp_path: Path) -> None:
+    _, worker, model, sender = _setup(tmp_path)
+    try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        _, errors = _update(worker, sender, 3, announced=4)
+        assert len(errors) == 1 and "announced version 4 but version 3 arrived" in str(errors[0])
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing loaded
+    finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()
+
+
+def test_without_a_config_the_engine_says_which_variable_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_WEIGHTSYNC_CONFIG", raising=False)
+    engine = StandInEngine(StandInWeightTransferConfig(), None, torch.device("cpu"), build_model(), "")
+    with pytest.raises(Exception, match=r"LIGHTNING_WEIGHTSYNC_CONFIG"):
+        engine.start_weight_update()
