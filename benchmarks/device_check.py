@@ -204,18 +204,19 @@ def install(wheel_dir: Path = WHEEL_DIR, target: Path = SITE_DIR) -> int:
 @dataclass(frozen=True)
 class Step:
     name: str
-    timeout_s: float
+    timeout_s: float  # on the GPU machine
+    dry_timeout_s: float  # --dry-run: a hang must still leave a report inside CI's timeout
     what: str
 
 
 STEPS = [  # quick ones first: a step that hangs to its timeout costs the later ones their time
-    Step("env", 60, "versions, GPU, which dependencies came from .device/wheels"),
-    Step("pytest_gpu", 110, "pytest -m gpu, then tests/integration/test_backends.py"),
-    Step("pack_merge", 60, "split+pack and merge into= on the GPU vs device memcpy"),
-    Step("event_fence", 45, "CUDA-event buffer reuse in NcclBackend.broadcast, with a negative control"),
-    Step("cuda_ipc_stream", 200, "cuda_ipc, 2 processes on 1 GPU, Qwen3-8B-shaped bf16 stream, bitwise + ratio"),
-    Step("lightning_fsdp", 150, "1-GPU Lightning FSDP2 + WeightSyncCallback -> cuda_ipc receiver, bitwise"),
-    Step("nccl", 120, "NCCL between cuda:0 and cuda:1 (needs 2 GPUs)"),
+    Step("env", 60, 30, "versions, GPU, which dependencies came from .device/wheels"),
+    Step("pytest_gpu", 110, 60, "pytest -m gpu, then tests/integration/test_backends.py"),
+    Step("pack_merge", 60, 30, "split+pack and merge into= on the GPU vs device memcpy"),
+    Step("event_fence", 45, 20, "CUDA-event buffer reuse in NcclBackend.broadcast, with a negative control"),
+    Step("cuda_ipc_stream", 200, 60, "cuda_ipc, 2 processes on 1 GPU, Qwen3-8B-shaped bf16 stream, bitwise + ratio"),
+    Step("lightning_fsdp", 150, 60, "1-GPU Lightning FSDP2 + WeightSyncCallback -> cuda_ipc receiver, bitwise"),
+    Step("nccl", 120, 45, "NCCL between cuda:0 and cuda:1 (needs 2 GPUs)"),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 
@@ -229,12 +230,36 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
         }
     if name == "cuda_ipc_stream":
         if dry:
-            return {"backend": "shm", "devices": ["cpu", "cpu"], "scale": 64, "rounds": [[0.5, 2], [0.125, 1]]}
-        return {"backend": "cuda_ipc", "devices": ["cuda:0", "cuda:0"], "scale": 1, "rounds": [[512.0, 3], [32.0, 2]]}
+            return {
+                "backend": "shm",
+                "devices": ["cpu", "cpu"],
+                "scale": 64,
+                "rounds": [[0.5, 2], [0.125, 1]],
+                "workers_timeout_s": 50,
+            }
+        return {
+            "backend": "cuda_ipc",
+            "devices": ["cuda:0", "cuda:0"],
+            "scale": 1,
+            "rounds": [[512.0, 3], [32.0, 2]],
+            "workers_timeout_s": 190,
+        }
     if name == "nccl":
         if dry:
-            return {"backend": "gloo", "devices": ["cpu", "cpu"], "scale": 64, "rounds": [[0.5, 1]]}
-        return {"backend": "nccl", "devices": ["cuda:0", "cuda:1"], "scale": 1, "rounds": [[512.0, 2]]}
+            return {
+                "backend": "gloo",
+                "devices": ["cpu", "cpu"],
+                "scale": 64,
+                "rounds": [[0.5, 1]],
+                "workers_timeout_s": 35,
+            }
+        return {
+            "backend": "nccl",
+            "devices": ["cuda:0", "cuda:1"],
+            "scale": 1,
+            "rounds": [[512.0, 2]],
+            "workers_timeout_s": 110,
+        }
     if name == "pack_merge":
         if dry:
             return {
@@ -242,7 +267,7 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
                 "sizes": [256 * 1024, MiB],
                 "bucket_size": 2 * MiB,
                 "total_bytes": 4 * MiB,
-                "repeats": 2,
+                "repeats": 1,
             }
         return {
             "device": "cuda",
@@ -253,8 +278,8 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
         }
     if name == "lightning_fsdp":
         if dry:
-            return {"accelerator": "cpu", "backend": "shm", "device": "cpu", "steps": 2}
-        return {"accelerator": "cuda", "backend": "cuda_ipc", "device": "cuda", "steps": 3}
+            return {"accelerator": "cpu", "backend": "shm", "device": "cpu", "steps": 2, "train_timeout_s": 40}
+        return {"accelerator": "cuda", "backend": "cuda_ipc", "device": "cuda", "steps": 3, "train_timeout_s": 120}
     return {}
 
 
@@ -262,12 +287,26 @@ class Skip(Exception):
     """A step that cannot run here; the message is the reason."""
 
 
+_CHILD_GROUPS: set[int] = set()  # process groups of this step's subprocesses (pytest, the trainer)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """The driver timed this step out: take the subprocesses in their own groups down with it."""
+    for pgid in list(_CHILD_GROUPS):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    os._exit(128 + signum)
+
+
 def run_step(name: str, dry: bool, result_path: Path) -> int:
     """Entry of a step subprocess: run it, write {status, ...} to `result_path`."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.perf_counter()
     try:
         if os.environ.get(INJECT_ENV) == name:  # tests: one broken step must not stop the others
             raise RuntimeError(f"failure injected into step {name} by {INJECT_ENV}")
+        if os.environ.get(INJECT_ENV) == f"{name}:hang":  # a stuck subprocess in its own group
+            run_cmd(["sleep", "1000"], cwd=REPO, timeout_s=1000)
         data = _STEP_FUNCS[name](_params(name, dry), dry)
         result: dict[str, Any] = {"status": "fail" if data.get("failed_checks") else "ok", **data}
     except Skip as exc:
@@ -402,6 +441,7 @@ def run_cmd(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[int | None,
     whole group is killed (pytest's spawned workers, the trainer's children)."""
     with tempfile.TemporaryFile("w+") as buf:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=buf, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _CHILD_GROUPS.add(proc.pid)  # its own group: killed by _on_sigterm if the driver times this step out
         try:
             returncode: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -411,6 +451,7 @@ def run_cmd(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[int | None,
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+            _CHILD_GROUPS.discard(proc.pid)
         buf.seek(0)
         return returncode, buf.read()
 
@@ -523,7 +564,7 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
     specs = stream_specs(params["scale"])
     weights = stream_for(specs, 0, device)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    progress(f"sender: {len(weights)} tensors, {nbytes / GiB:.2f} GiB on {device}")
+    progress(f"sender: {len(weights)} tensors, {_size(nbytes)} on {device}")
     # baseline: one copy_ per tensor into a flat destination of the same bytes, best of 3 after a warm-up
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
@@ -737,7 +778,7 @@ def step_cuda_ipc(params: dict[str, Any], dry: bool) -> dict[str, Any]:
 
     if not dry and not torch.cuda.is_available():
         raise Skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    out = _stream_pair(params, timeout_s=190)
+    out = _stream_pair(params, timeout_s=params["workers_timeout_s"])
     out["note"] = (
         "ratio_vs_copy = one copy_ per tensor of the same bytes / one end-to-end version (Prepare .. acks); "
         "the engine copies every byte twice (pack, merge), so 0.5 is its ceiling"
@@ -759,7 +800,7 @@ def step_nccl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             )
         if importlib.util.find_spec("cupy") is None:
             raise Skip("cupy is not installed (extra [nccl]: cupy-cuda12x / cupy-cuda13x)")
-    return _stream_pair(params, timeout_s=110)
+    return _stream_pair(params, timeout_s=params["workers_timeout_s"])
 
 
 # -------------------------------------------------------------------------------------- pack / merge
@@ -981,11 +1022,14 @@ def step_lightning(params: dict[str, Any], dry: bool) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         progress(f"lightning: training {steps} steps on {params['accelerator']}, backend {params['backend']}")
-        returncode, log = run_cmd(cmd, cwd=tmp, timeout_s=120)
+        train_timeout_s = float(params["train_timeout_s"])
+        returncode, log = run_cmd(cmd, cwd=tmp, timeout_s=train_timeout_s)
         train_s = time.perf_counter() - started
         if returncode != 0:
-            raise RuntimeError(f"training exited with {returncode} (None: killed after 120s):\n{log[-4000:]}")
-        _, ok, got = _get(results_q, 60, "the receiver's report")
+            raise RuntimeError(
+                f"training exited with {returncode} (None: killed after {train_timeout_s:.0f}s):\n{log[-4000:]}"
+            )
+        _, ok, got = _get(results_q, 15, "the receiver's report")
         if not ok:
             raise RuntimeError(f"receiver failed:\n{got}")
         final, received = load_file(str(tmp / "final.st")), load_file(str(tmp / "received.safetensors"))
@@ -1081,6 +1125,10 @@ def _run_one(step: Step, dry: bool, out_dir: Path, timeout_s: float) -> dict[str
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)  # the step kills its own subprocess groups, then exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the step's children (spawned workers, trainer) too
@@ -1138,7 +1186,7 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
                 for x in r["rounds"]
             )
             return (
-                f"bitwise {str(r['bitwise']).lower()}; {r['num_tensors']} tensors, {r['nbytes'] / GiB:.2f} GiB, "
+                f"bitwise {str(r['bitwise']).lower()}; {r['num_tensors']} tensors, {_size(r['nbytes'])}, "
                 f"{r['backend']}; copy baseline {r['baseline_copy_gbps']:.3g} GB/s; {rounds}"
             )
         if name == "pack_merge":
@@ -1163,6 +1211,10 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
     except (KeyError, IndexError, TypeError) as exc:
         return f"(summary unavailable: {exc!r})"
     return ""
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> str:
@@ -1212,7 +1264,7 @@ def drive(dry: bool, out_dir: Path, budget_s: float, only: list[str] | None) -> 
                 "seconds": 0.0,
             }
         else:
-            timeout_s = min(step.timeout_s, left - 5)
+            timeout_s = min(step.dry_timeout_s if dry else step.timeout_s, left - 5)
             print(f"{_now()} [{step.name}] start (timeout {timeout_s:.0f}s): {step.what}", flush=True)
             r = _run_one(step, dry, out_dir, timeout_s)
         report["steps"][step.name] = r
