@@ -7,6 +7,7 @@ instead of hours later in the middle of a training run.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -259,7 +260,13 @@ def load_config(
                     raise ConfigError(
                         f"override {override!r}: value is not valid YAML ({_first_line(exc)}); quote it"
                     ) from None
-                cfg = OmegaConf.merge(cfg, dotlist)
+                try:
+                    cfg = OmegaConf.merge(cfg, dotlist)
+                except TypeError as exc:  # OmegaConf: a list where a mapping belongs, or the reverse
+                    key = override.split("=", 1)[0]
+                    raise ConfigError(f"{key}: wrong type ({exc}); {_expected(cfg, key)}") from None
+    except TypeError as exc:  # from a base or a file: name the first key whose type is wrong
+        raise ConfigError(f"{_wrong_type_key(cfg, base, path)}: wrong type ({exc})") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         choice = _BAD_CHOICE.match(_first_line(exc))
@@ -269,6 +276,51 @@ def load_config(
     assert isinstance(cfg, DictConfig)
     validate_config(cfg)
     return cfg
+
+
+def _expected(cfg: Any, key: str) -> str:
+    """What the default at `key` looks like, as the fix for a wrong type."""
+    current = OmegaConf.select(cfg, key, default=None)
+    if isinstance(current, DictConfig):
+        return "expected a mapping, e.g. {key: value}"
+    if OmegaConf.is_list(current):
+        return "expected a list, e.g. [a, b]"
+    return f"expected a value like {current!r}"
+
+
+def _wrong_type_key(cfg: Any, base: Any, path: Any) -> str:
+    """The first key of `base` / the file at `path` that does not merge onto `cfg` on its own."""
+    sources = [base] + ([OmegaConf.load(Path(path))] if path is not None else [])
+    for source in sources:
+        if source is None:
+            continue
+        tree = OmegaConf.to_container(OmegaConf.create(source), resolve=False)
+        found = _first_bad(cfg, "", tree) if isinstance(tree, dict) else None
+        if found:
+            return found
+    return "a config value"
+
+
+def _first_bad(cfg: Any, prefix: str, tree: dict[Any, Any]) -> str | None:
+    """Depth first, so the deepest key that fails is named, not its section."""
+    for k, value in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(value, dict) and (found := _first_bad(cfg, key + ".", value)):
+            return found
+        try:
+            OmegaConf.merge(cfg, _nested(key, value))
+        except TypeError:
+            return f"{key} ({_expected(cfg, key)})"
+        except OmegaConfBaseException:
+            pass
+    return None
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out  # type: ignore[no-any-return]
 
 
 _BAD_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<allowed>.*)\]")
@@ -287,6 +339,53 @@ def _port(key: str, value: int | None, *, allow_zero: bool) -> None:
 def _positive(key: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{key}={value} must be > 0 (seconds)")
+
+
+# Seconds: finite, and within what any deployment can mean. A timeout of `inf` disables the bound
+# on every wait; a heartbeat of 1e-9 s is a busy loop. Keys not listed get GENERIC_S.
+SECONDS_BOUNDS: dict[str, tuple[float, float]] = {
+    "transport.timeout_s": (0.1, 7 * 86400.0),
+    "transport.ready_timeout_s": (0.05, 86400.0),
+    "transport.heartbeat_interval_s": (0.01, 3600.0),
+}
+GENERIC_S = (0.0, 7 * 86400.0)
+MAX_COUNT = 1_000_000  # receivers, steps between syncs, versions kept: beyond this it is a typo
+
+
+def _seconds(key: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r} must be a number of seconds")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ConfigError(f"{key}={value} is out of range; use a finite number of seconds in [{low:g}, {high:g}]")
+
+
+def _walk(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf of a config section as (dotted key, value)."""
+    if isinstance(node, DictConfig):
+        out: list[tuple[str, Any]] = []
+        for k in node:
+            out += _walk(node[k], f"{prefix}{k}.")
+        return out
+    return [(prefix[:-1], node)]
+
+
+def _check_bounds(cfg: DictConfig) -> None:
+    """Every time knob (`*_s`) finite and in range, every count sane, name rules of the right types."""
+    for key, value in _walk(cfg):
+        if key.endswith("_s") and value is not None:
+            _seconds(key, value, *SECONDS_BOUNDS.get(key, GENERIC_S))
+    tr = cfg.trainer
+    for key, value in (("trainer.min_receivers", tr.min_receivers), ("trainer.every_n_steps", tr.every_n_steps)):
+        if value > MAX_COUNT:
+            raise ConfigError(f"{key}={value} is out of range (at most {MAX_COUNT})")
+    if cfg.rollout.sink.keep_last > MAX_COUNT:
+        raise ConfigError(f"rollout.sink.keep_last={cfg.rollout.sink.keep_last} is out of range (at most {MAX_COUNT})")
+    rename = OmegaConf.to_container(tr.names.rename)
+    for old, new in (rename or {}).items():  # type: ignore[union-attr]
+        if not isinstance(new, str) or not new:
+            raise ConfigError(
+                f"trainer.names.rename.{old}={new!r} must be a non-empty string (the rollout's name for {old!r})"
+            )
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -323,6 +422,7 @@ def validate_config(cfg: DictConfig) -> None:
     for url in cfg.vllm.urls:
         if not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"vllm.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
+    _check_bounds(cfg)
 
 
 def bucket_size_bytes(cfg: DictConfig) -> int:

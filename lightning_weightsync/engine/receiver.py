@@ -123,6 +123,7 @@ class WeightReceiver(Endpoint):
                 auth_key=self._key,
                 identity=self.identity,
             )
+            self._backend.rendezvous = self._control
         self._control.bucket_size = plan.bucket_size
         self._session, self.version = plan.session, plan.version
         assert self._executor is not None

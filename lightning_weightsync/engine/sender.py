@@ -17,7 +17,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +25,10 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, load_config
-from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import NamedTensors, aiter_any, split_weight_chunks
-from ..protocol.messages import Abort, BucketMeta, Entry, Plan
+from ..protocol.dtypes import dtype_name
+from ..protocol.messages import Abort, BucketMeta, Entry, Plan, check_tensor
 from ..transport.backends import Backend, backend_class, build_backend
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
@@ -66,24 +67,49 @@ class _Drainable:
         self._it: AsyncIterator[tuple[str, torch.Tensor]] = aiter_any(weights)
         self.exhausted = False
         self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
+        self.check = True  # validate each tensor with the receivers' rules (off while draining)
 
     def __aiter__(self) -> _Drainable:
         return self
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
         try:
-            return await self._it.__anext__()
+            item = await self._it.__anext__()
         except StopAsyncIteration:
             self.exhausted = True
             raise
         except BaseException:
             self.exhausted = self.failed = True
             raise
+        if self.check:
+            try:
+                _check_outgoing(item)
+            except WeightSyncError:
+                self.failed = True  # a local failure: the group is fine, the rest is drained
+                raise
+        return item
 
     async def drain(self) -> None:
+        self.check = False
         if not self.exhausted:
             async for _ in self:
                 pass
+
+
+def _check_outgoing(item: object) -> None:
+    """What every receiver would refuse, refused here first (the same `check_tensor`), so the
+    version fails at once naming the tensor instead of every receiver dropping the metadata."""
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+        raise TypeError(f"weights must yield (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r:.80})")
+    try:
+        check_tensor(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+    except ProtocolError as exc:
+        raise ProtocolError(
+            f"cannot send {name[:120]!r}: {exc}; rename or exclude it (trainer.names.rename / trainer.names.exclude)"
+        ) from None
 
 
 class WeightSender(Endpoint):
@@ -101,7 +127,7 @@ class WeightSender(Endpoint):
         self.session = secrets.token_hex(8)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
         self._key = auth_token(self.cfg)
-        self._control = SenderControl(t.host, int(t.port), self._key, self.bucket_size)
+        self._control = SenderControl(t.host, int(t.port), self._key, self.bucket_size, session=self.session)
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None
         self._group: tuple[tuple[str, int], ...] = ()
@@ -132,6 +158,7 @@ class WeightSender(Endpoint):
             session=self.session,
             auth_key=self._key,
         )
+        self._backend.rendezvous = self._control
         await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
 
     async def __aenter__(self) -> WeightSender:
@@ -145,8 +172,16 @@ class WeightSender(Endpoint):
         A receiver that nacks or does not ack in time makes this raise `PeerError` with the
         stats attached (`exc.stats`): the bytes went out, but not every rollout holds them.
         """
+        iterable = hasattr(weights, "__iter__") or hasattr(weights, "__aiter__")
+        if isinstance(weights, (Mapping, str, bytes)) or not iterable:
+            hint = "; pass weights.items() for a dict" if isinstance(weights, Mapping) else ""
+            raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}{hint}")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        if version < 0:
+            raise ValueError(f"version={version} is negative; versions are >= 0 and increase")
         if self._backend is None or self._executor is None:
-            raise WeightSyncError("WeightSender.send_weights() before start()")
+            raise WeightSyncError("WeightSender.send_weights() before start() (or after close())")
         if self._last_version is not None and version <= self._last_version:
             raise WeightSyncError(
                 f"version {version} <= last sent version {self._last_version}; versions must increase"
@@ -215,7 +250,7 @@ class WeightSender(Endpoint):
         self._backend.members = {p.identity: p.pid for p in peers}
         for rank, peer in enumerate(peers, start=1):
             await self._control.send(peer.identity, plan(rank))
-        await self._executor.submit(self._backend.join, plan(0))
+        await self._control.serve_while(self._executor.submit(self._backend.join, plan(0)))
 
     def _store_port(self) -> int:
         port = getattr(self._backend, "store_port", 0)
@@ -289,14 +324,16 @@ class WeightSender(Endpoint):
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
+            who = await self._control.laggards(version)
             raise WeightSyncTimeout(
                 f"version {version}: broadcast of bucket {index} not complete within transport.timeout_s="
-                f"{self.timeout_s}s (a receiver stalled or died?)"
+                f"{self.timeout_s}s; {who}"
             ) from None
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise PeerError(f"version {version}: broadcast of bucket {index} failed (a receiver died?): {exc}") from exc
+            who = await self._control.laggards(version)
+            raise PeerError(f"version {version}: broadcast of bucket {index} failed ({exc}); {who}") from exc
 
     async def _abandon(self, version: int, peers: list[Peer], exc: BaseException, *, transport_failed: bool) -> None:
         """After a failure: tell the group to drop the version.
@@ -334,6 +371,9 @@ class BlockingWeightSender:
         self.sender = WeightSender(cfg)
 
     def _run(self, coro: Any) -> Any:
+        if self._loop.is_closed():
+            coro.close()
+            raise WeightSyncError("BlockingWeightSender is closed; create a new one to send again")
         return self._loop.run_until_complete(coro)
 
     @property

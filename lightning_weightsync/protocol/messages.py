@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+from collections.abc import Sequence
 from typing import Union
 
 import msgspec
@@ -59,6 +60,8 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     device: str
     last_version: int = -1
     protocol: int = PROTOCOL_VERSION
+    instance: str = ""  # random per receiver process: a reconnect of the same process keeps its identity
+    nonce: str = ""  # fresh per Register; the sender echoes it in `Prepare` (proves that Prepare is not a replay)
 
 
 class Prepare(msgspec.Struct, tag="prepare", frozen=True):
@@ -70,6 +73,7 @@ class Prepare(msgspec.Struct, tag="prepare", frozen=True):
 
     version: int
     session: str
+    nonce: str = ""  # the nonce of the receiver's latest `Register` the sender saw
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -136,7 +140,38 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     identity: str
 
 
-Message = Union[Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye]  # noqa: UP007
+class Refuse(msgspec.Struct, tag="refuse", frozen=True):
+    """Sender -> a registering receiver: not admitted (its identity is held by another receiver that
+    is still connected). Echoes the refused `Register`'s nonce so it cannot be replayed later."""
+
+    identity: str
+    reason: str
+    nonce: str = ""
+
+
+class StoreRequest(msgspec.Struct, tag="store_req", frozen=True):
+    """Receiver -> sender: one operation on the data-plane rendezvous store, which lives in the
+    sender and is reached only through this (authenticated) control plane, never an open TCPStore."""
+
+    identity: str
+    request_id: int
+    op: str  # one of STORE_OPS
+    key: str
+    value: bytes = b""
+
+
+class StoreReply(msgspec.Struct, tag="store_reply", frozen=True):
+    """Sender -> receiver: the answer to `StoreRequest` `request_id` (`found` is False for a get of
+    a key not set yet: the receiver asks again until its timeout)."""
+
+    request_id: int
+    found: bool
+    value: bytes = b""
+
+
+Message = Union[  # noqa: UP007
+    Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye, Refuse, StoreRequest, StoreReply
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -178,6 +213,121 @@ def decode(frames: list[bytes], key: bytes | None = None, *, bucket_size: int | 
         raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
 
 
+class Seal(msgspec.Struct, array_like=True, frozen=True):
+    """What binds a signed control message to one conversation (second frame, under the MAC).
+
+    `session` is the sender session the message belongs to ("" in a receiver's first `Register`,
+    before it has seen any); `origin` is who sealed it (the sender: its session; a receiver: its
+    random per-process instance id); `seq` counts that origin's messages, strictly increasing, so a
+    copy of a message (same origin, an old seq) is a replay; `to_sender` is the direction, so a
+    message cannot be reflected back at the side that sealed it.
+    """
+
+    session: str
+    origin: str
+    seq: int
+    to_sender: bool
+
+
+_seal_decoder = msgspec.msgpack.Decoder(Seal)
+_SEAL_CONTEXT = b"lightning-weightsync seal v1\x00"
+
+
+def _seal_mac(key: bytes, header: bytes, body: bytes) -> bytes:
+    # length-prefixed, so no split of header || body can collide with another
+    return sign(_SEAL_CONTEXT + len(header).to_bytes(4, "big") + header + body, key)
+
+
+def seal(msg: Message, key: bytes, envelope: Seal) -> list[bytes]:
+    """Frames of a signed, sealed control message: `[mac, seal, body]`; the MAC covers both."""
+    header, body = _encoder.encode(envelope), _encoder.encode(msg)
+    return [_seal_mac(key, header, body), header, body]
+
+
+def unseal(
+    frames: Sequence[bytes], key: bytes, *, to_sender: bool, bucket_size: int | None = None
+) -> tuple[Message, Seal]:
+    """Authenticate, decode and validate one sealed message; raises only `ProtocolError`.
+
+    Checks what one message can show (MAC, direction, ranges); whether its seq is fresh and its
+    session the current one is the caller's (control plane's) bookkeeping.
+    """
+    try:
+        if len(frames) != 3 or len(frames[0]) != MAC_LEN:
+            raise ProtocolError(
+                f"unsealed message ({len(frames)} frames; transport.auth_token is set on this side: "
+                "is the peer an older version or not using the token?)"
+            )
+        mac, header, body = (bytes(f) for f in frames)
+        if not hmac.compare_digest(mac, _seal_mac(key, header, body)):
+            raise ProtocolError("bad message signature (transport.auth_token differs between peers?)")
+        envelope = _seal_decoder.decode(header)
+        _check_text("seal session", envelope.session)
+        _check_text("seal origin", envelope.origin, 256)
+        if not envelope.origin or not (0 <= envelope.seq < 1 << 63):
+            raise ProtocolError(f"seal has an empty origin or a bad seq {envelope.seq}")
+        if envelope.to_sender != to_sender:
+            raise ProtocolError("message sealed for the other direction (reflected back at its origin?)")
+        msg = _decoder.decode(body)
+        validate(msg, bucket_size=bucket_size)
+        return msg, envelope
+    except ProtocolError:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from None
+    except Exception as exc:  # anything else from hostile bytes is still a protocol error
+        raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
+
+
+STORE_OPS = ("set", "get")
+MAX_STORE_KEY_LEN = 512
+MAX_STORE_VALUE_LEN = 1 << 16  # gloo stores a rank's address (~100 bytes) per key
+
+
+def _validate_control(msg: Message) -> None:
+    """Ranges of the registration and rendezvous messages."""
+    if isinstance(msg, StoreRequest):
+        if msg.op not in STORE_OPS:
+            raise ProtocolError(f"store op {msg.op[:64]!r} is not one of {STORE_OPS}")
+        if not msg.key:
+            raise ProtocolError("store request with an empty key")
+        _check_text("store key", msg.key, MAX_STORE_KEY_LEN)
+        _check_nonneg("store request_id", msg.request_id)
+        if len(msg.value) > MAX_STORE_VALUE_LEN:
+            raise ProtocolError(f"store value of {len(msg.value)} bytes (limit {MAX_STORE_VALUE_LEN})")
+    elif isinstance(msg, StoreReply):
+        _check_nonneg("store request_id", msg.request_id)
+        if len(msg.value) > MAX_STORE_VALUE_LEN:
+            raise ProtocolError(f"store value of {len(msg.value)} bytes (limit {MAX_STORE_VALUE_LEN})")
+    elif isinstance(msg, Register):
+        _check_nonneg("pid", msg.pid)
+        _check_text("instance", msg.instance, 256)
+        _check_text("nonce", msg.nonce, 256)
+    elif isinstance(msg, (Prepare, Refuse)):
+        _check_text("nonce", msg.nonce, 256)
+
+
+def check_tensor(name: str, shape: Sequence[int], dtype: str) -> int:
+    """The rules every tensor on the wire obeys, on both sides: the sender checks each tensor
+    before it sends it (and fails the version naming it), a receiver checks each entry it decodes.
+    Returns the tensor's size in bytes."""
+    if not name or len(name) > MAX_NAME_LEN:
+        raise ProtocolError(
+            f"tensor name {name[:80]!r}{'...' if len(name) > 80 else ''} of length {len(name)} is empty or over "
+            f"{MAX_NAME_LEN} characters (the wire limit)"
+        )
+    if dtype not in DTYPES:
+        raise ProtocolError(f"dtype {dtype!r} of {name!r} is not in the allow-list ({', '.join(DTYPES)})")
+    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+        raise ProtocolError(
+            f"shape {list(shape)} of {name!r} is invalid (at most MAX_NDIM={MAX_NDIM} dims, none negative)"
+        )
+    nbytes = math.prod(shape) * itemsize(DTYPES[dtype])
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"{name!r} declares {nbytes} bytes (limit {MAX_TENSOR_BYTES}); refusing to allocate")
+    return nbytes
+
+
 def _check_text(what: str, value: str | None, limit: int = MAX_TEXT_LEN) -> None:
     if value is not None and len(value) > limit:
         raise ProtocolError(f"{what} is {len(value)} characters long (limit {limit})")
@@ -206,6 +356,8 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
         validate_bucket(msg, bucket_size)
     elif isinstance(msg, BucketDone):
         _check_nonneg("bucket_index", msg.bucket_index)
+    else:
+        _validate_control(msg)
 
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
@@ -216,15 +368,7 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
     if len(msg.entries) > MAX_ENTRIES:
         raise ProtocolError(f"bucket has {len(msg.entries)} entries (limit {MAX_ENTRIES})")
     for e in msg.entries:
-        if not e.name or len(e.name) > MAX_NAME_LEN:
-            raise ProtocolError(f"tensor name of length {len(e.name)} is empty or over {MAX_NAME_LEN}")
-        if e.dtype not in DTYPES:
-            raise ProtocolError(f"dtype {e.dtype!r} of {e.name!r} is not in the allow-list")
-        if len(e.shape) > MAX_NDIM or any(d < 0 for d in e.shape):
-            raise ProtocolError(f"shape {e.shape} of {e.name!r} is invalid")
-        nbytes = math.prod(e.shape) * itemsize(DTYPES[e.dtype])
-        if nbytes > MAX_TENSOR_BYTES:
-            raise ProtocolError(f"{e.name!r} declares {nbytes} bytes (limit {MAX_TENSOR_BYTES}); refusing to allocate")
+        nbytes = check_tensor(e.name, e.shape, e.dtype)
         if e.chunk_offset < 0 or e.chunk_size < 0 or e.chunk_offset + e.chunk_size > nbytes:
             raise ProtocolError(f"chunk [{e.chunk_offset}, +{e.chunk_size}) of {e.name!r} outside {nbytes} bytes")
         if e.offset < 0 or e.offset + e.chunk_size > msg.nbytes:

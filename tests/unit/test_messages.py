@@ -34,7 +34,10 @@ from lightning_weightsync.protocol.messages import (
     Plan,
     Prepare,
     Ready,
+    Refuse,
     Register,
+    StoreReply,
+    StoreRequest,
     decode,
     encode,
     validate,
@@ -68,6 +71,9 @@ MESSAGES = [
     Ack("rollout-1", 3, False, error="sink rejected 'x': shape [2] != [3]"),
     Abort(3, "trainer rank 0 died"),
     Bye("rollout-0"),
+    Refuse("rollout-0", "identity held by a connected receiver", nonce="ab12"),
+    StoreRequest("rollout-0", 7, "set", "lws/5f0c2a/1/0/1", b"addr"),
+    StoreReply(7, False),
 ]
 
 

@@ -34,6 +34,9 @@ class Backend(ABC):
     # True where `broadcast` may read from / write to any contiguous tensor on `device` instead of
     # a slot: full-bucket chunks then skip the pack copy (sender) and the merge copy (receiver).
     direct_ok: bool = False
+    # The control plane (`SenderControl` / `ReceiverControl`), set by the engine: process-group backends
+    # rendezvous through it instead of an open TCPStore when transport.auth_token is set.
+    rendezvous: Any = None
 
     def __init__(
         self,

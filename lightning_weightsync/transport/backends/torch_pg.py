@@ -1,7 +1,10 @@
-"""Backends built on a standalone torch.distributed process group over a TCPStore (gloo, hccl).
+"""Backends built on a standalone torch.distributed process group (gloo, hccl).
 
-The group never touches the trainer's default process group: the sender creates a TCPStore,
-receivers connect to it, and every group generation gets its own PrefixStore namespace.
+The group never touches the trainer's default process group. Where the ranks meet:
+- with `transport.auth_token` set, through the control plane (`transport/rendezvous.py`): the keys
+  live in the sender and every request is CURVE-authenticated and signed; no store port is opened;
+- without a token, a TCPStore the sender creates on `transport.store_port`, which receivers connect to.
+Every group generation gets its own key namespace.
 """
 
 from __future__ import annotations
@@ -28,8 +31,16 @@ class TorchProcessGroupBackend(Backend):
         self._store_addr: tuple[str, int] | None = None
         self._pg: Any = None
 
+    @property
+    def _via_control(self) -> bool:
+        return bool(self.auth_key) and self.rendezvous is not None
+
     def setup(self, host: str, store_port: int) -> None:
         super().setup(host, store_port)
+        if self._via_control:  # nothing listens: receivers reach the keys through the control plane
+            self._store_addr = (self.rendezvous.host, int(self.rendezvous.port))
+            logger.debug("%s rendezvous through the control plane at %s:%d", self.name, *self._store_addr)
+            return
         self._store = dist.TCPStore(
             host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
         )
@@ -38,8 +49,8 @@ class TorchProcessGroupBackend(Backend):
 
     @property
     def store_port(self) -> int:
-        assert self._store is not None
-        return int(self._store.port)
+        assert self._store_addr is not None
+        return int(self._store_addr[1])
 
     def _client_store(self, plan: Plan) -> dist.TCPStore:
         addr = (plan.store_host, plan.store_port)
@@ -51,9 +62,13 @@ class TorchProcessGroupBackend(Backend):
         return self._store
 
     def _build_group(self, plan: Plan) -> None:
-        store = self._store if self.is_sender else self._client_store(plan)
-        assert store is not None
-        prefix = dist.PrefixStore(f"lws/{plan.session}/{plan.generation}", store)
+        namespace = f"lws/{plan.session}/{plan.generation}"
+        if self._via_control:
+            prefix = self.rendezvous.rendezvous_store(namespace, self.timeout_s)
+        else:
+            store = self._store if self.is_sender else self._client_store(plan)
+            assert store is not None
+            prefix = dist.PrefixStore(namespace, store)
         try:
             self._pg = self._new_group(prefix, plan.rank, plan.world_size, timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:

@@ -1,0 +1,72 @@
+"""The data-plane rendezvous over the control plane: a `torch.distributed.Store` whose keys live in
+the sender and are reached only through the (CURVE-authenticated, signed) ZeroMQ control plane.
+
+A TCPStore listens for anyone: a stranger can list its keys and set the address a rank will connect
+to. With this store there is no such listener; the sender keeps a `HashStore`, and a receiver's
+process group (built on the executor thread) asks the sender for each key through `StoreRequest`.
+gloo's rendezvous only needs `set`, `get` and `wait`; the rest is there for other process groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from ..errors import WeightSyncTimeout
+
+if TYPE_CHECKING:
+    from .control import ReceiverControl
+
+_HOP_SLACK_S = 5.0  # beyond the store timeout, for the thread -> event loop hop itself
+
+
+class ControlPlaneStore(dist.Store):
+    """Receiver side: every call runs on the control plane's event loop and blocks this (executor)
+    thread until the sender answered. Keys are namespaced under `prefix` (PrefixStore cannot wrap a
+    Python store in this torch)."""
+
+    def __init__(self, control: ReceiverControl, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float):
+        super().__init__()
+        self._control, self._loop, self._prefix, self._timeout_s = control, loop, prefix.rstrip("/") + "/", timeout_s
+
+    def _run(self, coro: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self._timeout_s + _HOP_SLACK_S)
+        except TimeoutError:
+            future.cancel()
+            raise WeightSyncTimeout(
+                f"rendezvous through the control plane did not answer within transport.timeout_s={self._timeout_s}s"
+            ) from None
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._run(self._control.store_call("set", self._prefix + key, data, self._timeout_s))
+
+    def get(self, key: str) -> bytes:
+        return self._run(self._control.store_get(self._prefix + key, self._timeout_s))  # type: ignore[no-any-return]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout_s if timeout is None else min(self._timeout_s, timeout.total_seconds())
+        deadline = time.monotonic() + limit
+        for key in keys:
+            self._run(self._control.store_get(self._prefix + key, max(deadline - time.monotonic(), 0.001)))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return all(
+            self._run(self._control.store_call("get", self._prefix + k, b"", self._timeout_s)).found for k in keys
+        )
+
+    def num_keys(self) -> int:
+        raise NotImplementedError("the control-plane rendezvous store does not list keys")
+
+    def delete_key(self, key: str) -> bool:
+        return False  # keys live as long as the sender session; nothing to clean up per group
+
+
+__all__ = ["ControlPlaneStore"]
