@@ -279,7 +279,7 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
     if name == "lightning_fsdp":
         if dry:
             return {"accelerator": "cpu", "backend": "shm", "device": "cpu", "steps": 2, "train_timeout_s": 40}
-        return {"accelerator": "cuda", "backend": "cuda_ipc", "device": "cuda", "steps": 3, "train_timeout_s": 120}
+        return {"accelerator": "cuda", "backend": "cuda_ipc", "device": "cuda:0", "steps": 3, "train_timeout_s": 120}
     return {}
 
 
@@ -948,7 +948,7 @@ def fsdp_receiver(port: int, backend: str, device: str, expect: int, out_dir: st
     from lightning_weightsync import WeightReceiver, load_config
 
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # set_device refuses a bare "cuda"
     cfg = load_config(
         overrides=[
             f"transport.port={port}",
