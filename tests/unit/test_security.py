@@ -1,0 +1,394 @@
+"""Hostile peers against the control plane, in one process over real ZeroMQ sockets (issue 10).
+
+Each test plays one finding of the hostile-peer review: identity takeover, replay, unchecked
+outgoing tensors, unbounded config, and the errors that did not name what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from lightning_weightsync import ConfigError, ProtocolError, WeightSyncError, load_config
+from lightning_weightsync.engine.sender import BlockingWeightSender, WeightSender
+from lightning_weightsync.errors import VersionAborted
+from lightning_weightsync.protocol.messages import (
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    Ack,
+    BucketMeta,
+    Entry,
+    Prepare,
+    Ready,
+    Register,
+    Seal,
+    check_tensor,
+    encode,
+    seal,
+    unseal,
+    validate,
+)
+from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
+from tests.support.engine import engine_cfg
+from tests.support.mp import free_port
+
+KEY = b"issue-10-token"
+BUCKET = 1 << 16
+
+
+async def _until(predicate: Any, sender: SenderControl | None = None, timeout_s: float = 10.0) -> None:
+    """Pump the sender's socket (registrations are handled inside `recv`) until `predicate()`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        if sender is not None:
+            await sender.recv(0.05)
+        else:
+            await asyncio.sleep(0.05)
+
+
+async def _started_sender(key: bytes | None = KEY, port: int = 0) -> SenderControl:
+    sender = SenderControl("127.0.0.1", port, key, BUCKET)
+    await sender.start()
+    return sender
+
+
+async def _registered(sender: SenderControl, identity: str, key: bytes | None = KEY) -> ReceiverControl:
+    receiver = ReceiverControl("127.0.0.1", sender.port, key, identity, "cpu")
+    await receiver.start()
+    await _until(lambda: identity in sender.peers, sender)
+    return receiver
+
+
+async def _prepare(sender: SenderControl, receiver: ReceiverControl, version: int) -> Prepare:
+    await sender.send(receiver.identity, Prepare(version, sender.session, sender.peers[receiver.identity].nonce))
+    msg = await receiver.recv(5)
+    assert isinstance(msg, Prepare) and msg.version == version, msg
+    return msg
+
+
+# ----------------------------------------------------------------------------------------------- CURVE keys
+
+
+def test_curve_keys_come_from_the_token() -> None:
+    a, b, other = curve_keys(KEY), curve_keys(KEY), curve_keys(b"another")
+    assert a == b  # both sides derive the same pairs
+    assert a.server_public != a.client_public and a.server_secret != a.client_secret
+    assert other.server_public != a.server_public and other.client_public != a.client_public
+    assert zmq.curve_public(a.server_secret) == a.server_public
+
+
+# ----------------------------------------------------------------------------------------------- finding 1
+
+
+async def test_unauthenticated_peer_cannot_take_over_an_identity() -> None:
+    """Before: a plain DEALER with the receiver's identity took its ROUTER route (handover) and got
+    its signed messages; the real receiver was cut off. Now it never completes a handshake."""
+    sender = await _started_sender()
+    receiver = await _registered(sender, "rollout-0")
+    ctx = zmq.asyncio.Context()
+    thief = ctx.socket(zmq.DEALER)
+    thief.setsockopt(zmq.IDENTITY, b"rollout-0")
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.connect(sender.address)
+    wrong = ctx.socket(zmq.DEALER)  # CURVE, but keys from another token
+    keys = curve_keys(b"guessed")
+    wrong.curve_serverkey, wrong.curve_publickey, wrong.curve_secretkey = (
+        keys.server_public, keys.client_public, keys.client_secret,
+    )  # fmt: skip
+    wrong.setsockopt(zmq.LINGER, 0)
+    wrong.connect(sender.address)
+    try:
+        for sock in (thief, wrong):
+            await sock.send_multipart(encode(Register("rollout-0", "evil", 1, "cpu"), KEY))
+        await _until(lambda: sender.rejected_handshakes >= 2, sender)
+        assert sender.peers["rollout-0"].instance == receiver.instance  # still the real one
+        for version in (1, 2):
+            await _prepare(sender, receiver, version)  # the real receiver keeps getting its messages
+        assert not await thief.poll(500) and not await wrong.poll(100)  # and the thief gets nothing
+    finally:
+        thief.close(0)
+        wrong.close(0)
+        ctx.term()
+        await receiver.close()
+        await sender.close()
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["token", "no-token"])
+async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | None) -> None:
+    sender = await _started_sender(key)
+    first = await _registered(sender, "rollout-0", key)
+    second = ReceiverControl("127.0.0.1", sender.port, key, "rollout-0", "cpu")
+    await second.start()
+    try:
+        await _until(lambda: sender.refused_registrations >= 1, sender)
+        assert sender.peers["rollout-0"].instance == first.instance
+        assert await second.recv(2) is None and second.refused is not None
+        assert "rollout.identity" in second.refused and "held by a connected receiver" in second.refused
+        await _prepare(sender, first, 1)  # the first is not cut off
+        with pytest.raises(WeightSyncError, match="refuses us"):
+            await second.wait_prepare(0.2, 0.5)
+        # once the first is gone (no goodbye: its connection just closes), the identity is free again
+        assert first._sock is not None
+        first._sock.close(linger=0)
+        first._sock = None
+        await asyncio.sleep(0.3)
+        await second.register()
+        await _until(lambda: sender.peers["rollout-0"].instance == second.instance, sender)
+        await _prepare(sender, second, 2)
+    finally:
+        await first.close()
+        await second.close()
+        await sender.close()
+
+
+# ----------------------------------------------------------------------------------------------- finding 3
+
+
+async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() -> None:
+    """Before: an Ack/Ready captured in one run verified in a later run reusing the version."""
+    port = free_port()
+    first_run = await _started_sender(port=port)
+    receiver = await _registered(first_run, "rollout-0")
+    captured: list[list[bytes]] = []
+    assert receiver._sock is not None
+    original_send = receiver._sock.send_multipart
+
+    def recording_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
+        captured.append(list(frames))
+        return original_send(frames, *args, **kwargs)
+
+    receiver._sock.send_multipart = recording_send  # type: ignore[method-assign]
+    old_prepare: list[bytes] = []
+    try:
+        await _prepare(first_run, receiver, 1)
+        old_prepare = seal(Prepare(1, first_run.session, first_run.peers["rollout-0"].nonce), KEY,
+                           Seal(first_run.session, first_run.session, 99, False))  # fmt: skip
+        await receiver.send(Ready("rollout-0", 1))
+        await receiver.send(Ack("rollout-0", 1, True))
+        got = [await first_run.recv(5), await first_run.recv(5)]
+        assert [type(m) for _, m in got] == [Ready, Ack]  # type: ignore[misc]
+        old_ready, old_ack = captured[-2], captured[-1]
+        await first_run.close()
+
+        second_run = await _started_sender(port=port)  # a restarted trainer, same port, new session
+        try:
+            await receiver.register()
+            await _until(lambda: "rollout-0" in second_run.peers, second_run)
+            await _prepare(second_run, receiver, 1)  # version numbering starts over
+            for frames in (old_ready, old_ack):
+                await original_send(frames)  # replayed on the receiver's own (authenticated) connection
+            assert await second_run.recv(1) is None  # nothing got through ...
+            assert second_run.replayed_messages == 2  # ... and both were counted as replays
+            await receiver.send(Ready("rollout-0", 1))
+            fresh = captured[-1]
+            _, msg = await second_run.recv(5)  # type: ignore[misc]
+            assert isinstance(msg, Ready)
+            await original_send(fresh)  # the same message again within this run: its seq is spent
+            assert await second_run.recv(1) is None and second_run.replayed_messages == 3
+            # the other direction: the first run's Prepare replayed to the receiver is rejected too
+            await second_run._sock.send_multipart([second_run.route_of("rollout-0"), *old_prepare])  # type: ignore[union-attr]
+            assert await receiver.recv(1) is None and receiver.replayed_messages == 1
+        finally:
+            await second_run.close()
+    finally:
+        await receiver.close()
+
+
+def test_sealed_frames_reject_tampering_reflection_and_unsealed() -> None:
+    msg = Ack("r", 3, True)
+    frames = seal(msg, KEY, Seal("sess", "inst", 5, True))
+    got, envelope = unseal(frames, KEY, to_sender=True)
+    assert got == msg and envelope.seq == 5 and envelope.session == "sess"
+    with pytest.raises(ProtocolError, match="other direction"):
+        unseal(frames, KEY, to_sender=False)
+    forged = seal(msg, KEY, Seal("other-session", "inst", 6, True))
+    with pytest.raises(ProtocolError, match="signature"):  # a seal swapped onto another body
+        unseal([frames[0], forged[1], frames[2]], KEY, to_sender=True)
+    with pytest.raises(ProtocolError, match="unsealed"):
+        unseal(encode(msg, KEY), KEY, to_sender=True)
+    with pytest.raises(ProtocolError, match="signature"):
+        unseal(seal(msg, b"wrong", Seal("s", "i", 1, True)), KEY, to_sender=True)
+
+
+# ----------------------------------------------------------------------------------------------- finding 4
+
+
+@pytest.mark.parametrize(
+    "name,shape,match",
+    [
+        ("x" * (MAX_NAME_LEN + 1), (2,), f"over {MAX_NAME_LEN}"),
+        ("", (2,), "empty"),
+        ("w", (1,) * (MAX_NDIM + 1), f"MAX_NDIM={MAX_NDIM}"),
+    ],
+    ids=["long-name", "empty-name", "ndim"],
+)
+def test_one_tensor_rule_on_both_sides(name: str, shape: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        check_tensor(name, shape, "float32")  # what the sender runs on every tensor
+    entry = Entry(name, list(shape), "float32", 0, 4, 0)
+    with pytest.raises(ProtocolError, match=match):  # what every receiver runs on the metadata
+        validate(BucketMeta(1, 0, True, 4, [entry]))
+
+
+@pytest.mark.parametrize(
+    "name,tensor,match",
+    [
+        ("x" * (MAX_NAME_LEN + 1), torch.zeros(2), "1024"),
+        ("", torch.zeros(2), "empty"),
+        ("deep", torch.zeros((1,) * (MAX_NDIM + 1)), "MAX_NDIM"),
+    ],
+    ids=["long-name", "empty-name", "ndim"],
+)
+async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torch.Tensor, match: str) -> None:
+    """No receiver needed: the version fails before anything waits on a peer (before: every
+    receiver dropped the metadata and both sides waited transport.timeout_s)."""
+    pulled: list[str] = []
+
+    def weights() -> Any:
+        for n, t in [("a", torch.ones(3)), (name, tensor), ("z", torch.ones(3))]:
+            pulled.append(n)
+            yield n, t
+
+    cfg = engine_cfg(0, trainer__min_receivers=0)
+    async with WeightSender(cfg) as sender:
+        sender._control.peers.clear()
+        t0 = time.monotonic()
+        stats = await sender.send_weights(weights(), version=1)  # nobody registered: drained, not checked
+        assert stats.receivers == 0 and pulled == ["a", name, "z"]
+        pulled.clear()
+        from lightning_weightsync.engine.sender import _Drainable
+
+        source = _Drainable(weights())
+        with pytest.raises(ProtocolError, match=match) as info:
+            async for _ in source:
+                pass
+        assert "trainer.names" in str(info.value)
+        await source.drain()
+        assert pulled == ["a", name, "z"]  # the rest of the caller's iterable was still consumed
+        assert time.monotonic() - t0 < 5
+
+
+# ----------------------------------------------------------------------------------------------- finding 6
+
+
+async def test_too_few_ready_receivers_get_an_abort() -> None:
+    """Before: a receiver that answered Ready waited transport.timeout_s for a plan that never came."""
+    sender = await _started_sender(None)
+    receiver = await _registered(sender, "rollout-0", None)
+    try:
+        gather = asyncio.ensure_future(
+            sender.gather_ready(1, sender.session, min_receivers=2, timeout_s=1.5, ready_timeout_s=5)
+        )
+        prepare = await receiver.wait_prepare(0.2, 5)
+        await receiver.send(Ready("rollout-0", prepare.version))
+        t0 = time.monotonic()
+        with pytest.raises(VersionAborted, match="min_receivers=2"):
+            await receiver.wait_plan(prepare, 30)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(WeightSyncError, match="min_receivers"):
+            await gather
+    finally:
+        await receiver.close()
+        await sender.close()
+
+
+async def test_dropped_message_warnings_are_rate_limited_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    sender = await _started_sender(None)
+    ctx = zmq.asyncio.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(sender.address)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightning_weightsync.transport.control"):
+            for _ in range(500):
+                await flood.send_multipart([b"\x93garbage"])
+            await _until(lambda: sender.dropped_messages >= 500, sender)
+        lines = [r for r in caplog.records if "dropped a control message" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        assert sender.dropped_messages == 500
+    finally:
+        flood.close(0)
+        ctx.term()
+        await sender.close()
+
+
+async def test_port_in_use_and_unresolvable_host_name_their_knobs() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=r"in use; set transport\.port"):
+            await SenderControl("127.0.0.1", port, None, BUCKET).start()
+    for control in (
+        SenderControl("no-such-host.invalid", 0, None, BUCKET),
+        ReceiverControl("no-such-host.invalid", 1234, None, "r", "cpu"),
+    ):
+        with pytest.raises(ConfigError, match=r"transport\.host='no-such-host\.invalid' does not resolve"):
+            await control.start()
+        await control.close()
+
+
+async def test_api_misuse_raises_at_once() -> None:
+    sender = WeightSender(engine_cfg(0))
+    with pytest.raises(TypeError, match=r"weights\.items\(\)"):
+        await sender.send_weights({"w": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="negative"):
+        await sender.send_weights([], version=-1)
+    for bad in ("1", 1.0, True):
+        with pytest.raises(TypeError, match="version must be an int"):
+            await sender.send_weights([], version=bad)  # type: ignore[arg-type]
+
+
+def test_blocking_sender_after_close_says_so() -> None:
+    blocking = BlockingWeightSender(engine_cfg(0, trainer__min_receivers=0))
+    blocking.start()
+    blocking.close()
+    with pytest.raises(WeightSyncError, match="BlockingWeightSender is closed"):
+        blocking.send_weights([("w", torch.zeros(1))], version=1)
+    blocking.close()  # twice is fine
+
+
+# ----------------------------------------------------------------------------------------------- finding 5
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("transport.timeout_s=inf", r"transport\.timeout_s=inf is out of range"),
+        ("transport.timeout_s=1e9", r"transport\.timeout_s"),
+        ("transport.heartbeat_interval_s=1e-9", r"transport\.heartbeat_interval_s"),
+        ("transport.ready_timeout_s=inf", r"transport\.ready_timeout_s"),
+        ("trainer.names.rename=[a, b]", r"trainer\.names\.rename: wrong type.*mapping"),
+        ("trainer.names.rename={a: [1]}", r"trainer\.names\.rename\.a"),
+        ("trainer.names.exclude={a: 1}", r"trainer\.names\.exclude: wrong type.*list"),
+        ("trainer.min_receivers=100000000", r"trainer\.min_receivers"),
+    ],
+)
+def test_config_bounds_and_types_are_config_errors(override: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_config_wrong_type_in_a_file_names_the_key(tmp_path: Any) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("trainer:\n  names:\n    rename: [a, b]\n")
+    with pytest.raises(ConfigError, match=r"trainer\.names\.rename"):
+        load_config(path)
+
+
+def test_cli_wrong_type_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_weightsync.cli import main
+
+    assert main(["config", "show", "trainer.names.rename=[a]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert "trainer.names.rename" in err[0] and any("fix" in line for line in err[1:])
