@@ -95,7 +95,7 @@ def train(recipe: AccelerateRecipe, cfg: DictConfig) -> str | None:
 
     if recipe.save_final:
         tensors = {name: t.detach().cpu().clone() for name, t in weight_sync.weights()}  # every rank gathers
-        if accelerator.is_main_process:
+        if weight_sync.is_sender:
             Path(recipe.save_final).parent.mkdir(parents=True, exist_ok=True)
             from safetensors.torch import save_file
 
@@ -104,7 +104,7 @@ def train(recipe: AccelerateRecipe, cfg: DictConfig) -> str | None:
         f"accelerate_tiny: {weight_sync.step} steps ({micro_batches} micro-batches), "
         f"last synced version {weight_sync.last_synced_version}, {weight_sync.failures} failed syncs"
     )
-    is_main = accelerator.is_main_process
+    is_main = weight_sync.is_sender  # not accelerator.is_main_process: a plain Accelerator() may say so everywhere
     weight_sync.close()
     accelerator.wait_for_everyone()
     return line if is_main else None

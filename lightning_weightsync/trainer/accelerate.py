@@ -84,6 +84,13 @@ class AccelerateWeightSync:
             prefix=module_attr,
             record=self.record,
         )
+        if self._driver.rank != int(accelerator.process_index):
+            logger.warning(
+                "Accelerator says process %d of %d but torch.distributed says global rank %d: this Accelerator "
+                "did not see the launch (on CPU pass Accelerator(cpu=True)), so it will not synchronise gradients; "
+                "the weight sync uses global rank %d as the sender",
+                accelerator.process_index, accelerator.num_processes, self._driver.rank, SENDER_RANK,
+            )  # fmt: skip
         self._driver.start()
         self._hook = inner.register_step_post_hook(self._after_optimizer_step)
         if self.cfg.trainer.sync_on_fit_start:
@@ -131,6 +138,11 @@ class AccelerateWeightSync:
     def port(self) -> int | None:
         """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
         return self._driver.port
+
+    @property
+    def is_sender(self) -> bool:
+        """True on the one process that sends (global rank 0 of torch.distributed when initialised)."""
+        return self._driver.is_sender
 
     @property
     def last_synced_version(self) -> int | None:

@@ -161,3 +161,35 @@ def test_recipe_module_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert recipe.steps == 2 and cfg.transport.bucket_size_mb == 0.03125
     with pytest.raises(ConfigError, match=r"recipe\.nope"):
         load_recipe(RECIPE.with_suffix(".yaml"), ["recipe.nope=1"], schema=mod.AccelerateRecipe)
+
+
+@pytest.mark.slow
+def test_torchrun_with_a_plain_accelerator_has_one_sender(tmp_path: Path) -> None:
+    """Issue 12 point 5: under torchrun on CPU a plain `Accelerator()` says process 0 on both ranks;
+    both used to start a sender (the second failed binding the port, blaming rank 0). The sending
+    rank now comes from torch.distributed: one sender, both ranks finish."""
+    port = free_port()
+    cmd = [
+        *_torchrun(), "--standalone", "--nproc-per-node", "2", str(RECIPE),
+        "--config", str(RECIPE.with_suffix(".yaml")), "recipe.cpu=false", "recipe.steps=1",
+        f"transport.port={port}", "transport.timeout_s=30", "trainer.min_receivers=0",
+    ]  # fmt: skip
+    with popen(cmd, cwd=str(tmp_path)) as proc:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("accelerate_tiny: 1 steps") == 1, out[-4000:]  # printed by the one sending rank
+    assert out.count("weight sender listening") == 1, out[-4000:]
+    assert "did not see the launch" in out  # the warning names the real problem (no gradient sync)
+
+
+def test_launched_processes_without_torch_distributed_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several launched processes but no process group: every one would be 'rank 0' and bind the
+    sender's port; refused up front, naming this process's rank and the fix."""
+    from lightning_weightsync.trainer.driver import process_rank
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"RANK=1 of WORLD_SIZE=2.*init_process_group"):
+        process_rank(0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert process_rank(0) == 0
