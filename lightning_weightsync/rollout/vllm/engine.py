@@ -72,6 +72,11 @@ class LightningWeightSyncEngine(
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        # imported here, not on the first version: a cold import inside receive_weights would delay
+        # the worker's Ready past transport.ready_timeout_s
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        self._no_mtp_check = disable_mtp_completeness_check
         self._weightsync_setup()
 
     # -- vLLM model hooks ---------------------------------------------------------------------------
@@ -123,9 +128,7 @@ class LightningWeightSyncEngine(
 
     def _load_context(self) -> Any:
         # As vLLM's NCCL engine: a checkpoint stream may omit MTP layers the target does not load.
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        return disable_mtp_completeness_check()
+        return self._no_mtp_check()
 
 
 __all__ = ["LightningWeightSyncEngine", "LightningWeightSyncInitInfo", "LightningWeightSyncUpdateInfo"]

@@ -31,7 +31,7 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
         raise BackendUnavailable(
             "transport.backend=nccl: this cupy has no NCCL (cupy.cuda.nccl.available is False); install the cupy "
             "wheel matching your CUDA (pip install cupy-cuda13x, or cupy-cuda12x on CUDA 12) or use "
-            "transport.backend=torch_pg"
+            "transport.backend=gloo (CPU buckets)"
         )
     return cupy, nccl
 

@@ -1,0 +1,107 @@
+"""Against the REAL vLLM (skipped without it; `./dev vllm-contract` runs it in .venv-vllm on CPU):
+the API snapshot equals what the installed vLLM's source says, the plugin registers our engine with
+vLLM's real factory, the factory builds it, and vLLM's own `update_weights` (base class) drives our
+`receive_weights` through a real version from a real sender over gloo, bitwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+pytest.importorskip("vllm.distributed.weight_transfer.base")
+
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from lightning_weightsync.engine.sender import BlockingWeightSender
+from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.rollout.vllm import plugin
+from tests.support.engine import engine_cfg
+from tests.support.mp import free_port
+from tests.support.vllm_api import extract
+from tests.support.vllm_standin import StandInModel
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_snapshot_matches_the_installed_vllm_source() -> None:
+    import vllm
+
+    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # type: ignore[union-attr]
+    snapshot = json.loads((REPO / "tests" / "data" / "vllm_api.json").read_text())
+    assert {"vllm_version": snapshot["vllm_version"], **extract(root)} == snapshot, (
+        f"vLLM {vllm.__version__} differs from the snapshot of {snapshot['vllm_version']}: "
+        "re-check rollout/vllm and trainer/rollout_control.py, then regenerate tests/data/vllm_api.json"
+    )
+
+
+def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin.register()
+    plugin.register()  # vLLM loads plugins in every process, possibly twice: idempotent
+    from lightning_weightsync.rollout.vllm.engine import (
+        LightningWeightSyncEngine,
+        LightningWeightSyncUpdateInfo,
+    )
+
+    assert issubclass(LightningWeightSyncEngine, WeightTransferEngine)
+    assert not getattr(LightningWeightSyncEngine, "__abstractmethods__", None)
+
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=0.03125)
+    path = tmp_path / "sync.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    monkeypatch.setenv("LIGHTNING_WEIGHTSYNC_CONFIG", str(path))
+    # vLLM's base update_weights ends with torch.accelerator.synchronize(), which raises on a machine
+    # without an accelerator; a vLLM GPU worker always has one. Nothing else is patched.
+    if not torch.accelerator.is_available():
+        monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    torch.manual_seed(3)
+    model = StandInModel(build_model().config)
+    vllm_config = SimpleNamespace(  # only the attributes the base __init__ and our engine read
+        parallel_config=SimpleNamespace(),
+        model_config=SimpleNamespace(quantization=None, enable_sleep_mode=False),
+        speculative_config=None,
+        offload_config=None,
+    )
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="lightning_weightsync"), vllm_config, torch.device("cpu"), model
+    )
+    assert type(engine) is LightningWeightSyncEngine
+    assert isinstance(engine.parse_update_info({"version": 1}), LightningWeightSyncUpdateInfo)
+    with pytest.raises(ValueError, match="Invalid update_info"):
+        engine.parse_update_info({"nonsense": 1})
+
+    sender = BlockingWeightSender(cfg)
+    sender.start()
+    try:
+        expected = {k: v.detach().clone() for k, v in build_model(seed=5).state_dict().items()}
+        errors: list[BaseException] = []
+
+        def rollout() -> None:
+            try:
+                engine.start_weight_update()
+                engine.update_weights({"version": 1, "timeout_s": 20})  # vLLM's own base method
+                engine.finish_weight_update()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=rollout)
+        thread.start()
+        stats = sender.send_weights(list(expected.items()), version=1)
+        thread.join(30)
+        assert not errors, errors
+        assert stats.receivers == 1
+        state = model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in expected.items())
+        assert engine.version == 1
+    finally:
+        engine.shutdown()
+        sender.close()
