@@ -27,9 +27,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "WeightSender": "engine.sender",
     "BlockingWeightSender": "engine.sender",
-    "SendStats": "engine.sender",
+    "SendStats": "engine.stats",
     "WeightReceiver": "engine.receiver",
-    "ReceiveStats": "engine.receiver",
+    "ReceiveStats": "engine.stats",
     "iter_full_parameters": "trainer.gather",
     "WeightSyncCallback": "trainer.lightning",
     "AccelerateWeightSync": "trainer.accelerate",

@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,32 +27,15 @@ from ..config import auth_token, bucket_size_bytes, load_config
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import NamedTensors, aiter_any, split_weight_chunks
 from ..protocol.dtypes import dtype_name
-from ..protocol.messages import Abort, BucketMeta, Entry, Plan, check_tensor
-from ..transport.backends import Backend, backend_class, build_backend
+from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Plan, check_tensor
+from ..transport.backends import NUM_SLOTS, Backend, backend_class, build_backend, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor
 from .endpoint import Endpoint
+from .stats import SendStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SendStats:
-    version: int
-    nbytes: int = 0
-    num_tensors: int = 0
-    num_buckets: int = 0
-    num_chunked_tensors: int = 0
-    direct_buckets: int = 0  # full-bucket chunks broadcast from the caller's tensor (no pack copy)
-    seconds: float = 0.0
-    receivers: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        """Payload GB/s (1e9 bytes) over the whole version, group formation and acks included."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class _Drainable:
@@ -133,7 +115,7 @@ class WeightSender(Endpoint):
         self._group: tuple[tuple[str, int], ...] = ()
         self._generation = 0
         self._last_version: int | None = None
-        self._pending: list[asyncio.Future[None] | None] = [None, None]  # broadcast per slot
+        self._pending: list[asyncio.Future[None] | None] = [None] * NUM_SLOTS  # broadcast per slot
 
     # -- life cycle -----------------------------------------------------------------------------
     @property
@@ -237,30 +219,22 @@ class WeightSender(Endpoint):
         if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
             self._generation += 1
             self._group = members
-        info = self._backend.plan_info(self._generation)
-        world = len(peers) + 1
-        t = self.cfg.transport
-
-        def plan(rank: int) -> Plan:
-            return Plan(
-                version, self.session, self._generation, rank, world, t.backend, self.bucket_size,
-                t.host, self._store_port(), info,
-            )  # fmt: skip
-
-        self._backend.members = {p.identity: p.pid for p in peers}
+        group = GroupSpec(
+            session=self.session,
+            generation=self._generation,
+            backend=self._backend.name,
+            bucket_size=self.bucket_size,
+            members=[Member(p.identity, p.pid) for p in peers],
+            join=self._backend.join_spec(self._generation),
+        )
         for rank, peer in enumerate(peers, start=1):
-            await self._control.send(peer.identity, plan(rank))
-        await self._control.serve_while(self._executor.submit(self._backend.join, plan(0)))
-
-    def _store_port(self) -> int:
-        port = getattr(self._backend, "store_port", 0)
-        return int(port)
+            await self._control.send(peer.identity, Plan(version, rank, group))
+        await self._control.serve_while(self._executor.submit(self._backend.join, group, 0))
 
     async def _stream(self, source: _Drainable, version: int, peers: list[Peer], stats: SendStats) -> None:
         assert self._backend is not None and self._executor is not None
         backend, executor = self._backend, self._executor
-        non_blocking = self.device.type != "cpu"
-        pending = self._pending = [None, None]
+        pending = self._pending = [None] * NUM_SLOTS
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
         direct: torch.Tensor | None = None  # a full-bucket chunk, broadcast from the caller's tensor
@@ -280,8 +254,8 @@ class WeightSender(Endpoint):
 
         async def next_bucket() -> None:
             nonlocal slot, bucket_index, fill, entries
-            slot, bucket_index, fill, entries = slot ^ 1, bucket_index + 1, 0, []
-            await self._complete(pending, slot, version, bucket_index - 2)
+            slot, bucket_index, fill, entries = next_slot(slot), bucket_index + 1, 0, []
+            await self._complete(pending, slot, version, bucket_index - NUM_SLOTS)
 
         async for meta, data in split_weight_chunks(source, self.bucket_size):
             assert meta.offset is not None
@@ -294,9 +268,7 @@ class WeightSender(Endpoint):
                 direct = data
                 stats.direct_buckets += 1
             elif meta.chunk_size:
-                backend.buckets[slot][meta.offset : meta.offset + meta.chunk_size].copy_(
-                    data, non_blocking=non_blocking
-                )
+                backend.pack(slot, meta.offset, data)
             entries.append(Entry.from_meta(meta))
             fill = meta.offset + meta.chunk_size
             stats.nbytes += meta.chunk_size
@@ -310,8 +282,8 @@ class WeightSender(Endpoint):
                 await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
                 direct_in_flight = None
         await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
-        await self._complete(pending, slot ^ 1, version, bucket_index - 1)
-        await self._complete(pending, slot, version, bucket_index)
+        for age in range(NUM_SLOTS - 1, -1, -1):  # oldest broadcast first
+            await self._complete(pending, (slot - age) % NUM_SLOTS, version, bucket_index - age)
 
     async def _complete(self, pending: list[asyncio.Future[None] | None], slot: int, version: int, index: int) -> None:
         """Wait until the broadcast that last used `slot` is complete on this rank."""
@@ -345,11 +317,11 @@ class WeightSender(Endpoint):
         logger.warning("version %d abandoned: %s", version, reason)
         if not transport_failed:
             try:
-                for slot in (0, 1):
+                for slot in range(NUM_SLOTS):
                     await self._complete(self._pending, slot, version, -1)
             except (WeightSyncError, asyncio.CancelledError):
                 transport_failed = True
-        self._pending = [None, None]
+        self._pending = [None] * NUM_SLOTS
         for peer in peers:
             try:
                 await self._control.send(peer.identity, Abort(version, reason))

@@ -27,6 +27,9 @@ MAX_ENTRIES = 1_000_000
 MAX_TEXT_LEN = 4096
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
+MAX_MEMBERS = 65536  # receivers in one group
+MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
+NCCL_UNIQUE_ID_BYTES = 128
 PROTOCOL_VERSION = 1
 
 
@@ -85,19 +88,66 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     generation: int = -1
 
 
-class Plan(msgspec.Struct, tag="plan", frozen=True):
-    """Sender -> receiver: your rank, and how to join the data-plane group for this version."""
+class StoreJoin(msgspec.Struct, tag="store", frozen=True):
+    """gloo / hccl: the sender's TCPStore, where every rank meets to form the group."""
 
-    version: int
+    host: str
+    port: int
+
+
+class NcclJoin(msgspec.Struct, tag="nccl", frozen=True):
+    """nccl: the communicator's unique id, new for every group generation (the chars of
+    `ncclUniqueId`, signed or unsigned as the sender's platform has them)."""
+
+    unique_id: list[int]
+
+
+class SharedJoin(msgspec.Struct, tag="shared", frozen=True):
+    """shm / cuda_ipc: one handle per bucket slot to map, and the sender's socket that collects
+    `BucketDone` releases."""
+
+    slots: list[str]
+    release_addr: str
+
+
+Join = Union[StoreJoin, NcclJoin, SharedJoin]  # noqa: UP007
+"""What a receiver needs to join one backend's group; a backend reads only its own kind."""
+
+
+class Member(msgspec.Struct, array_like=True, frozen=True):
+    """A receiver in the group: its control-plane identity and its process (a restarted receiver,
+    same identity and another pid, has lost the group)."""
+
+    identity: str
+    pid: int
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """One data-plane group generation, the same for every rank. `members[i]` has rank `i + 1`;
+    the sender is rank 0. A restarted sender (new `session`) numbers generations afresh."""
+
     session: str
     generation: int
-    rank: int
-    world_size: int
     backend: str
     bucket_size: int
-    store_host: str
-    store_port: int
-    info: dict[str, str] = {}
+    members: list[Member]
+    join: Join
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members) + 1
+
+
+class Plan(msgspec.Struct, tag="plan", frozen=True):
+    """Sender -> receiver: the group of this version and your rank in it."""
+
+    version: int
+    rank: int
+    group: GroupSpec
+
+    @property
+    def session(self) -> str:
+        return self.group.session
 
 
 class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
@@ -345,19 +395,51 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
     for attr in ("identity", "host", "device", "reason", "error", "backend", "store_host", "session"):
         _check_text(attr, getattr(msg, attr, None))
     if isinstance(msg, Plan):
-        if not (0 <= msg.rank < msg.world_size):
-            raise ProtocolError(f"rank {msg.rank} not in world of size {msg.world_size}")
-        if msg.bucket_size < 1 or not (0 <= msg.store_port <= 65535):
-            raise ProtocolError("plan has a non-positive bucket_size or a bad store_port")
-        for k, v in msg.info.items():
-            _check_text("plan info key", k, 256)
-            _check_text("plan info value", v)
+        validate_group(msg.group)
+        if not (0 <= msg.rank < msg.group.world_size):
+            raise ProtocolError(f"rank {msg.rank} not in world of size {msg.group.world_size}")
     elif isinstance(msg, BucketMeta):
         validate_bucket(msg, bucket_size)
     elif isinstance(msg, BucketDone):
         _check_nonneg("bucket_index", msg.bucket_index)
     else:
         _validate_control(msg)
+
+
+def validate_group(group: GroupSpec) -> None:
+    """A plan's group: bounded texts and counts, ports and ids in range, no member twice."""
+    _check_text("session", group.session)
+    _check_text("backend", group.backend, 64)
+    _check_nonneg("generation", group.generation)
+    if not (1 <= group.bucket_size <= MAX_TENSOR_BYTES):
+        raise ProtocolError(f"plan bucket_size={group.bucket_size} is not in [1, {MAX_TENSOR_BYTES}]")
+    if len(group.members) > MAX_MEMBERS:
+        raise ProtocolError(f"plan lists {len(group.members)} members (limit {MAX_MEMBERS})")
+    for member in group.members:
+        if not member.identity:
+            raise ProtocolError("plan lists a member with an empty identity")
+        _check_text("member identity", member.identity)
+        _check_nonneg("member pid", member.pid)
+    if len({m.identity for m in group.members}) != len(group.members):
+        raise ProtocolError("plan lists a member twice")
+    join = group.join
+    if isinstance(join, StoreJoin):
+        _check_text("store host", join.host, 256)
+        if not join.host or not (1 <= join.port <= 65535):
+            raise ProtocolError(f"plan has a bad store address {join.host[:256]!r}:{join.port}")
+    elif isinstance(join, NcclJoin):
+        if len(join.unique_id) != NCCL_UNIQUE_ID_BYTES or any(not (-128 <= b <= 255) for b in join.unique_id):
+            raise ProtocolError(f"plan has a malformed nccl unique_id ({len(join.unique_id)} values)")
+    else:
+        if not (1 <= len(join.slots) <= MAX_SLOTS):
+            raise ProtocolError(f"plan has {len(join.slots)} slot handles (expected 1 to {MAX_SLOTS})")
+        for handle in join.slots:
+            if not handle:
+                raise ProtocolError("plan has an empty slot handle")
+            _check_text("slot handle", handle)
+        _check_text("release_addr", join.release_addr, 256)
+        if not join.release_addr.startswith("tcp://"):
+            raise ProtocolError(f"plan release_addr {join.release_addr[:256]!r} is not a tcp:// address")
 
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:

@@ -1,17 +1,21 @@
-"""A one-thread executor whose thread is a daemon.
+"""Blocking work off the event loop, on daemon threads.
 
-Blocking collectives run here, in order (every rank must issue them in the same order). Unlike
-`ThreadPoolExecutor`, a call stuck in a dead peer's collective cannot keep the process from
-exiting: the interpreter does not join daemon threads at shutdown.
+Blocking collectives run on a `SerialExecutor`, in order (every rank must issue them in the same
+order); one-off blocking calls (a sink's start, a file write) go through `run_in_daemon_thread`.
+Unlike `ThreadPoolExecutor` / `asyncio.to_thread`, a call stuck in a dead peer's collective or a hung
+device cannot keep the process from exiting: the interpreter does not join daemon threads at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from ..errors import PeerError
 
 T = TypeVar("T")
 
@@ -33,19 +37,46 @@ class SerialExecutor:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             call, loop, future = job
-            try:
-                result, error = call(), None
-            except BaseException as exc:
-                result, error = None, exc
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_settle, future, result, error)
+            _call_and_settle(call, loop, future)
 
     def shutdown(self) -> None:
+        """Stop after the job running now. Jobs still queued fail with `PeerError` instead of running:
+        after a failure they belong to a group that was given up, and run late on this thread they
+        would race the next group's calls on a new thread (a shared socket, a half-built group)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                _, loop, future = job
+                dropped = PeerError("dropped: the data-plane group was given up before this call ran")
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_settle, future, None, dropped)
         self._jobs.put(None)
 
 
+def run_in_daemon_thread(fn: Callable[[], T], *, name: str = "weightsync-call") -> asyncio.Future[T]:
+    """Run the blocking `fn()` on a new daemon thread; await the returned future (of the running loop)
+    for its result or exception. Cancelling the future does not stop `fn`, it only stops waiting."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    threading.Thread(target=_call_and_settle, args=(fn, loop, future), name=name, daemon=True).start()
+    return future
+
+
+def _call_and_settle(call: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+    """Worker-thread side: run `call`, hand its outcome to `future` on its loop (dropped if the loop is gone)."""
+    try:
+        result, error = call(), None
+    except BaseException as exc:
+        result, error = None, exc
+    with contextlib.suppress(RuntimeError):  # the loop is closed (shutting down): nobody waits any more
+        loop.call_soon_threadsafe(_settle, future, result, error)
+
+
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.cancelled():
+    if future.done():
         return
     if error is not None:
         future.set_exception(error)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -62,6 +63,95 @@ def test_every_backend_implements_the_same_interface():
             continue
         assert issubclass(cls, Backend) and cls.name == name
         assert not getattr(cls, "__abstractmethods__", None), f"{name} leaves abstract methods"
+
+
+# -- the engine <-> backend interface, on CPU ----------------------------------------------------------
+
+
+def _group(join, *, backend="gloo", bucket_size=1024, members=("r0",)):
+    from lightning_weightsync.protocol.messages import GroupSpec, Member
+
+    return GroupSpec("sess", 1, backend, bucket_size, [Member(m, os.getpid()) for m in members], join)
+
+
+@pytest.mark.parametrize("name", ["gloo", "shm"])
+def test_sender_says_what_the_plan_needs_and_packs_through_the_backend(name):
+    """The sender's side of the interface: a typed join spec, `pack` into a slot, `view` of it, and
+    members that come in through the group spec."""
+    from lightning_weightsync.protocol.messages import SharedJoin, StoreJoin, validate_group
+    from lightning_weightsync.transport.backends import NUM_SLOTS, next_slot
+
+    backend = build_backend(name, **_kwargs())
+    try:
+        backend.setup("127.0.0.1", 0)
+        spec = backend.join_spec(1)
+        assert isinstance(spec, backend.join_type)
+        if name == "gloo":
+            assert isinstance(spec, StoreJoin) and spec.host == "127.0.0.1" and spec.port > 0
+        else:
+            assert isinstance(spec, SharedJoin) and len(spec.slots) == NUM_SLOTS
+            assert spec.release_addr.startswith("tcp://127.0.0.1:")
+        group = _group(spec, backend=name, members=())
+        validate_group(group)  # what the sender puts on the wire passes the receivers' validation
+        backend.join(group, 0)
+        assert backend.members == {} and backend.world_size == 1
+        data = torch.arange(100, dtype=torch.uint8)
+        for slot in range(NUM_SLOTS):
+            backend.pack(slot, 7 * slot, data)
+            assert torch.equal(backend.view(slot, 7 * slot + 100)[7 * slot :], data)
+        assert [next_slot(s) for s in range(NUM_SLOTS)] == [*range(1, NUM_SLOTS), 0]
+    finally:
+        backend.close()
+
+
+def test_a_plan_for_another_backend_is_a_protocol_error():
+    from lightning_weightsync import ProtocolError
+    from lightning_weightsync.protocol.messages import SharedJoin
+
+    backend = build_backend("gloo", **_kwargs(is_sender=False))
+    with pytest.raises(ProtocolError, match="SharedJoin join fields, backend gloo needs StoreJoin"):
+        backend.join(_group(SharedJoin(["a", "b"], "tcp://127.0.0.1:1")), 1)
+
+
+def test_shm_receiver_names_a_missing_segment_and_rejects_bad_plans():
+    from lightning_weightsync import PeerError, ProtocolError
+    from lightning_weightsync.protocol.messages import SharedJoin
+
+    receiver = build_backend("shm", **_kwargs(is_sender=False, identity="r0"))
+    try:
+        with pytest.raises(PeerError, match="needs trainer and rollout on one host"):
+            receiver.join(
+                _group(SharedJoin(["lws_no_such_segment", "lws_nope"], "tcp://127.0.0.1:1"), backend="shm"), 1
+            )
+        with pytest.raises(ProtocolError, match="1 slot handles, expected 2"):
+            receiver.join(_group(SharedJoin(["a"], "tcp://127.0.0.1:1"), backend="shm"), 1)
+        with pytest.raises(ProtocolError, match="malformed"):
+            receiver.join(_group(SharedJoin(["../etc", "x"], "tcp://127.0.0.1:1"), backend="shm"), 1)
+    finally:
+        receiver.close()
+
+
+def test_sender_store_port_in_use_is_a_config_error():
+    from lightning_weightsync import ConfigError
+
+    first = build_backend("gloo", **_kwargs())
+    second = build_backend("gloo", **_kwargs())
+    try:
+        first.setup("127.0.0.1", 0)
+        with pytest.raises(ConfigError, match=r"transport\.store_port"):
+            second.setup("127.0.0.1", first.join_spec(1).port)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("handle", ["zz", "bnothex", "i12x", "t1", ""])
+def test_cuda_ipc_malformed_handles_are_protocol_errors(handle):
+    from lightning_weightsync import ProtocolError
+    from lightning_weightsync.transport.backends.cuda_ipc import _decode_ipc
+
+    with pytest.raises(ProtocolError, match="malformed CUDA IPC handle"):
+        _decode_ipc(handle, 16, torch.device("cpu"))
 
 
 # -- real hardware runs (skipped here) ---------------------------------------------------------------

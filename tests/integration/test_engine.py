@@ -458,3 +458,37 @@ async def test_hostile_messages_mid_version_are_dropped_and_the_version_still_la
     assert_bitwise(got, stream(1))
     assert stats.receivers == 1 and not stats.failed
     assert receiver.dropped_messages == len(junk)
+
+
+async def test_run_in_daemon_thread_hands_back_result_and_error():
+    """The one helper for blocking calls off the loop: on a daemon thread (cannot delay exit),
+    result and exception come back through the future."""
+    import threading
+
+    from lightning_weightsync.transport.executor import run_in_daemon_thread
+
+    seen: list[bool] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread().daemon)
+        return 42
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    assert await run_in_daemon_thread(work) == 42 and seen == [True]
+    with pytest.raises(ValueError, match="boom"):
+        await run_in_daemon_thread(fail)
+
+
+def test_stats_as_metrics_are_flat_base_units():
+    from lightning_weightsync import ReceiveStats, SendStats
+
+    sent = SendStats(version=3, nbytes=2_000_000_000, seconds=2.0, num_buckets=5, receivers=2, failed={"r1": "x"})
+    metrics = sent.as_metrics()
+    assert metrics["bytes"] == 2e9 and metrics["seconds"] == 2.0 and metrics["bytes_per_second"] == 1e9
+    assert metrics["buckets"] == 5 and metrics["receivers"] == 2 and metrics["failed_receivers"] == 1
+    assert all(isinstance(v, (int, float)) for v in metrics.values())
+    assert sent.gbps == 1.0  # the old property, still read by trainer/ and rollout/
+    received = ReceiveStats(version=3, nbytes=10, seconds=0.0).as_metrics()
+    assert received["bytes_per_second"] == 0.0 and "receivers" not in received

@@ -22,20 +22,27 @@ from lightning_weightsync import ProtocolError, TensorMeta
 from lightning_weightsync.protocol.dtypes import DTYPES
 from lightning_weightsync.protocol.messages import (
     MAC_LEN,
+    MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
     MAX_TEXT_LEN,
+    NCCL_UNIQUE_ID_BYTES,
     Abort,
     Ack,
     BucketDone,
     BucketMeta,
     Bye,
     Entry,
+    GroupSpec,
+    Member,
+    NcclJoin,
     Plan,
     Prepare,
     Ready,
     Refuse,
     Register,
+    SharedJoin,
+    StoreJoin,
     StoreReply,
     StoreRequest,
     decode,
@@ -57,13 +64,29 @@ def _entries() -> list[Entry]:
     ]
 
 
+NCCL_ID = [(i * 37) % 256 - 128 for i in range(NCCL_UNIQUE_ID_BYTES)]
+
+
+def _group(
+    n: int = 2, *, join=StoreJoin("127.0.0.1", 29601), backend: str = "gloo", members: list[Member] | None = None, **kw
+) -> GroupSpec:
+    members = [Member(f"rollout-{i}", 1000 + i) for i in range(n)] if members is None else members
+    fields = {"session": "5f0c2a", "generation": 1, "backend": backend, "bucket_size": 1 << 20, **kw}
+    return GroupSpec(members=members, join=join, **fields)
+
+
+def _plan(rank: int = 1, version: int = 3, **group) -> Plan:
+    return Plan(version, rank, _group(**group))
+
+
 MESSAGES = [
     Register("rollout-0", "10.0.0.2", 1234, "cuda:0"),
     Register("rollout-1", "host", 1, "cpu", last_version=7),
     Prepare(3, "5f0c2a"),
     Ready("rollout-0", 3),
-    Plan(3, "5f0c2a", 1, 1, 3, "gloo", 1 << 20, "127.0.0.1", 29601),
-    Plan(4, "5f0c2a", 2, 0, 1, "nccl", 100, "h", 0, info={"nccl_id": "abcd"}),
+    _plan(),
+    _plan(0, 4, n=0, join=NcclJoin(NCCL_ID), backend="nccl", generation=2, bucket_size=100),
+    _plan(2, 5, join=SharedJoin(["psm_0a1b", "psm_2c3d"], "tcp://127.0.0.1:5555"), backend="shm"),
     BucketMeta(3, 0, False, 100, _entries()),
     BucketMeta(3, 5, True, 0, []),
     BucketDone("rollout-0", 3, 0),
@@ -151,18 +174,37 @@ BAD = [
     ("version-negative-bucket", _bucket(_ok_entry(), version=-1), "version=-1"),
     ("version-negative-prepare", Prepare(-1, "s"), "version=-1"),
     ("version-negative-ready", Ready("r", -2), "version=-2"),
-    ("version-negative-plan", Plan(-1, "s", 0, 0, 1, "gloo", 10, "h", 1), "version=-1"),
+    ("version-negative-plan", _plan(version=-1), "version=-1"),
     ("version-negative-done", BucketDone("r", -1, 0), "version=-1"),
     ("version-negative-ack", Ack("r", -1, True), "version=-1"),
     ("version-negative-abort", Abort(-1, "x"), "version=-1"),
     ("bucket-done-index-negative", BucketDone("r", 1, -3), "bucket_index=-3"),
-    ("rank-eq-world", Plan(1, "s", 0, 2, 2, "gloo", 10, "h", 1), "rank 2 not in world of size 2"),
-    ("rank-gt-world", Plan(1, "s", 0, 5, 2, "gloo", 10, "h", 1), "rank 5"),
-    ("rank-negative", Plan(1, "s", 0, -1, 2, "gloo", 10, "h", 1), "rank -1"),
-    ("world-zero", Plan(1, "s", 0, 0, 0, "gloo", 10, "h", 1), "world of size 0"),
-    ("plan-bucket-zero", Plan(1, "s", 0, 0, 1, "gloo", 0, "h", 1), "bucket_size"),
-    ("plan-store-port", Plan(1, "s", 0, 0, 1, "gloo", 10, "h", 70000), "store_port"),
-    ("plan-info-long", Plan(1, "s", 0, 0, 1, "gloo", 10, "h", 1, info={"k": "v" * (MAX_TEXT_LEN + 1)}), "plan info"),
+    ("rank-eq-world", _plan(2, n=1), "rank 2 not in world of size 2"),
+    ("rank-gt-world", _plan(5, n=1), "rank 5"),
+    ("rank-negative", _plan(-1, n=1), "rank -1"),
+    ("generation-negative", _plan(generation=-1), "generation=-1"),
+    ("plan-bucket-zero", _plan(bucket_size=0), "bucket_size=0"),
+    ("plan-bucket-absurd", _plan(bucket_size=1 << 60), "bucket_size="),
+    ("plan-session-long", _plan(session="s" * (MAX_TEXT_LEN + 1)), "session"),
+    ("plan-backend-long", _plan(backend="b" * 65), "backend"),
+    ("member-identity-empty", _plan(members=[Member("", 1)]), "empty identity"),
+    ("member-identity-long", _plan(members=[Member("i" * (MAX_TEXT_LEN + 1), 1)]), "member identity"),
+    ("member-pid-negative", _plan(members=[Member("r", -7)]), "member pid=-7"),
+    ("member-twice", _plan(2, members=[Member("r", 1), Member("r", 2)]), "member twice"),
+    ("store-port-big", _plan(join=StoreJoin("h", 70000)), "store address"),
+    ("store-port-zero", _plan(join=StoreJoin("h", 0)), "store address"),
+    ("store-host-empty", _plan(join=StoreJoin("", 1)), "store address"),
+    ("store-host-long", _plan(join=StoreJoin("h" * 257, 1)), "store host"),
+    ("nccl-id-short", _plan(join=NcclJoin(NCCL_ID[:-1])), "nccl unique_id"),
+    ("nccl-id-long", _plan(join=NcclJoin([*NCCL_ID, 0])), "nccl unique_id"),
+    ("nccl-id-range", _plan(join=NcclJoin([256, *NCCL_ID[1:]])), "nccl unique_id"),
+    ("nccl-id-negative", _plan(join=NcclJoin([-129, *NCCL_ID[1:]])), "nccl unique_id"),
+    ("shared-no-slots", _plan(join=SharedJoin([], "tcp://h:1")), "0 slot handles"),
+    ("shared-many-slots", _plan(join=SharedJoin(["a"] * 9, "tcp://h:1")), "9 slot handles"),
+    ("shared-empty-slot", _plan(join=SharedJoin(["a", ""], "tcp://h:1")), "empty slot handle"),
+    ("shared-long-slot", _plan(join=SharedJoin(["a", "b" * (MAX_TEXT_LEN + 1)], "tcp://h:1")), "slot handle"),
+    ("shared-release-ipc", _plan(join=SharedJoin(["a", "b"], "ipc:///tmp/x")), "not a tcp://"),
+    ("shared-release-long", _plan(join=SharedJoin(["a", "b"], "tcp://" + "h" * 300)), "release_addr"),
     ("session-long", Prepare(1, "s" * (MAX_TEXT_LEN + 1)), "session"),
     ("identity-long", Register("i" * (MAX_TEXT_LEN + 1), "h", 1, "cpu"), "identity"),
     ("error-long", Ack("r", 1, False, error="e" * (MAX_TEXT_LEN + 1)), "error"),
@@ -187,7 +229,27 @@ def test_validation_accepts_edges() -> None:
     validate(_bucket(_ok_entry(offset=960)))  # ends exactly at the bucket's end
     validate(_bucket(_ok_entry(shape=[], dtype="float64", chunk_size=8)))
     validate(_bucket(_ok_entry(shape=[0, 5], chunk_size=0, offset=1000)))
-    validate(Plan(0, "s", 0, 1, 2, "gloo", 1, "h", 65535))
+    validate(_plan(1, n=1, bucket_size=1, generation=0, join=StoreJoin("h", 65535)))
+    validate(_plan(0, n=0))  # the sender's own plan: a world of one
+    validate(_plan(MAX_MEMBERS, n=MAX_MEMBERS))
+    validate(_plan(join=NcclJoin([255] * NCCL_UNIQUE_ID_BYTES)))  # unsigned chars (aarch64)
+    validate(_plan(join=SharedJoin(["a"] * 8, "tcp://[::1]:1")))
+
+
+def test_plan_member_limit() -> None:
+    with pytest.raises(ProtocolError, match=f"limit {MAX_MEMBERS}"):
+        validate(_plan(n=MAX_MEMBERS + 1))
+
+
+def test_plan_join_is_a_closed_tagged_union() -> None:
+    """The backend-specific join fields decode only as one of the known kinds."""
+    (body,) = encode(_plan())
+    obj = msgspec.msgpack.decode(body)
+    assert obj["group"]["join"] == {"type": "store", "host": "127.0.0.1", "port": 29601}
+    for join in ({"type": "exec", "cmd": "x"}, {"host": "h", "port": 1}, {"type": "nccl", "unique_id": "abc"}, None):
+        obj["group"]["join"] = join
+        with pytest.raises(ProtocolError, match="malformed"):
+            decode([msgspec.msgpack.encode(obj)])
 
 
 def test_bucket_larger_than_local_bucket_size() -> None:
@@ -339,7 +401,7 @@ _TAGS = ["register", "prepare", "ready", "plan", "bucket", "bucket_done", "ack",
 _FIELDS = [
     "identity", "host", "pid", "device", "last_version", "protocol", "version", "generation", "rank",
     "world_size", "backend", "bucket_size", "store_host", "store_port", "info", "bucket_index", "is_last",
-    "nbytes", "entries", "ok", "error", "reason", "session", "extra",
+    "nbytes", "entries", "ok", "error", "reason", "session", "group", "extra",
 ]  # fmt: skip
 
 
@@ -368,6 +430,32 @@ def test_fuzz_structured_messages(tag: str, fields: dict, entries: list, key: by
     body = msgspec.msgpack.encode(obj)
     frames = encode_raw(body, key) if key else [body]
     _decode_or_protocol_error(frames, key, bucket_size=1 << 20)
+
+
+_GROUP_FIELDS = ["session", "generation", "backend", "bucket_size", "members", "join", "extra"]
+_JOIN_FIELDS = ["host", "port", "unique_id", "slots", "release_addr", "extra"]
+
+
+@FUZZ
+@given(
+    group=st.dictionaries(st.sampled_from(_GROUP_FIELDS), _VALUES, max_size=4),
+    join_tag=st.sampled_from(["store", "nccl", "shared", "nope", None]),
+    join=st.dictionaries(st.sampled_from(_JOIN_FIELDS), _VALUES, max_size=4),
+    members=st.lists(st.tuples(st.text(max_size=8), st.integers(-3, 2**64 - 1)).map(list), max_size=4),
+    unique_id=st.lists(st.integers(-300, 300), min_size=126, max_size=130),
+    rank=st.integers(-3, 6),
+    key=st.sampled_from([None, KEY]),
+)
+def test_fuzz_structured_plans(group: dict, join_tag, join: dict, members, unique_id, rank: int, key) -> None:
+    """Plans shaped like ours down to the group spec and its tagged join fields, with hostile values:
+    whatever decodes passes validation, everything else is a `ProtocolError`."""
+    join_obj = {**({"type": join_tag} if join_tag else {}), **join}
+    if join_tag == "nccl" and "unique_id" not in join:
+        join_obj["unique_id"] = unique_id
+    group_obj = {"session": "s", "generation": 1, "backend": "gloo", "bucket_size": 1 << 20, "members": members}
+    obj = {"type": "plan", "version": 1, "rank": rank, "group": {**group_obj, "join": join_obj, **group}}
+    body = msgspec.msgpack.encode(obj)
+    _decode_or_protocol_error(encode_raw(body, key) if key else [body], key, bucket_size=1 << 20)
 
 
 def test_decoded_entries_become_valid_metas() -> None:

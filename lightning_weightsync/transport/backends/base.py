@@ -1,13 +1,15 @@
 """The data-plane interface every backend implements, driven identically by sender and receiver.
 
 Life cycle, sender (rank 0) and receivers (ranks 1..N) alike:
-  `setup()` once (sender: create stores / shared segments), `plan_info()` (sender only: what the
-  receivers need to join, carried in the `Plan` control message), `join(plan)` per version (builds
-  the group when the generation changed, reuses it otherwise), then per bucket
-  `broadcast(slot, nbytes)` (blocking until the bucket is complete on this rank; called from one
-  executor thread so collectives stay in order) and, on receivers, `release(slot, bucket_index)`
-  once the bytes were copied out. `broken()` marks the group unusable after a failure; `close()`
-  frees everything.
+  `setup()` once (sender: create stores / shared segments), `join_spec()` (sender only: what the
+  receivers need to join, a typed `Join` carried in the plan's `GroupSpec`), `join(group, rank)` per
+  version (builds the group when the generation changed, reuses it otherwise), then per bucket the
+  sender `pack()`s chunks into a slot, `broadcast(slot, nbytes)` runs (blocking until the bucket is
+  complete on this rank; called from one executor thread so collectives stay in order), and a
+  receiver reads the bytes through `view(slot, nbytes)` and `release()`s the slot once they were
+  copied out. `broken()` marks the group unusable after a failure; `close()` frees everything.
+
+The engine never touches a backend's buffers or private state: everything goes through these methods.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from ...errors import ConfigError
-from ...protocol.messages import Plan
+from ...errors import ConfigError, ProtocolError
+from ...protocol.messages import GroupSpec, Join
 from ..device import empty_bucket, record_event
 
 logger = logging.getLogger(__name__)
 
 NUM_SLOTS = 2  # double buffering: pack / receive one bucket while the other is in flight
+
+
+def next_slot(slot: int) -> int:
+    """The slot after `slot` in the ring of `NUM_SLOTS` (bucket k always uses slot k % NUM_SLOTS)."""
+    return (slot + 1) % NUM_SLOTS
 
 
 class Backend(ABC):
@@ -37,6 +44,8 @@ class Backend(ABC):
     # The control plane (`SenderControl` / `ReceiverControl`), set by the engine: process-group backends
     # rendezvous through it instead of an open TCPStore when transport.auth_token is set.
     rendezvous: Any = None
+    # The `Join` kind this backend puts into (sender) and reads from (receivers) a group spec.
+    join_type: type[Join]
 
     def __init__(
         self,
@@ -51,12 +60,12 @@ class Backend(ABC):
     ) -> None:
         self.session = session
         self.identity = identity  # the receiver's control-plane identity (names its releases)
-        self.members: dict[str, int] = {}  # sender: receivers of the current group, identity -> pid
         self.auth_key = auth_key
         self.bucket_size = bucket_size
         self.device = device
         self.timeout_s = timeout_s
         self.is_sender = is_sender
+        self.group: GroupSpec | None = None  # the group joined last (members, generation, join fields)
         self.generation = -1
         self.rank = 0 if is_sender else -1
         self.world_size = 0
@@ -68,42 +77,60 @@ class Backend(ABC):
         """Sender only, once: create whatever receivers will attach to."""
         self.buckets = [empty_bucket(self.bucket_size, self.device) for _ in range(NUM_SLOTS)]
 
-    def plan_info(self, generation: int) -> dict[str, str]:
-        """Sender only: backend-specific join information for the `Plan` of `generation`."""
-        return {}
+    @abstractmethod
+    def join_spec(self, generation: int) -> Join:
+        """Sender only: what receivers need to join the group of `generation` (goes into its `GroupSpec`)."""
 
-    def join(self, plan: Plan) -> None:
-        """All ranks: make the group of `plan.generation` ready (blocking, bounded by timeout_s)."""
-        stale = len(self.buckets) != NUM_SLOTS or self.bucket_size != plan.bucket_size
+    def join(self, group: GroupSpec, rank: int) -> None:
+        """All ranks: make `group` ready with this process as `rank` (blocking, bounded by timeout_s)."""
+        if not isinstance(group.join, self.join_type):
+            raise ProtocolError(
+                f"plan for backend {group.backend} carries {type(group.join).__name__} join fields, "
+                f"backend {self.name} needs {self.join_type.__name__}"
+            )
+        stale = len(self.buckets) != NUM_SLOTS or self.bucket_size != group.bucket_size
         # shared-memory slots belong to one sender session: a restarted sender has new ones
-        if not self.is_sender and (stale or plan.session != self.session):
-            self.bucket_size = plan.bucket_size
-            self.buckets = self._receiver_buckets(plan)
+        if not self.is_sender and (stale or group.session != self.session):
+            self.bucket_size = group.bucket_size
+            self.buckets = self._receiver_buckets(group)
         # a restarted sender (new session) numbers its generations afresh: never reuse a group across sessions
         if (
-            plan.session != self.session
-            or plan.generation != self.generation
-            or plan.world_size != self.world_size
-            or plan.rank != self.rank
+            group.session != self.session
+            or group.generation != self.generation
+            or group.world_size != self.world_size
+            or rank != self.rank
         ):
             self._drop_group()
-            self._build_group(plan)
-            self.session = plan.session
-            self.generation, self.rank, self.world_size = plan.generation, plan.rank, plan.world_size
-            logger.debug(
-                "%s group generation %d: rank %d of %d", self.name, plan.generation, plan.rank, plan.world_size
-            )
+            self._build_group(group, rank)
+            self.session = group.session
+            self.generation, self.rank, self.world_size = group.generation, rank, group.world_size
+            logger.debug("%s group generation %d: rank %d of %d", self.name, group.generation, rank, group.world_size)
+        self.group = group
 
-    def _receiver_buckets(self, plan: Plan) -> list[torch.Tensor]:
-        return [empty_bucket(plan.bucket_size, self.device) for _ in range(NUM_SLOTS)]
+    @property
+    def members(self) -> dict[str, int]:
+        """The receivers of the current group, identity -> pid (empty before the first join)."""
+        return {m.identity: m.pid for m in self.group.members} if self.group is not None else {}
+
+    def _receiver_buckets(self, group: GroupSpec) -> list[torch.Tensor]:
+        return [empty_bucket(group.bucket_size, self.device) for _ in range(NUM_SLOTS)]
 
     @abstractmethod
-    def _build_group(self, plan: Plan) -> None: ...
+    def _build_group(self, group: GroupSpec, rank: int) -> None: ...
 
     def _drop_group(self) -> None:  # noqa: B027 - optional hook
         pass
 
     # -- data path --------------------------------------------------------------------------
+    def pack(self, slot: int, offset: int, data: torch.Tensor) -> None:
+        """Sender: copy the uint8 chunk `data` into `slot` at `offset` (asynchronous off CPU: `fence`
+        before the slot is broadcast)."""
+        self.buckets[slot][offset : offset + data.numel()].copy_(data, non_blocking=self.device.type != "cpu")
+
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Receiver: the first `nbytes` of `slot`, valid until `release(slot, ...)`."""
+        return self.buckets[slot][:nbytes]
+
     def fence(self, slot: int) -> None:
         """Record that work queued on the compute stream touches `slot` (the sender's packing copies,
         a receiver's copies out of it); the backend waits for it before it reads or reuses the slot."""
@@ -117,7 +144,7 @@ class Backend(ABC):
 
     @abstractmethod
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
-        """Move `buckets[slot][:nbytes]` (or `buffer`, where `direct_ok`) from rank 0 to every rank;
+        """Move `view(slot, nbytes)` (or `buffer`, where `direct_ok`) from rank 0 to every rank;
         returns when complete here."""
 
     def release(self, slot: int, bucket_index: int) -> None:  # noqa: B027 - optional hook

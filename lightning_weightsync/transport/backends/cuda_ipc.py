@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ...errors import ProtocolError
-from .base import register_backend
+from ...errors import PeerError, ProtocolError
+from .base import NUM_SLOTS, register_backend
 from .shared import SharedBucketBackend
 
 
@@ -19,11 +19,19 @@ class CudaIpcBackend(SharedBucketBackend):
     so a receiver never reads a slot whose copies are still queued."""
 
     def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
-        slots = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        slots = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(NUM_SLOTS)]
         return slots, [_encode_ipc(t) for t in slots]
 
     def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
-        return [_decode_ipc(h, nbytes, self.device) for h in handles]
+        try:
+            return [_decode_ipc(h, nbytes, self.device) for h in handles]
+        except ProtocolError:
+            raise
+        except RuntimeError as exc:  # torch could not open the handle
+            raise PeerError(
+                f"cannot open the sender's CUDA IPC buckets ({exc}): the sender is gone or on another GPU host "
+                "(transport.backend=cuda_ipc needs trainer and rollout on one host; else use nccl or gloo)"
+            ) from exc
 
     def fence(self, slot: int) -> None:
         torch.cuda.synchronize(self.device)
@@ -46,13 +54,21 @@ def _decode_ipc(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
     fields: list[Any] = []
     for part in handle.split(":"):
         kind, body = part[:1], part[1:]
-        if kind == "b":
-            fields.append(bytes.fromhex(body))
-        elif kind in ("t", "f"):
-            fields.append(kind == "t")
-        elif kind == "i":
-            fields.append(int(body))
-        else:
-            raise ProtocolError(f"malformed CUDA IPC handle field {part[:16]!r}")
-    storage = torch.UntypedStorage._new_shared_cuda(*fields)  # type: ignore[attr-defined]
+        try:
+            if kind == "b":
+                fields.append(bytes.fromhex(body))
+            elif kind in ("t", "f") and not body:
+                fields.append(kind == "t")
+            elif kind == "i":
+                fields.append(int(body))
+            else:
+                raise ValueError(kind)
+        except ValueError:
+            raise ProtocolError(f"malformed CUDA IPC handle field {part[:16]!r}") from None
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)  # type: ignore[attr-defined]
+    except TypeError as exc:  # a well-formed field list of the wrong shape
+        raise ProtocolError(f"malformed CUDA IPC handle ({len(fields)} fields): {exc}") from None
+    if storage.nbytes() < nbytes:
+        raise ProtocolError(f"CUDA IPC bucket has {storage.nbytes()} bytes < bucket_size {nbytes}")
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)[:nbytes]

@@ -22,7 +22,6 @@ from .torch_pg import TorchProcessGroupBackend
 
 @register_backend("hccl", natural_device="npu")
 class HcclBackend(TorchProcessGroupBackend):
-
     def __init__(self, **kwargs: Any) -> None:
         self._torch_npu = import_torch_npu()
         super().__init__(**kwargs)

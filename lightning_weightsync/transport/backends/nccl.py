@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ...errors import BackendUnavailable
-from ...protocol.messages import Plan
+from ...errors import BackendUnavailable, PeerError
+from ...protocol.messages import GroupSpec, NcclJoin
 from .base import Backend, register_backend
 
 
@@ -38,6 +38,7 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
 
 @register_backend("nccl", natural_device="cuda")
 class NcclBackend(Backend):
+    join_type = NcclJoin
 
     def __init__(self, **kwargs: Any) -> None:
         self._cupy, self._nccl = _import_cupy_nccl()
@@ -47,20 +48,22 @@ class NcclBackend(Backend):
         self._unique_id: tuple[int, ...] | None = None
         self._unique_id_generation = -1
 
-    def plan_info(self, generation: int) -> dict[str, str]:
+    def join_spec(self, generation: int) -> NcclJoin:
         # One unique id per group generation: a rebuilt group must not reuse the old id.
         if self._unique_id is None or self._unique_id_generation != generation:
             self._unique_id = tuple(self._nccl.get_unique_id())
             self._unique_id_generation = generation
-        return {"nccl_unique_id": ",".join(str(b) for b in self._unique_id)}
+        return NcclJoin(list(self._unique_id))
 
-    def _build_group(self, plan: Plan) -> None:
-        raw = plan.info.get("nccl_unique_id", "")
-        unique_id = tuple(int(b) for b in raw.split(",")) if raw else None
-        if unique_id is None:
-            raise BackendUnavailable("plan carries no nccl_unique_id (sender and receiver backends differ?)")
-        with torch.cuda.device(self.device):
-            self._comm = self._nccl.NcclCommunicator(plan.world_size, unique_id, plan.rank)
+    def _build_group(self, group: GroupSpec, rank: int) -> None:
+        assert isinstance(group.join, NcclJoin)  # checked by Backend.join
+        try:
+            with torch.cuda.device(self.device):
+                self._comm = self._nccl.NcclCommunicator(group.world_size, tuple(group.join.unique_id), rank)
+        except RuntimeError as exc:  # cupy's NcclError
+            raise PeerError(
+                f"{self.name} group (generation {group.generation}, {group.world_size} ranks) did not form: {exc}"
+            ) from exc
 
     def _drop_group(self) -> None:
         if self._comm is not None:

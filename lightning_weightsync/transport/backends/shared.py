@@ -10,6 +10,7 @@ bucket, which is exactly when the slot may be packed again (double buffering as 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import abstractmethod
 from typing import Any
@@ -17,20 +18,26 @@ from typing import Any
 import torch
 import zmq
 
-from ...errors import PeerError, ProtocolError, WeightSyncTimeout
-from ...protocol.messages import BucketDone, Plan, decode, encode
+from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncTimeout
+from ...protocol.messages import BucketDone, GroupSpec, SharedJoin, decode, encode
 from ..process import process_alive
-from .base import Backend
+from .base import NUM_SLOTS, Backend
 
 logger = logging.getLogger(__name__)
 
 
 class SharedBucketBackend(Backend):
+    join_type = SharedJoin
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._ctx: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._release_addr = ""
+        self._handles: list[str] = []
+        # A sender's release wait still running on an executor thread given up after a failure may
+        # overlap the next group's wait on the new thread: a ZeroMQ socket must not be used by both.
+        self._socket_lock = threading.Lock()
         self._released: dict[int, set[str]] = {}
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
@@ -48,29 +55,41 @@ class SharedBucketBackend(Backend):
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PULL)
         self._socket.linger = 0
-        port = self._socket.bind_to_random_port(f"tcp://{host}") if store_port == 0 else store_port
-        if store_port:
-            self._socket.bind(f"tcp://{host}:{store_port}")
+        try:
+            port = self._socket.bind_to_random_port(f"tcp://{host}") if store_port == 0 else store_port
+            if store_port:
+                self._socket.bind(f"tcp://{host}:{store_port}")
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"{self.name}: cannot listen on {host}:{store_port} for bucket releases ({exc}); "
+                "set transport.store_port to a free port (0: any) or transport.host to a local address"
+            ) from exc
         self._release_addr = f"tcp://{host}:{port}"
 
-    def plan_info(self, generation: int) -> dict[str, str]:
-        return {"release_addr": self._release_addr, **{f"slot{i}": h for i, h in enumerate(self._handles)}}
+    def join_spec(self, generation: int) -> SharedJoin:
+        return SharedJoin(list(self._handles), self._release_addr)
 
-    def _receiver_buckets(self, plan: Plan) -> list[torch.Tensor]:
-        handles = [plan.info.get(f"slot{i}", "") for i in range(2)]
-        if not all(handles) or "release_addr" not in plan.info:
-            raise ProtocolError(f"plan for backend {self.name} lacks slot handles (sender uses {plan.backend}?)")
-        return self._attach_slots(handles, plan.bucket_size)
+    def _receiver_buckets(self, group: GroupSpec) -> list[torch.Tensor]:
+        assert isinstance(group.join, SharedJoin)  # checked by Backend.join
+        if len(group.join.slots) != NUM_SLOTS:
+            raise ProtocolError(
+                f"plan for backend {self.name} has {len(group.join.slots)} slot handles, expected {NUM_SLOTS}"
+            )
+        return self._attach_slots(group.join.slots, group.bucket_size)
 
-    def _build_group(self, plan: Plan) -> None:
+    def _build_group(self, group: GroupSpec, rank: int) -> None:
         if self.is_sender:
             return
+        assert isinstance(group.join, SharedJoin)  # checked by Backend.join
         if self._socket is not None:
             self._socket.close(linger=0)
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUSH)
         self._socket.linger = 1000
-        self._socket.connect(plan.info["release_addr"])
+        try:
+            self._socket.connect(group.join.release_addr)
+        except zmq.ZMQError as exc:
+            raise ProtocolError(f"plan release_addr {group.join.release_addr!r} is unusable: {exc}") from exc
 
     # -- data path --------------------------------------------------------------------------
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
@@ -98,19 +117,23 @@ class SharedBucketBackend(Backend):
                     f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
                     f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
                 )
-            if not self._socket.poll(int(min(left, 0.5) * 1000)):
+            with self._socket_lock:
+                if self._socket is None:
+                    raise PeerError(f"{self.name}: closed while waiting for releases of bucket {bucket_index}")
+                frames = self._socket.recv_multipart() if self._socket.poll(int(min(left, 0.5) * 1000)) else None
+            if frames is None:
                 dead = sorted(i for i, pid in members.items() if i not in done and not process_alive(pid))
                 if dead:
                     raise PeerError(f"{self.name}: receiver(s) {dead} died before releasing bucket {bucket_index}")
                 continue
             try:
-                msg = decode(self._socket.recv_multipart(), self.auth_key)
+                msg = decode(frames, self.auth_key)
             except ProtocolError as exc:
                 logger.warning("dropped a bad release message: %s", exc)
                 continue
             if isinstance(msg, BucketDone):
                 self._released.setdefault(msg.bucket_index, set()).add(msg.identity)
-        del self._released[bucket_index]
+        self._released.pop(bucket_index, None)
 
     def release(self, slot: int, bucket_index: int) -> None:
         assert self._socket is not None
@@ -122,6 +145,7 @@ class SharedBucketBackend(Backend):
 
     def close(self) -> None:
         super().close()
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        with self._socket_lock:  # a release wait still polling finishes its poll first (<= 0.5 s)
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...errors import ProtocolError
-from .base import register_backend
+from ...errors import PeerError, ProtocolError
+from .base import NUM_SLOTS, register_backend
 from .shared import SharedBucketBackend
 
 
@@ -26,7 +26,7 @@ class ShmBackend(SharedBucketBackend):
     def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
         from multiprocessing.shared_memory import SharedMemory
 
-        self._segments = [SharedMemory(create=True, size=max(self.bucket_size, 1)) for _ in range(2)]
+        self._segments = [SharedMemory(create=True, size=max(self.bucket_size, 1)) for _ in range(NUM_SLOTS)]
         return [self._view(s, self.bucket_size) for s in self._segments], [s.name for s in self._segments]
 
     def _attach_slots(self, handles: list[str], nbytes: int) -> list[torch.Tensor]:
@@ -41,7 +41,13 @@ class ShmBackend(SharedBucketBackend):
         for name in handles:
             if not name.replace("_", "").isalnum() or len(name) > 64:
                 raise ProtocolError(f"shared-memory segment name {name[:64]!r} is malformed")
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            except OSError as exc:
+                raise PeerError(
+                    f"cannot map the sender's shared-memory segment {name} ({exc}): the sender is gone or on "
+                    "another host (transport.backend=shm needs trainer and rollout on one host; else use gloo)"
+                ) from exc
             try:
                 size = os.fstat(fd).st_size
                 if size < nbytes:

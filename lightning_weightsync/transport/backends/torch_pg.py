@@ -17,14 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import WeightSyncTimeout
-from ...protocol.messages import Plan
+from ...errors import ConfigError, WeightSyncTimeout
+from ...protocol.messages import GroupSpec, StoreJoin
 from .base import Backend
 
 logger = logging.getLogger(__name__)
 
 
 class TorchProcessGroupBackend(Backend):
+    join_type = StoreJoin
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._store: dist.TCPStore | None = None
@@ -41,40 +43,52 @@ class TorchProcessGroupBackend(Backend):
             self._store_addr = (self.rendezvous.host, int(self.rendezvous.port))
             logger.debug("%s rendezvous through the control plane at %s:%d", self.name, *self._store_addr)
             return
-        self._store = dist.TCPStore(
-            host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
-        )
+        try:
+            self._store = dist.TCPStore(
+                host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
+            )
+        except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+            raise ConfigError(
+                f"{self.name}: cannot listen on {host}:{store_port} for the data-plane store ({exc}); "
+                "set transport.store_port to a free port (0: any) or transport.host to a local address"
+            ) from exc
         self._store_addr = (host, self._store.port)
         logger.debug("%s data-plane store listening on %s:%d", self.name, host, self._store.port)
 
-    @property
-    def store_port(self) -> int:
-        assert self._store_addr is not None
-        return int(self._store_addr[1])
+    def join_spec(self, generation: int) -> StoreJoin:
+        assert self._store_addr is not None, "setup() first"  # the engine always calls setup() at start()
+        return StoreJoin(*self._store_addr)
 
-    def _client_store(self, plan: Plan) -> dist.TCPStore:
-        addr = (plan.store_host, plan.store_port)
-        if self._store is None or self._store_addr != addr:
-            self._store = dist.TCPStore(
-                plan.store_host, plan.store_port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
-            )
+    def _store_for(self, join: StoreJoin) -> dist.TCPStore:
+        """The sender's own store, or (receivers) a client of the sender's, reconnected when it moved."""
+        addr = (join.host, join.port)
+        if self._store is None or (not self.is_sender and self._store_addr != addr):
+            try:
+                self._store = dist.TCPStore(
+                    join.host, join.port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+                )
+            except RuntimeError as exc:
+                raise WeightSyncTimeout(
+                    f"{self.name}: could not reach the sender's data-plane store at {join.host}:{join.port} within "
+                    f"transport.timeout_s={self.timeout_s}s: {exc}"
+                ) from exc
             self._store_addr = addr
         return self._store
 
-    def _build_group(self, plan: Plan) -> None:
-        namespace = f"lws/{plan.session}/{plan.generation}"
+    def _build_group(self, group: GroupSpec, rank: int) -> None:
+        join = group.join
+        assert isinstance(join, StoreJoin)  # checked by Backend.join
+        namespace = f"lws/{group.session}/{group.generation}"
         if self._via_control:
             prefix = self.rendezvous.rendezvous_store(namespace, self.timeout_s)
         else:
-            store = self._store if self.is_sender else self._client_store(plan)
-            assert store is not None
-            prefix = dist.PrefixStore(namespace, store)
+            prefix = dist.PrefixStore(namespace, self._store_for(join))
         try:
-            self._pg = self._new_group(prefix, plan.rank, plan.world_size, timedelta(seconds=self.timeout_s))
+            self._pg = self._new_group(prefix, rank, group.world_size, timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise WeightSyncTimeout(
-                f"{self.name} group (generation {plan.generation}, {plan.world_size} ranks) did not form within "
-                f"transport.timeout_s={self.timeout_s}s via store {plan.store_host}:{plan.store_port}: {exc}"
+                f"{self.name} group (generation {group.generation}, {group.world_size} ranks) did not form within "
+                f"transport.timeout_s={self.timeout_s}s via store {join.host}:{join.port}: {exc}"
             ) from exc
 
     @abstractmethod

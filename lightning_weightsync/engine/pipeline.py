@@ -1,0 +1,183 @@
+"""The receiver's bucket pipeline: bucket k + 1 is on the wire while the consumer merges bucket k.
+
+    producer: for bucket k: wait until slot k % NUM_SLOTS is free, read its metadata, run its
+              broadcast (executor thread) -> hand (metadata, slot) to the consumer
+    consumer: the chunks of the bucket, read through `backend.view(slot, nbytes)`; the slot is
+              released as soon as its last chunk was copied out
+
+Everything it works with is handed in (control plane, backend, executor, timeout), so it runs the
+same for any receiver and its failure paths can be read here alone. Bucket metadata arrives already
+validated by the control plane (`decode` with the plan's bucket_size): offsets and sizes are in range.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
+from ..protocol.chunks import TensorMeta, as_bytes
+from ..protocol.messages import BucketMeta, Plan
+from ..transport.backends import NUM_SLOTS, Backend
+from ..transport.control import ReceiverControl
+from ..transport.executor import SerialExecutor
+from .stats import ReceiveStats
+
+Into = Callable[[TensorMeta], "torch.Tensor | None"]
+BucketItem = tuple[BucketMeta, int, "torch.Tensor | None"]  # metadata, slot, in-place target
+
+
+class Destinations:
+    """The consumer's `into`, called once per tensor and shared by merge (first chunk) and the
+    producer (which receives a full-bucket chunk straight into its destination)."""
+
+    def __init__(self, into: Into) -> None:
+        self.into = into
+        self.cache: dict[str, torch.Tensor | None] = {}
+
+    def __call__(self, meta: TensorMeta) -> torch.Tensor | None:
+        if meta.name not in self.cache:
+            self.cache[meta.name] = self.into(meta)
+        return self.cache[meta.name]
+
+    def direct_target(self, meta: TensorMeta, device: torch.device) -> torch.Tensor | None:
+        """The bytes of the destination where this chunk belongs, if it can be received in place."""
+        try:
+            dest = self(meta)
+        except Exception:  # merge will call `into` again and report the error where it belongs
+            self.cache.pop(meta.name, None)
+            return None
+        if (
+            not isinstance(dest, torch.Tensor)
+            or dest.dtype != meta.dtype
+            or tuple(dest.shape) != meta.shape
+            or dest.device != device
+            or not dest.is_contiguous()
+        ):
+            return None
+        return as_bytes(dest)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
+
+
+class BucketPipeline:
+    """One version's buckets, received one ahead of the consumer. Created once the group is joined."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        control: ReceiverControl,
+        backend: Backend,
+        executor: SerialExecutor,
+        timeout_s: float,
+        destinations: Destinations | None = None,
+        on_bucket: Callable[[BucketMeta], None] | None = None,
+    ) -> None:
+        self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
+        self.control, self.backend, self.executor, self.timeout_s = control, backend, executor, timeout_s
+        self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
+        self.ready = asyncio.Queue()
+        self.free = [asyncio.Event() for _ in range(NUM_SLOTS)]
+        for event in self.free:
+            event.set()
+        self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
+        self.finished = False
+        self.current: BucketItem | None = None  # bucket being consumed, not yet released
+        self.drain_task: asyncio.Future[None] | None = None
+
+    async def _produce(self) -> None:
+        """Post each bucket's broadcast as soon as its metadata is here and its slot is free; the
+        executor runs them back to back, with no event-loop round trip between two buckets."""
+        try:
+            index = 0
+            while True:
+                slot = index % NUM_SLOTS
+                await self.free[slot].wait()
+                self.free[slot].clear()
+                meta = await self.control.next_bucket(self.plan.version, index, self.timeout_s)
+                target = self._direct_target(meta)
+                done = self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index, target)
+                self.ready.put_nowait((meta, slot, target, done))
+                if meta.is_last:
+                    return
+                index += 1
+        except BaseException as exc:
+            self.ready.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _direct_target(self, meta: BucketMeta) -> torch.Tensor | None:
+        """A bucket that is one full-bucket chunk goes straight into its destination, if any."""
+        if (
+            self.destinations is None
+            or not self.backend.direct_ok
+            or len(meta.entries) != 1
+            or meta.nbytes != self.plan.group.bucket_size
+            or meta.entries[0].chunk_size != meta.nbytes
+        ):
+            return None
+        return self.destinations.direct_target(meta.entries[0].to_meta(), self.backend.device)
+
+    async def _next(self) -> BucketItem:
+        """The next bucket, once its broadcast is complete on this rank."""
+        item = await self.ready.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        meta, slot, target, done = item
+        version, timeout_s = self.plan.version, self.timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except asyncio.TimeoutError:
+            self.finished = True
+            raise WeightSyncTimeout(
+                f"version {version}: broadcast of bucket {meta.bucket_index} from the sender not complete within "
+                f"transport.timeout_s={timeout_s}s"
+            ) from None
+        except WeightSyncError:  # the backend already said what failed (a dead member, a timeout)
+            self.finished = True
+            raise
+        except RuntimeError as exc:
+            self.finished = True
+            raise PeerError(f"version {version}: broadcast of bucket {meta.bucket_index} failed: {exc}") from exc
+        return meta, slot, target
+
+    def _release(self, meta: BucketMeta, slot: int) -> None:
+        self.backend.fence(slot)
+        self.backend.release(slot, meta.bucket_index)
+        self.free[slot].set()
+
+    async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
+        while not self.finished:
+            meta, slot, target = self.current = await self._next()
+            bucket = self.backend.view(slot, meta.nbytes) if target is None else target
+            stats.num_buckets += bool(meta.entries)
+            stats.direct_buckets += target is not None
+            stats.nbytes += meta.nbytes
+            if self.on_bucket is not None:
+                self.on_bucket(meta)
+            for entry in meta.entries:
+                start = entry.offset if target is None else 0
+                yield entry.to_meta(), bucket[start : start + entry.chunk_size]
+            self._release_current()
+
+    def _release_current(self) -> None:
+        if self.current is not None:
+            (meta, slot, _), self.current = self.current, None
+            self._release(meta, slot)
+            self.finished = meta.is_last
+
+    async def drain(self) -> None:
+        """Take part in the rest of the version without keeping anything."""
+        self.destinations = None  # nothing more lands in the consumer's tensors
+        self._release_current()  # the bucket the consumer was in the middle of
+        with contextlib.suppress(WeightSyncError):
+            while not self.finished:
+                self.current = await self._next()
+                self._release_current()
+
+    def cancel(self) -> None:
+        self.finished = True
+        self.task.cancel()

@@ -1,0 +1,62 @@
+"""What one version cost, one type per side. `as_metrics()` is the form loggers and Prometheus take:
+a flat dict of numbers in base units (bytes, seconds, bytes_per_second, counts), so nobody converts
+GB/s back and forth and every exporter names the same quantity the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Stats:
+    version: int
+    nbytes: int = 0  # payload bytes of the version (tensor bytes, not bucket padding)
+    num_tensors: int = 0
+    num_buckets: int = 0  # buckets that carried at least one chunk
+    direct_buckets: int = 0  # full-bucket chunks that skipped the pack (sender) / merge (receiver) copy
+    seconds: float = 0.0  # wall time of the whole version, group formation and acks included
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s (1e9 bytes). Kept for existing callers; new code reads `as_metrics()`."""
+        return self.bytes_per_second / 1e9
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "version": self.version,
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "bytes_per_second": self.bytes_per_second,
+            "tensors": self.num_tensors,
+            "buckets": self.num_buckets,
+            "direct_buckets": self.direct_buckets,
+        }
+
+
+@dataclass
+class SendStats(_Stats):
+    """The sender's view of one version; `failed` maps a receiver to why it did not take the version."""
+
+    num_chunked_tensors: int = 0  # tensors split over more than one bucket
+    receivers: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            **super().as_metrics(),
+            "chunked_tensors": self.num_chunked_tensors,
+            "receivers": self.receivers,
+            "failed_receivers": len(self.failed),
+        }
+
+
+@dataclass
+class ReceiveStats(_Stats):
+    """One receiver's view of one version."""
+
+
+__all__ = ["ReceiveStats", "SendStats"]
