@@ -229,3 +229,30 @@ def test_two_process_resume_from_checkpoint(tmp_path: Path) -> None:
     assert received_versions(tmp_path) == [0, 1, 2, 2, 3, 4]
     assert "4 steps, last synced version 4" in out
     assert_same_weights(tmp_path / "received.safetensors", tmp_path / "final.safetensors")
+
+
+class Capture(pl.Callback):
+    def __init__(self, sync: WeightSyncCallback) -> None:
+        self.sync, self.names = sync, []
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.names = [name for name, _ in self.sync.weights(trainer)]
+
+
+@pytest.mark.parametrize(
+    ("module_attr", "prefix"), [(None, ""), ("model", ""), ("", "model.")], ids=["rule", "explicit", "whole"]
+)
+def test_one_liner_sends_the_served_child_under_its_own_names(tmp_path: Path, module_attr: Any, prefix: str) -> None:
+    """Issue 12 point 2: `WeightSyncCallback(cfg)` on `self.model = network` used to send
+    `model.embed.weight`, which the rollout's copy of the network does not have."""
+    cb = WeightSyncCallback(_cfg(), module_attr=module_attr)
+    capture = Capture(cb)
+    logger = MemoryLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, callbacks=[cb, capture], logger=logger,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(Small(), train_dataloaders=_loader(4))
+    network = build_model(vocab_size=64, dim=16, n_layers=1, max_seq_len=8)
+    assert sorted(capture.names) == sorted(prefix + n for n in network.state_dict())
