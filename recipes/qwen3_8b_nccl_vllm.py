@@ -8,9 +8,14 @@ Trainer (one node, 8 GPUs; `WEIGHTSYNC_HOST` = an address of this node the rollo
 
     WEIGHTSYNC_HOST=10.0.0.1 python recipes/qwen3_8b_nccl_vllm.py --config recipes/qwen3_8b_nccl_vllm.yaml
 
-Rollouts (other GPUs; same YAML, its `rollout:` section drives the vLLM sink):
+Rollout (other GPUs; same YAML; start it first): a `vllm serve` that generates and receives, through
+vLLM's weight-transfer API and our engine (`vllm:` section: model, serve_args; docs/backends.md):
 
     WEIGHTSYNC_HOST=10.0.0.1 lightning-weightsync rollout --config recipes/qwen3_8b_nccl_vllm.yaml
+
+The trainer drives every version through `vllm.urls` (`ROLLOUT_URL=http://<rollout ip>:8000`): pause,
+start_weight_update, update_weights while rank 0 broadcasts, finish_weight_update(weight_version=step),
+resume; generation runs between versions.
 
 Bucket size: 3072 MB moves the 1.16 GiB embedding in one piece; `transport.bucket_size_mb=128`
 (recipes/qwen3_8b_nccl_vllm_128mb.yaml) forces it into ~10 chunks and needs 2 x 128 MiB per side.

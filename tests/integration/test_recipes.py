@@ -91,8 +91,11 @@ def test_cli_rollout_loads_every_recipe(path: Path, monkeypatch: pytest.MonkeyPa
     """`lightning-weightsync rollout --config recipe.yaml`: the config-loading path, up to the daemon."""
     import lightning_weightsync.rollout.daemon as daemon
 
+    import lightning_weightsync.rollout.vllm.launch as vllm_launch
+
     seen: list[Any] = []
     monkeypatch.setattr(daemon, "run_daemon", lambda cfg, **kwargs: seen.append(cfg))
+    monkeypatch.setattr(vllm_launch, "launch", lambda cfg: seen.append(cfg) or 0)  # would exec `vllm serve`
     assert cli.main(["rollout", "--config", str(path), "transport.port=0", "--log-level", "WARNING"]) == 0
     (cfg,) = seen
     assert cfg.transport.port == 0 and cfg.rollout.sink.type in ("module", "vllm")
@@ -119,7 +122,9 @@ def test_qwen3_configs(name: str, backend: str, bucket_mb: int, monkeypatch: pyt
     assert cfg.transport.backend == backend and cfg.transport.bucket_size_mb == bucket_mb
     assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.sink.type == "vllm"
     # every vLLM worker registers as its own receiver
-    assert cfg.trainer.min_receivers == cfg.rollout.sink.options.tensor_parallel_size
+    args = list(cfg.vllm.serve_args)
+    tp = int(args[args.index("--tensor-parallel-size") + 1]) if args else cfg.rollout.sink.options.tensor_parallel_size
+    assert cfg.trainer.min_receivers == tp * max(1, len(cfg.vllm.urls))
     assert cfg.transport.host == "127.0.0.1"
     monkeypatch.setenv("WEIGHTSYNC_HOST", "10.1.2.3")
     _, cfg = load_recipe(RECIPES / f"{name}.yaml", schema=Qwen3Recipe)
