@@ -151,13 +151,19 @@ class Plan(msgspec.Struct, tag="plan", frozen=True):
 
 
 class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
-    """Sender -> receiver: what the next broadcast bucket holds."""
+    """Sender -> receiver: what the next broadcast bucket holds.
+
+    `tied` (bucket 0 only, optional): tensors sent once for several names (tied embeddings:
+    ``{"model.embed_tokens.weight": ["lm_head.weight"]}``), so every sink can restore the tie or
+    yield every name; an older sender simply omits it.
+    """
 
     version: int
     bucket_index: int
     is_last: bool
     nbytes: int
     entries: list[Entry]
+    tied: dict[str, list[str]] = {}
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -458,3 +464,24 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
                 f"chunk of {e.name!r} at bucket offset {e.offset} (+{e.chunk_size}) outside the "
                 f"bucket's {msg.nbytes} bytes"
             )
+    validate_tied(msg)
+
+
+def validate_tied(msg: BucketMeta) -> None:
+    """`tied` names are checked like tensor names; only bucket 0 may carry them, an alias is never
+    also sent or aliased twice, and the whole list is bounded like a bucket's entries."""
+    if not msg.tied:
+        return
+    if msg.bucket_index != 0:
+        raise ProtocolError(f"bucket {msg.bucket_index} carries tied names; only bucket 0 may")
+    if len(msg.tied) + sum(len(a) for a in msg.tied.values()) > MAX_ENTRIES:
+        raise ProtocolError(f"tied names exceed {MAX_ENTRIES} entries")
+    seen: set[str] = set()
+    for source, aliases in msg.tied.items():
+        for name in (source, *aliases):
+            if not name or len(name) > MAX_NAME_LEN:
+                raise ProtocolError(f"tied name of length {len(name)} is empty or over {MAX_NAME_LEN}")
+        for alias in aliases:
+            if alias in seen or alias in msg.tied or alias == source:
+                raise ProtocolError(f"tied name {alias!r} is sent or aliased twice")
+            seen.add(alias)
