@@ -167,9 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    """The installed distribution's version (the package root is not imported from here: layers)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("lightning_weightsync")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _import_from_cwd() -> None:
