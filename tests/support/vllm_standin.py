@@ -184,6 +184,8 @@ class StandInServer:
         self.steps_by_version: dict[str, int] = {}
         self.paused_s = 0.0
         self._paused_at: float | None = None
+        self.first_pause: float | None = None  # the window the trainer drove: first /pause .. last /resume
+        self.last_resume: float | None = None
         self.started = time.perf_counter()
         self.stop = threading.Event()
 
@@ -210,11 +212,14 @@ class StandInServer:
             with self.core_lock:
                 self.paused = True
                 self._paused_at = time.perf_counter()
+                if self.first_pause is None:
+                    self.first_pause = self._paused_at
             return {"status": "paused"}
         if path == "/resume":
             with self.core_lock:
                 if self._paused_at is not None:
-                    self.paused_s += time.perf_counter() - self._paused_at
+                    self.last_resume = time.perf_counter()
+                    self.paused_s += self.last_resume - self._paused_at
                     self._paused_at = None
                 self.paused = False
                 self.dump()
@@ -255,6 +260,7 @@ class StandInServer:
                     "steps_by_version": self.steps_by_version,
                     "paused_s": self.paused_s,
                     "elapsed_s": time.perf_counter() - self.started,
+                    "window_s": (self.last_resume or 0.0) - (self.first_pause or 0.0),
                 }
             )
         )

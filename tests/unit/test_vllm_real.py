@@ -105,3 +105,31 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
     finally:
         engine.shutdown()
         sender.close()
+
+
+def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path) -> None:
+    """`lightning-weightsync rollout rollout.sink.type=vllm` replaces itself with `vllm serve` (a recording
+    stand-in executable named `vllm` first on PATH; the real one needs a GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    record = tmp_path / "argv.json"
+    fake = tmp_path / "vllm"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': {{k: os.environ.get(k) for k in "
+        f"('VLLM_SERVER_DEV_MODE', 'LIGHTNING_WEIGHTSYNC_CONFIG')}}}}, open({str(record)!r}, 'w'))\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "lightning_weightsync.cli", "rollout", "rollout.sink.type=vllm", "vllm.model=m",
+           "vllm.serve_args=[--port,8123]", "transport.port=29777"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(record.read_text())
+    assert got["argv"] == ["serve", "m", "--weight-transfer-config", '{"backend": "lightning_weightsync"}', "--port",
+                           "8123"]  # fmt: skip
+    assert got["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert OmegaConf.load(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"]).transport.port == 29777
+    os.unlink(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"])
