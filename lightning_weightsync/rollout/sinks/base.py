@@ -29,7 +29,6 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -48,23 +47,6 @@ class SinkState(str, enum.Enum):
     EMPTY = "empty"  # no complete version yet
     COMPLETE = "complete"  # `version` is whole and visible
     INCOMPLETE = "incomplete"  # streaming: a version broke mid-way; the live tensors are a mix
-
-
-@dataclass(frozen=True)
-class VersionReport:
-    """What one version did to a sink, for the daemon's log line, metrics and the demo's table."""
-
-    version: int
-    ok: bool
-    nbytes: int = 0
-    num_tensors: int = 0
-    num_buckets: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class Sink(ABC):
@@ -174,30 +156,6 @@ class Sink(ABC):
         """A commit raised: by default the same as an abort (subclasses may be stricter)."""
         if self._abort(version, "commit failed"):
             self.state = SinkState.INCOMPLETE
-
-
-class RemoteSink(ABC):
-    """A sink that receives by itself, somewhere else than the daemon's event loop.
-
-    The vLLM sink is one: the bytes must land on each GPU worker's own device, so every vLLM worker
-    runs its own `WeightReceiver` (a worker extension) and the daemon only drives versions through
-    `receive_version()`. The daemon runs that blocking call in a thread, logs its report and keeps
-    looping; the error types it raises are the engine's (`WeightSyncTimeout`, `VersionAborted`,
-    `PeerError`, `SinkError`), so the daemon treats both kinds of sink alike.
-    """
-
-    version: int | None = None
-    state: SinkState = SinkState.EMPTY
-
-    def start(self) -> None:  # noqa: B027 - optional hook
-        """Connect (register) the remote receivers; called once before the first version."""
-
-    @abstractmethod
-    def receive_version(self) -> VersionReport:
-        """Block until one version was received and applied (or failed); raise the engine's errors."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release the remote receivers and whatever hosts them; idempotent."""
 
 
 S = TypeVar("S", bound=type[Sink])
