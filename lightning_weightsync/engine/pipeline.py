@@ -23,7 +23,7 @@ from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.messages import BucketMeta, Plan
 from ..transport.backends import NUM_SLOTS, Backend
 from ..transport.control import ReceiverControl
-from ..transport.executor import SerialExecutor
+from ..transport.executor import SerialExecutor, forget
 from .stats import ReceiveStats
 
 Into = Callable[[TensorMeta], "torch.Tensor | None"]
@@ -181,3 +181,7 @@ class BucketPipeline:
     def cancel(self) -> None:
         self.finished = True
         self.task.cancel()
+        while not self.ready.empty():  # broadcasts posted but never awaited
+            item = self.ready.get_nowait()
+            if not isinstance(item, BaseException):
+                forget(item[3])

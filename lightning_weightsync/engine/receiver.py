@@ -94,6 +94,30 @@ class WeightReceiver(Endpoint):
                 logger.info("%s", exc)
                 continue
             break
+        self._session, self.version = plan.session, plan.version
+        self._acked = False  # this version gets exactly one ack from here on; the failures below send theirs
+        try:
+            backend = self._backend_for(plan)
+        except WeightSyncError as exc:
+            await self._send_ack(plan.version, False, str(exc))
+            raise
+        self._control.bucket_size = plan.group.bucket_size
+        try:
+            joined = self._executor.submit(backend.join, plan.group, plan.rank, plan.version)
+            await asyncio.wait_for(asyncio.shield(joined), self.timeout_s)
+        except BaseException as exc:
+            self._fail_group()
+            await self._send_ack(plan.version, False, f"could not join the group: {exc}")
+            if isinstance(exc, asyncio.TimeoutError):
+                raise WeightSyncTimeout(
+                    f"version {plan.version}: joining the {plan.group.backend} group timed out "
+                    f"(transport.timeout_s={self.timeout_s}s)"
+                ) from None
+            raise
+        return plan
+
+    def _backend_for(self, plan: Plan) -> Backend:
+        """The backend the plan names, (re)built when the sender switched backends."""
         group = plan.group
         if plan.rank < 1 or group.members[plan.rank - 1].identity != self.identity:
             raise ProtocolError(f"version {plan.version}: the plan gives rank {plan.rank} to another receiver")
@@ -111,23 +135,9 @@ class WeightReceiver(Endpoint):
                 session=group.session,
                 auth_key=self._key,
                 identity=self.identity,
+                rendezvous=self._control,
             )
-            self._backend.rendezvous = self._control
-        self._control.bucket_size = group.bucket_size
-        self._session, self.version = plan.session, plan.version
-        try:
-            joined = self._executor.submit(self._backend.join, group, plan.rank)
-            await asyncio.wait_for(asyncio.shield(joined), self.timeout_s)
-        except BaseException as exc:
-            self._fail_group()
-            await self._send_ack(plan.version, False, f"could not join the group: {exc}")
-            if isinstance(exc, asyncio.TimeoutError):
-                raise WeightSyncTimeout(
-                    f"version {plan.version}: joining the {group.backend} group timed out "
-                    f"(transport.timeout_s={self.timeout_s}s)"
-                ) from None
-            raise
-        return plan
+        return self._backend
 
     async def _finish_abandoned(self) -> None:
         """A consumer that left `receive_weights` early (break, exception) leaves its version

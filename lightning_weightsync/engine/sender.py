@@ -31,7 +31,7 @@ from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Pla
 from ..transport.backends import NUM_SLOTS, Backend, backend_class, build_backend, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
-from ..transport.executor import SerialExecutor
+from ..transport.executor import SerialExecutor, forget
 from .endpoint import Endpoint
 from .stats import SendStats
 
@@ -139,8 +139,8 @@ class WeightSender(Endpoint):
             is_sender=True,
             session=self.session,
             auth_key=self._key,
+            rendezvous=self._control,
         )
-        self._backend.rendezvous = self._control
         await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
 
     async def __aenter__(self) -> WeightSender:
@@ -229,7 +229,7 @@ class WeightSender(Endpoint):
         )
         for rank, peer in enumerate(peers, start=1):
             await self._control.send(peer.identity, Plan(version, rank, group))
-        await self._control.serve_while(self._executor.submit(self._backend.join, group, 0))
+        await self._control.serve_while(self._executor.submit(self._backend.join, group, 0, version))
 
     async def _stream(self, source: _Drainable, version: int, peers: list[Peer], stats: SendStats) -> None:
         assert self._backend is not None and self._executor is not None
@@ -321,6 +321,8 @@ class WeightSender(Endpoint):
                     await self._complete(self._pending, slot, version, -1)
             except (WeightSyncError, asyncio.CancelledError):
                 transport_failed = True
+        for future in self._pending:
+            forget(future)
         self._pending = [None] * NUM_SLOTS
         for peer in peers:
             try:

@@ -56,6 +56,13 @@ class SerialExecutor:
         self._jobs.put(None)
 
 
+def forget(future: asyncio.Future[Any] | None) -> None:
+    """Nobody will await `future` (its version was abandoned): consume its outcome when it comes, so
+    a failure there is not reported again as "Future exception was never retrieved"."""
+    if future is not None:
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 def run_in_daemon_thread(fn: Callable[[], T], *, name: str = "weightsync-call") -> asyncio.Future[T]:
     """Run the blocking `fn()` on a new daemon thread; await the returned future (of the running loop)
     for its result or exception. Cancelling the future does not stop `fn`, it only stops waiting."""

@@ -93,7 +93,7 @@ def test_sender_says_what_the_plan_needs_and_packs_through_the_backend(name):
             assert spec.release_addr.startswith("tcp://127.0.0.1:")
         group = _group(spec, backend=name, members=())
         validate_group(group)  # what the sender puts on the wire passes the receivers' validation
-        backend.join(group, 0)
+        backend.join(group, 0, 1)
         assert backend.members == {} and backend.world_size == 1
         data = torch.arange(100, dtype=torch.uint8)
         for slot in range(NUM_SLOTS):
@@ -110,7 +110,7 @@ def test_a_plan_for_another_backend_is_a_protocol_error():
 
     backend = build_backend("gloo", **_kwargs(is_sender=False))
     with pytest.raises(ProtocolError, match="SharedJoin join fields, backend gloo needs StoreJoin"):
-        backend.join(_group(SharedJoin(["a", "b"], "tcp://127.0.0.1:1")), 1)
+        backend.join(_group(SharedJoin(["a", "b"], "tcp://127.0.0.1:1")), 1, 1)
 
 
 def test_shm_receiver_names_a_missing_segment_and_rejects_bad_plans():
@@ -121,14 +121,44 @@ def test_shm_receiver_names_a_missing_segment_and_rejects_bad_plans():
     try:
         with pytest.raises(PeerError, match="needs trainer and rollout on one host"):
             receiver.join(
-                _group(SharedJoin(["lws_no_such_segment", "lws_nope"], "tcp://127.0.0.1:1"), backend="shm"), 1
+                _group(SharedJoin(["lws_no_such_segment", "lws_nope"], "tcp://127.0.0.1:1"), backend="shm"), 1, 1
             )
         with pytest.raises(ProtocolError, match="1 slot handles, expected 2"):
-            receiver.join(_group(SharedJoin(["a"], "tcp://127.0.0.1:1"), backend="shm"), 1)
+            receiver.join(_group(SharedJoin(["a"], "tcp://127.0.0.1:1"), backend="shm"), 1, 1)
         with pytest.raises(ProtocolError, match="malformed"):
-            receiver.join(_group(SharedJoin(["../etc", "x"], "tcp://127.0.0.1:1"), backend="shm"), 1)
+            receiver.join(_group(SharedJoin(["../etc", "x"], "tcp://127.0.0.1:1"), backend="shm"), 1, 1)
     finally:
         receiver.close()
+
+
+def test_shm_sender_counts_only_this_versions_releases_by_members():
+    """A late release of an earlier version, or one by a non-member, cannot free a slot early; the
+    member's release of this version (sent by a real receiver backend) does."""
+    import zmq
+
+    from lightning_weightsync import WeightSyncTimeout
+    from lightning_weightsync.protocol.messages import BucketDone, encode
+
+    sender = build_backend("shm", **_kwargs(timeout_s=1.0))
+    receiver = build_backend("shm", **_kwargs(is_sender=False, identity="r0"))
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.linger = 0
+    try:
+        sender.setup("127.0.0.1", 0)
+        group = _group(sender.join_spec(1), backend="shm", members=("r0",))
+        sender.join(group, 0, 5)
+        receiver.join(group, 1, 5)
+        push.connect(group.join.release_addr)
+        push.send_multipart(encode(BucketDone("r0", 4, 0)))  # late, from version 4
+        push.send_multipart(encode(BucketDone("intruder", 5, 0)))  # not a member
+        with pytest.raises(WeightSyncTimeout, match="released by 0 of 1"):
+            sender.broadcast(0, 10, 0)
+        receiver.release(0, 0)
+        sender.broadcast(0, 10, 0)  # returns: r0 released bucket 0 of version 5
+    finally:
+        push.close()
+        receiver.close()
+        sender.close()
 
 
 def test_sender_store_port_in_use_is_a_config_error():

@@ -2,8 +2,8 @@
 
 Life cycle, sender (rank 0) and receivers (ranks 1..N) alike:
   `setup()` once (sender: create stores / shared segments), `join_spec()` (sender only: what the
-  receivers need to join, a typed `Join` carried in the plan's `GroupSpec`), `join(group, rank)` per
-  version (builds the group when the generation changed, reuses it otherwise), then per bucket the
+  receivers need to join, a typed `Join` carried in the plan's `GroupSpec`), `join(group, rank, version)`
+  per version (builds the group when the generation changed, reuses it otherwise), then per bucket the
   sender `pack()`s chunks into a slot, `broadcast(slot, nbytes)` runs (blocking until the bucket is
   complete on this rank; called from one executor thread so collectives stay in order), and a
   receiver reads the bytes through `view(slot, nbytes)` and `release()`s the slot once they were
@@ -41,9 +41,6 @@ class Backend(ABC):
     # True where `broadcast` may read from / write to any contiguous tensor on `device` instead of
     # a slot: full-bucket chunks then skip the pack copy (sender) and the merge copy (receiver).
     direct_ok: bool = False
-    # The control plane (`SenderControl` / `ReceiverControl`), set by the engine: process-group backends
-    # rendezvous through it instead of an open TCPStore when transport.auth_token is set.
-    rendezvous: Any = None
     # The `Join` kind this backend puts into (sender) and reads from (receivers) a group spec.
     join_type: type[Join]
 
@@ -57,8 +54,12 @@ class Backend(ABC):
         session: str = "",
         auth_key: bytes | None = None,
         identity: str = "",
+        rendezvous: Any = None,
     ) -> None:
         self.session = session
+        # The control plane (`SenderControl` / `ReceiverControl`): process-group backends rendezvous
+        # through it instead of an open TCPStore when transport.auth_token is set.
+        self.rendezvous = rendezvous
         self.identity = identity  # the receiver's control-plane identity (names its releases)
         self.auth_key = auth_key
         self.bucket_size = bucket_size
@@ -67,6 +68,7 @@ class Backend(ABC):
         self.is_sender = is_sender
         self.group: GroupSpec | None = None  # the group joined last (members, generation, join fields)
         self.generation = -1
+        self.version = -1  # the version being moved (set by every `join`)
         self.rank = 0 if is_sender else -1
         self.world_size = 0
         self.buckets: list[torch.Tensor] = []
@@ -81,8 +83,9 @@ class Backend(ABC):
     def join_spec(self, generation: int) -> Join:
         """Sender only: what receivers need to join the group of `generation` (goes into its `GroupSpec`)."""
 
-    def join(self, group: GroupSpec, rank: int) -> None:
-        """All ranks: make `group` ready with this process as `rank` (blocking, bounded by timeout_s)."""
+    def join(self, group: GroupSpec, rank: int, version: int) -> None:
+        """All ranks, once per version: make `group` ready with this process as `rank` (blocking, bounded
+        by timeout_s). The group itself is reused while its generation holds."""
         if not isinstance(group.join, self.join_type):
             raise ProtocolError(
                 f"plan for backend {group.backend} carries {type(group.join).__name__} join fields, "
@@ -105,7 +108,7 @@ class Backend(ABC):
             self.session = group.session
             self.generation, self.rank, self.world_size = group.generation, rank, group.world_size
             logger.debug("%s group generation %d: rank %d of %d", self.name, group.generation, rank, group.world_size)
-        self.group = group
+        self.group, self.version = group, version
 
     @property
     def members(self) -> dict[str, int]:

@@ -38,7 +38,7 @@ class SharedBucketBackend(Backend):
         # A sender's release wait still running on an executor thread given up after a failure may
         # overlap the next group's wait on the new thread: a ZeroMQ socket must not be used by both.
         self._socket_lock = threading.Lock()
-        self._released: dict[int, set[str]] = {}
+        self._released: dict[tuple[int, int], set[str]] = {}  # (version, bucket index) -> who released it
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
     @abstractmethod
@@ -99,12 +99,16 @@ class SharedBucketBackend(Backend):
         self._await_releases(bucket_index, self.world_size - 1)
 
     def _await_releases(self, bucket_index: int, expected: int) -> None:
-        """Block until every member released `bucket_index`. Only members count (a stray release
-        cannot free a slot early), and since all processes share this host, a member whose process
-        is gone fails the wait at once instead of after transport.timeout_s."""
+        """Block until every member released `bucket_index` of this version. Only members count, and
+        only releases of this version (a stray or late release cannot free a slot early); since all
+        processes share this host, a member whose process is gone fails the wait at once instead of
+        after transport.timeout_s."""
         assert self._socket is not None
         deadline = time.monotonic() + self.timeout_s
-        done = self._released.setdefault(bucket_index, set())
+        version = self.version
+        for key in [k for k in list(self._released) if k[0] < version]:  # left by an abandoned version
+            self._released.pop(key, None)
+        done = self._released.setdefault((version, bucket_index), set())
         members = self.members
 
         def missing() -> int:
@@ -114,8 +118,8 @@ class SharedBucketBackend(Backend):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WeightSyncTimeout(
-                    f"{self.name}: bucket {bucket_index} released by {len(done)} of {expected} receivers "
-                    f"within transport.timeout_s={self.timeout_s}s (released by: {sorted(done)})"
+                    f"{self.name}: bucket {bucket_index} released by {expected - missing()} of {expected} receivers "
+                    f"within transport.timeout_s={self.timeout_s}s (waiting for: {sorted(members.keys() - done)})"
                 )
             with self._socket_lock:
                 if self._socket is None:
@@ -131,14 +135,16 @@ class SharedBucketBackend(Backend):
             except ProtocolError as exc:
                 logger.warning("dropped a bad release message: %s", exc)
                 continue
-            if isinstance(msg, BucketDone):
-                self._released.setdefault(msg.bucket_index, set()).add(msg.identity)
-        self._released.pop(bucket_index, None)
+            # Recorded for whichever wait needs it: a wait of an abandoned version still running on an
+            # old executor thread may read the next version's releases off the socket.
+            if isinstance(msg, BucketDone) and msg.version >= version:
+                self._released.setdefault((msg.version, msg.bucket_index), set()).add(msg.identity)
+        self._released.pop((version, bucket_index), None)
 
     def release(self, slot: int, bucket_index: int) -> None:
         assert self._socket is not None
         self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
-        self._socket.send_multipart(encode(BucketDone(self.identity, 0, bucket_index), self.auth_key))
+        self._socket.send_multipart(encode(BucketDone(self.identity, self.version, bucket_index), self.auth_key))
 
     def _drop_group(self) -> None:
         self._released.clear()
