@@ -243,6 +243,7 @@ class WeightSender(Endpoint):
         direct_in_flight: tuple[asyncio.Future[None], int] | None = None
 
         async def publish(is_last: bool) -> None:
+            """The bucket's metadata to every receiver, then its broadcast onto the executor thread."""
             nonlocal direct, direct_in_flight
             backend.fence(slot)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
@@ -252,7 +253,8 @@ class WeightSender(Endpoint):
             direct = None
             stats.num_buckets += bool(entries)
 
-        async def next_bucket() -> None:
+        async def swap() -> None:
+            """On to the next slot, once the broadcast that last read it is complete."""
             nonlocal slot, bucket_index, fill, entries
             slot, bucket_index, fill, entries = next_slot(slot), bucket_index + 1, 0, []
             await self._complete(pending, slot, version, bucket_index - NUM_SLOTS)
@@ -261,7 +263,7 @@ class WeightSender(Endpoint):
             assert meta.offset is not None
             if meta.offset < fill:  # the split started a new bucket
                 await publish(is_last=False)
-                await next_bucket()
+                await swap()
             # A chunk that fills a whole bucket needs no packing where the backend can send any tensor.
             is_direct = backend.direct_ok and meta.chunk_size == self.bucket_size and data.device == self.device
             if is_direct:
@@ -277,7 +279,7 @@ class WeightSender(Endpoint):
                 stats.num_chunked_tensors += not meta.is_last
             if is_direct:
                 await publish(is_last=False)
-                await next_bucket()
+                await swap()
             if meta.is_last and direct_in_flight is not None:  # the caller may reuse its tensor next
                 await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
                 direct_in_flight = None

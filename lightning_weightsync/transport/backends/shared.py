@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import zmq
 
-from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncTimeout
+from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ...protocol.messages import BucketDone, GroupSpec, SharedJoin, decode, encode
 from ..process import process_alive
 from .base import NUM_SLOTS, Backend
@@ -103,7 +103,7 @@ class SharedBucketBackend(Backend):
         only releases of this version (a stray or late release cannot free a slot early); since all
         processes share this host, a member whose process is gone fails the wait at once instead of
         after transport.timeout_s."""
-        assert self._socket is not None
+        self._require_socket()
         deadline = time.monotonic() + self.timeout_s
         version = self.version
         for key in [k for k in list(self._released) if k[0] < version]:  # left by an abandoned version
@@ -142,9 +142,14 @@ class SharedBucketBackend(Backend):
         self._released.pop((version, bucket_index), None)
 
     def release(self, slot: int, bucket_index: int) -> None:
-        assert self._socket is not None
+        socket = self._require_socket()
         self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
-        self._socket.send_multipart(encode(BucketDone(self.identity, self.version, bucket_index), self.auth_key))
+        socket.send_multipart(encode(BucketDone(self.identity, self.version, bucket_index), self.auth_key))
+
+    def _require_socket(self) -> zmq.Socket[Any]:
+        if self._socket is None:
+            raise WeightSyncError(f"{self.name} backend used before setup()/join() or after close()")
+        return self._socket
 
     def _drop_group(self) -> None:
         self._released.clear()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigError, WeightSyncTimeout
+from ...errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from ...protocol.messages import GroupSpec, StoreJoin
 from .base import Backend
 
@@ -56,7 +56,8 @@ class TorchProcessGroupBackend(Backend):
         logger.debug("%s data-plane store listening on %s:%d", self.name, host, self._store.port)
 
     def join_spec(self, generation: int) -> StoreJoin:
-        assert self._store_addr is not None, "setup() first"  # the engine always calls setup() at start()
+        if self._store_addr is None:
+            raise WeightSyncError(f"{self.name}: join_spec() before setup() (the sender sets up at start())")
         return StoreJoin(*self._store_addr)
 
     def _store_for(self, join: StoreJoin) -> dist.TCPStore:
