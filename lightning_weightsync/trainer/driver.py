@@ -33,6 +33,7 @@ from torch import nn
 from ..config import FailurePolicy
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, iter_full_parameters
+from .names import tied_names
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender, SendStats
@@ -150,6 +151,7 @@ class SyncDriver:
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
         self.record = record if record is not None else SyncRecord()
+        self._tied_logged = False
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
         # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
         self.rollouts: RolloutControl | None = None
@@ -212,10 +214,20 @@ class SyncDriver:
             prefix=self.prefix,
         )
 
+    def tied(self, module: nn.Module) -> dict[str, tuple[str, ...]]:
+        """{name sent: other names of the same tensor} under this sync's rules (tied embeddings are
+        sent once). Local, no collectives. What `BucketMeta.tied` is for, once the sender carries it."""
+        tr = self.cfg.trainer
+        return tied_names(module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, prefix=self.prefix)
+
     def sync(self, module: nn.Module, version: int) -> bool:
         """Gather and send `version`; call on every rank. True (on every rank) when it was delivered;
         False when it failed and `on_failure: warn` skipped it. The sending rank's `SendStats` are
         in `self.last_stats`."""
+        if self.is_sender and not self._tied_logged:
+            self._tied_logged = True
+            for sent, aliases in self.tied(module).items():
+                logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
         weights = self.weights(module)
         error: Exception | None = None
         self.last_stats = None

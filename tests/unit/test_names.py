@@ -79,3 +79,12 @@ def test_tied_names_are_listed_once_under_the_sent_name() -> None:
     renamed = tied_names(Net(), names_cfg={"rename": {"lm_head.weight": "out.weight"}})
     assert renamed == {"embed.weight": ("out.weight",)}
     assert tied_names(Net(), names_cfg={"exclude": ["lm_head.*"]}) == {}
+
+
+def test_sync_driver_reports_ties_under_its_own_rules() -> None:
+    from lightning_weightsync.trainer.driver import SyncDriver
+
+    cfg = load_config(overrides=["trainer.names.rename={lm_head.weight: head.weight}"])
+    driver = SyncDriver(cfg, rank=0, device=None, prefix="model")
+    assert driver.is_sender
+    assert driver.tied(Holder()) == {"embed.weight": ("head.weight",)}
