@@ -492,3 +492,85 @@ def test_stats_as_metrics_are_flat_base_units():
     assert sent.gbps == 1.0  # the old property, still read by trainer/ and rollout/
     received = ReceiveStats(version=3, nbytes=10, seconds=0.0).as_metrics()
     assert received["bytes_per_second"] == 0.0 and "receivers" not in received
+
+
+class _ScriptedControl:
+    """Bucket metadata from a list, as the control plane would hand it over (already validated)."""
+
+    def __init__(self, metas):
+        self.metas = metas
+
+    async def next_bucket(self, version, bucket_index, timeout_s):
+        return self.metas[bucket_index]
+
+
+def _loopback_backend(wire):
+    """A receiver backend whose "broadcast" copies scripted bytes into the slot (or raises)."""
+    from lightning_weightsync.protocol.messages import StoreJoin
+    from lightning_weightsync.transport.backends import NUM_SLOTS, Backend
+
+    class Loopback(Backend):
+        join_type = StoreJoin
+
+        def join_spec(self, generation):
+            return StoreJoin("127.0.0.1", 1)
+
+        def _build_group(self, group, rank):
+            pass
+
+        def broadcast(self, slot, nbytes, bucket_index, buffer=None):
+            data = wire[bucket_index]
+            if isinstance(data, BaseException):
+                raise data
+            self.buckets[slot][:nbytes].copy_(data)
+
+        def release(self, slot, bucket_index):
+            self.released.append((slot, bucket_index))
+
+    backend = Loopback(bucket_size=16, device=torch.device("cpu"), timeout_s=5.0, is_sender=False)
+    backend.buckets = [torch.zeros(16, dtype=torch.uint8) for _ in range(NUM_SLOTS)]
+    backend.released = []
+    return backend
+
+
+@pytest.mark.parametrize("failure", [None, "timeout", "runtime"])
+async def test_bucket_pipeline_runs_on_what_it_is_given(failure):
+    """The receive pipeline takes its collaborators as arguments: with a scripted control plane and a
+    loopback backend it merges bitwise through `view`, releases each slot once, and a backend's own
+    WeightSyncError keeps its type (a bare RuntimeError becomes a PeerError)."""
+    from lightning_weightsync import PeerError, ReceiveStats
+    from lightning_weightsync.engine.pipeline import BucketPipeline
+    from lightning_weightsync.protocol.chunks import as_bytes, merge_weight_chunks
+    from lightning_weightsync.protocol.messages import BucketMeta, Entry, GroupSpec, Member, Plan, StoreJoin
+    from lightning_weightsync.transport.executor import SerialExecutor
+
+    weight = torch.arange(8, dtype=torch.float32)
+    raw = as_bytes(weight)
+    metas = [
+        BucketMeta(1, 0, False, 16, [Entry("w", [8], "float32", 0, 16, 0)]),
+        BucketMeta(1, 1, True, 16, [Entry("w", [8], "float32", 16, 16, 0)]),
+    ]
+    wire: list = [raw[:16].clone(), raw[16:].clone()]
+    if failure == "timeout":
+        wire[1] = WeightSyncTimeout("the sender went quiet")
+    elif failure == "runtime":
+        wire[1] = RuntimeError("connection reset")
+    backend, executor = _loopback_backend(wire), SerialExecutor("test-pipeline")
+    plan = Plan(1, 1, GroupSpec("s", 1, "loopback", 16, [Member("r", 1)], StoreJoin("127.0.0.1", 1)))
+    pipeline = BucketPipeline(plan, control=_ScriptedControl(metas), backend=backend, executor=executor, timeout_s=5)
+    stats = ReceiveStats(version=1)
+    try:
+        merged = merge_weight_chunks(pipeline.chunks(stats), 16)
+        if failure is None:
+            got = {name: t.clone() async for name, t in merged}
+            assert torch.equal(as_bytes(got["w"]), raw)
+            assert backend.released == [(0, 0), (1, 1)] and stats.num_buckets == 2 and stats.nbytes == 32
+        else:
+            expected = WeightSyncTimeout if failure == "timeout" else PeerError
+            with pytest.raises(expected) as info:
+                async for _ in merged:
+                    pass
+            assert type(info.value) is expected
+    finally:
+        pipeline.cancel()
+        executor.shutdown()
