@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from ...errors import ConfigError, ProtocolError
 from ...protocol.messages import GroupSpec, Join
 from ..device import empty_bucket, record_event
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,17 @@ NUM_SLOTS = 2  # double buffering: pack / receive one bucket while the other is 
 def next_slot(slot: int) -> int:
     """The slot after `slot` in the ring of `NUM_SLOTS` (bucket k always uses slot k % NUM_SLOTS)."""
     return (slot + 1) % NUM_SLOTS
+
+
+class Rendezvous(Protocol):
+    """Where process-group ranks meet when transport.auth_token is set: the control plane
+    (`SenderControl` / `ReceiverControl`), which keeps the keys behind its authentication instead
+    of an open TCPStore."""
+
+    host: str
+    port: int
+
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store: ...
 
 
 class Backend(ABC):
@@ -54,12 +68,10 @@ class Backend(ABC):
         session: str = "",
         auth_key: bytes | None = None,
         identity: str = "",
-        rendezvous: Any = None,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self.session = session
-        # The control plane (`SenderControl` / `ReceiverControl`): process-group backends rendezvous
-        # through it instead of an open TCPStore when transport.auth_token is set.
-        self.rendezvous = rendezvous
+        self.rendezvous = rendezvous  # process-group backends meet through it when transport.auth_token is set
         self.identity = identity  # the receiver's control-plane identity (names its releases)
         self.auth_key = auth_key
         self.bucket_size = bucket_size

@@ -39,7 +39,7 @@ class TorchProcessGroupBackend(Backend):
 
     def setup(self, host: str, store_port: int) -> None:
         super().setup(host, store_port)
-        if self._via_control:  # nothing listens: receivers reach the keys through the control plane
+        if self.rendezvous is not None and self._via_control:  # nothing listens: keys go via the control plane
             self._store_addr = (self.rendezvous.host, int(self.rendezvous.port))
             logger.debug("%s rendezvous through the control plane at %s:%d", self.name, *self._store_addr)
             return
@@ -80,7 +80,7 @@ class TorchProcessGroupBackend(Backend):
         join = group.join
         assert isinstance(join, StoreJoin)  # checked by Backend.join
         namespace = f"lws/{group.session}/{group.generation}"
-        if self._via_control:
+        if self.rendezvous is not None and self._via_control:
             prefix = self.rendezvous.rendezvous_store(namespace, self.timeout_s)
         else:
             prefix = dist.PrefixStore(namespace, self._store_for(join))
