@@ -76,6 +76,7 @@ LINK_HEARTBEAT_MS = 1000  # ZMTP pings on every control connection ...
 LINK_TIMEOUT_MS = 6000  # ... and a peer silent this long is disconnected (its identity freed)
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
 MAX_STORE_KEYS = 65536  # rendezvous keys a sender session holds at most
+MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
 STORE_POLL_S = 0.01
 
 
@@ -210,6 +211,7 @@ class SenderControl:
         self._former: dict[str, bytes] = {}  # identity -> its last connection (an Abort may still reach it)
         self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver instance -> last seq accepted
         self._seq = 0
+        self._kept: list[tuple[str, Message]] = []  # read by `_pump` while streaming, for the next `recv`
         self._store: dist.HashStore | None = None
         self._drops = _DropLog("dropped a control message")
         self._refusals = _DropLog("refused a registration")
@@ -327,29 +329,51 @@ class SenderControl:
     async def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """One valid message, or None when `timeout_s` passed; bad messages are dropped."""
         assert self._sock is not None, "call start() first"
+        if self._kept:
+            return self._kept.pop(0)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):
                 return None
-            frames = await self._sock.recv_multipart()
-            route = frames[0]
-            try:
-                msg, envelope = self._open(frames[1:])
-                self._admit(route, msg, envelope)
-            except ProtocolError as exc:
-                self._dropped += 1
-                if isinstance(exc, _Replay):
-                    self.replayed_messages += 1
-                self._drops.note(self._routes.get(route, f"connection {route.hex()}"), exc)
-                continue
-            if envelope is not None:
-                self._seqs[envelope.origin] = envelope.seq
-                self._seqs.move_to_end(envelope.origin)
-                while len(self._seqs) > MAX_TRACKED_ORIGINS:
-                    self._seqs.popitem(last=False)
-            if await self._track(route, msg, envelope):
-                return self._routes[route], msg
+            got = await self._read_one()
+            if got is not None:
+                return got
+
+    async def _read_one(self) -> tuple[str, Message] | None:
+        """Read, check and book-keep one message; returns it if the caller should see it."""
+        assert self._sock is not None
+        frames = await self._sock.recv_multipart()
+        route = frames[0]
+        try:
+            msg, envelope = self._open(frames[1:])
+            self._admit(route, msg, envelope)
+        except ProtocolError as exc:
+            self._dropped += 1
+            if isinstance(exc, _Replay):
+                self.replayed_messages += 1
+            self._drops.note(self._routes.get(route, f"connection {route.hex()}"), exc)
+            return None
+        if envelope is not None:
+            self._seqs[envelope.origin] = envelope.seq
+            self._seqs.move_to_end(envelope.origin)
+            while len(self._seqs) > MAX_TRACKED_ORIGINS:
+                self._seqs.popitem(last=False)
+        if await self._track(route, msg, envelope):
+            return self._routes[route], msg
+        return None
+
+    async def _pump(self) -> None:
+        """While a version streams nobody calls `recv`: read what arrived (progress reports,
+        registrations) without waiting, so receivers' queues never fill up and drop an Ack; what
+        a caller should see is kept for its next `recv`."""
+        assert self._sock is not None
+        for _ in range(1000):
+            if len(self._kept) >= MAX_KEPT or not await self._sock.poll(0):
+                return
+            got = await self._read_one()
+            if got is not None:
+                self._kept.append(got)
 
     def _open(self, frames: list[bytes]) -> tuple[Message, Seal | None]:
         if not self.key:
@@ -455,6 +479,7 @@ class SenderControl:
     async def send_all(self, peers: list[Peer], msg: Message) -> None:
         for peer in peers:
             await self.send(peer.identity, msg)
+        await self._pump()  # called once per bucket while streaming
 
     # -- the data-plane rendezvous store (replaces an open TCPStore) ----------------------------------
     @property
@@ -691,7 +716,11 @@ class ReceiverControl:
         if self._sock is None:
             return
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart(self._frames(BucketDone(self.identity, version, bucket_index)), flags=zmq.NOBLOCK)
+            sent = self._sock.send_multipart(
+                self._frames(BucketDone(self.identity, version, bucket_index)), flags=zmq.NOBLOCK
+            )
+            if isinstance(sent, asyncio.Future):  # a full pipe (EAGAIN) is fine: progress is best effort
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def stash(self, msg: Message) -> None:
         """Keep a message for the next `recv` (e.g. a new version's `Prepare` seen mid-version)."""
