@@ -335,7 +335,7 @@ def unseal(
         raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
 
 
-STORE_OPS = ("set", "get")
+STORE_OPS = ("set", "get", "add")  # add: value and answer are decimal integers
 MAX_STORE_KEY_LEN = 512
 MAX_STORE_VALUE_LEN = 1 << 16  # gloo stores a rank's address (~100 bytes) per key
 

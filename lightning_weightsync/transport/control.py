@@ -506,6 +506,16 @@ class SenderControl:
                 return
             store.set(msg.key, msg.value)
             found = True
+        elif msg.op == "add":  # counters (barriers) of process groups other than gloo
+            try:
+                amount = int(msg.value.decode("ascii")) if len(msg.value) <= 20 else None
+            except (UnicodeDecodeError, ValueError):
+                amount = None
+            if amount is None:
+                self._dropped += 1
+                self._drops.note(identity, f"store add of a non-integer {msg.value[:20]!r}")
+                return
+            found, value = True, str(store.add(msg.key, amount)).encode()
         elif store.check([msg.key]):
             found, value = True, store.get(msg.key)
         with contextlib.suppress(PeerError):

@@ -4,7 +4,7 @@ the sender and are reached only through the (CURVE-authenticated, signed) ZeroMQ
 A TCPStore listens for anyone: a stranger can list its keys and set the address a rank will connect
 to. With this store there is no such listener; the sender keeps a `HashStore`, and a receiver's
 process group (built on the executor thread) asks the sender for each key through `StoreRequest`.
-gloo's rendezvous only needs `set`, `get` and `wait`; the rest is there for other process groups.
+gloo's rendezvous only needs `set`, `get` and `wait`; `add` and `check` are there for other process groups.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ class ControlPlaneStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         return self._run(self._control.store_get(self._prefix + key, self._timeout_s))  # type: ignore[no-any-return]
+
+    def add(self, key: str, amount: int) -> int:
+        reply = self._run(
+            self._control.store_call("add", self._prefix + key, str(int(amount)).encode(), self._timeout_s)
+        )
+        return int(reply.value.decode("ascii"))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         limit = self._timeout_s if timeout is None else min(self._timeout_s, timeout.total_seconds())

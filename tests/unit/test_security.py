@@ -37,7 +37,7 @@ from lightning_weightsync.protocol.messages import (
     validate,
 )
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
-from tests.support.engine import engine_cfg
+from tests.support.engine import engine_cfg, with_timeout
 from tests.support.mp import free_port
 
 KEY = b"issue-10-token"
@@ -392,3 +392,45 @@ def test_cli_wrong_type_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
     assert "trainer.names.rename" in err[0] and any("fix" in line for line in err[1:])
+
+
+# ----------------------------------------------------------------------------------------------- finding 2
+
+
+async def test_rendezvous_store_lives_behind_the_control_plane() -> None:
+    """A gloo group forms through the sender's store reached over the authenticated control plane
+    (no TCPStore); keys outside the sender session's namespace are refused."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sender = await _started_sender()
+    receiver = await _registered(sender, "rollout-0")
+    try:
+        await _prepare(sender, receiver, 1)  # the receiver now seals for this sender session
+        namespace = f"lws/{sender.session}/1"
+        local, remote = sender.rendezvous_store(namespace, 10), receiver.rendezvous_store(namespace, 10)
+        tensors = [torch.arange(64, dtype=torch.float32), torch.zeros(64)]
+
+        def rank(r: int, store: dist.Store) -> None:
+            group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=10))
+            group.broadcast(tensors[r], 0).wait()
+
+        both = asyncio.gather(asyncio.to_thread(rank, 0, local), asyncio.to_thread(rank, 1, remote))
+        await with_timeout(sender.serve_while(asyncio.ensure_future(both)), 30)
+        assert torch.equal(tensors[1], tensors[0])
+
+        async def served(fn: Any) -> Any:
+            return await sender.serve_while(asyncio.ensure_future(asyncio.to_thread(fn)))
+
+        assert await served(lambda: remote.add("counter", 2)) == 2
+        assert await served(lambda: remote.add("counter", 3)) == 5
+        assert await served(lambda: remote.check(["counter"])) and not await served(lambda: remote.check(["nope"]))
+        dropped = sender.dropped_messages
+        stranger_ns = receiver.rendezvous_store("lws/another-session/1", 1)
+        with pytest.raises(WeightSyncError):
+            await served(lambda: stranger_ns.set("0", b"10.0.0.66:1234"))
+        assert sender.dropped_messages == dropped + 1
+    finally:
+        await receiver.close()
+        await sender.close()
