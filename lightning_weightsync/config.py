@@ -94,6 +94,10 @@ class TransportConfig:
     """Data-plane backend that moves the bucket bytes."""
     bucket_size_mb: float = 512.0
     """One transfer bucket in MiB (float allowed); bounds memory (2 buckets a side), not tensor size."""
+    direct_min_mb: float = 1.0
+    """Tensors of at least this many MiB go direct: each chunk is broadcast from the caller's tensor and
+    received into its destination (no pack or merge copy); smaller ones are packed. 0 = only chunks that
+    fill a whole bucket go direct."""
     host: str = "127.0.0.1"
     """The sender's control endpoint: the sender binds it, receivers connect to it."""
     port: int = 29600
@@ -401,6 +405,12 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if bucket_size_bytes(cfg) < 1:
         raise ConfigError(f"transport.bucket_size_mb={mb} rounds to 0 bytes")
+    direct = t.direct_min_mb
+    if not (math.isfinite(direct) and 0 <= direct <= MAX_BUCKET_SIZE_MB):
+        raise ConfigError(
+            f"transport.direct_min_mb={direct} must be in [0, {MAX_BUCKET_SIZE_MB}] MiB (0: only full-bucket chunks "
+            "go direct)"
+        )
     _port("transport.port", t.port, allow_zero=True)
     _port("transport.store_port", t.store_port, allow_zero=True)
     _port("rollout.metrics_port", ro.metrics_port, allow_zero=True)
@@ -423,6 +433,12 @@ def validate_config(cfg: DictConfig) -> None:
         if not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"vllm.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
     _check_bounds(cfg)
+
+
+def direct_min_bytes(cfg: DictConfig) -> int | None:
+    """`transport.direct_min_mb` in bytes; None when 0 (only full-bucket chunks go direct)."""
+    nbytes = int(float(cfg.transport.direct_min_mb) * 1024 * 1024)
+    return nbytes if nbytes > 0 else None
 
 
 def bucket_size_bytes(cfg: DictConfig) -> int:

@@ -82,11 +82,13 @@ def _model_stream(scale: int, model: str = "qwen3-8b", fraction: float = 1.0) ->
     return list(model_stream(model, scale=scale, max_tensors=count, extras=False))
 
 
-def _cfg(port: int, bucket_mb: float, receivers: int) -> Any:
+def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | None = None) -> Any:
     from ..config import load_config
 
+    direct = [] if direct_min_mb is None else [f"transport.direct_min_mb={direct_min_mb}"]
     return load_config(
         overrides=[
+            *direct,
             f"transport.port={port}",
             f"transport.bucket_size_mb={bucket_mb}",
             "transport.timeout_s=120",
@@ -146,7 +148,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
         if case["kind"] == "small"
         else _raw_broadcast_seconds(pg, stream, bucket, repeats)
     )
-    cfg = _cfg(ports["control"], case["bucket_mb"], world - 1)
+    cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"))
     result: dict[str, Any] = {"baseline_s": baseline}
 
     async def send() -> None:
@@ -224,7 +226,7 @@ def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: lis
     largest = sender.get("largest_bytes", 0)
     budget_receiver = 2 * bucket + (0 if case.get("into", True) else largest) + SLACK_BYTES
     return {
-        **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction") if k in case},
+        **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction", "direct_min_mb") if k in case},
         "receivers": len(receivers),
         "total_mb": nbytes / MiB,
         "buckets": sender["buckets"],
@@ -251,6 +253,7 @@ def run(
     moe_scale: int = 4,
     repeats: int = 3,
     sections: tuple[str, ...] = ("throughput", "receivers", "growth", "small_tensors"),
+    direct_min_mbs: tuple[float, ...] = (0.0, 0.25, 1.0, 4.0),
 ) -> dict[str, Any]:
     """Every section against a baseline measured in the same run, in the same processes:
     throughput (with and without `into=` destinations, per bucket size: ratio to a raw gloo broadcast
@@ -264,6 +267,11 @@ def run(
             for into in (True, False):
                 case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb, "into": into}
                 rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+    if "direct_min" in sections:  # how transport.direct_min_mb's default was chosen
+        rows = report["direct_min"] = []
+        for direct_min_mb in direct_min_mbs:
+            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "direct_min_mb": direct_min_mb}
+            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
     if "receivers" in sections:
         rows = report["receivers"] = []
         for n in receivers:
@@ -297,13 +305,13 @@ def _print(report: dict[str, Any]) -> None:
         f"{'model':>14} {'scale':>5} {'frac':>5} {'bucket':>6} {'into':>5} {'recv':>4} {'MiB':>6} {'direct':>6} "
         f"{'engine s/GiB':>12} {'raw s/GiB':>9} {'ratio':>6} {'send +MiB':>9} {'recv +MiB':>9} {'budget s/r':>11}"
     )
-    for section in ("throughput", "receivers", "growth"):
+    for section in ("throughput", "direct_min", "receivers", "growth"):
         if section not in report:
             continue
         print(
             f"== {section} (loopback gloo; ratio = raw gloo broadcast time / engine time, goal {report['goal_ratio']})"
         )
-        print(head)
+        print(head + ("  direct_min_mb" if section == "direct_min" else ""))
         for r in report[section]:
             print(
                 f"{r.get('model', 'qwen3-8b'):>14} {r['scale']:>5} {r.get('fraction', 1.0):>5.3g} "
@@ -311,6 +319,7 @@ def _print(report: dict[str, Any]) -> None:
                 f"{r['total_mb']:>6.0f} {r['direct_buckets']:>6} {r['engine_s_per_GiB']:>12.3f} "
                 f"{r['raw_s_per_GiB']:>9.3f} {r['ratio']:>6.2f} {r['sender_extra_mb']:>9.0f} "
                 f"{r['receiver_extra_mb']:>9.0f} {r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
+                + (f"  {r['direct_min_mb']:g}" if "direct_min_mb" in r else "")
             )
     s = report.get("small_tensors")
     if s:
@@ -330,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
     p.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sections", nargs="+", default=["throughput", "receivers", "growth", "small_tensors"])
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        default=["throughput", "receivers", "growth", "small_tensors"],
+        help="also: direct_min (the transport.direct_min_mb sweep)",
+    )
+    p.add_argument("--direct-min-mb", type=float, nargs="+", default=[0.0, 0.25, 1.0, 4.0])
     a = p.parse_args(argv)
     run(
         a.json,
@@ -341,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         fractions=tuple(a.fractions),
         repeats=a.repeats,
         sections=tuple(a.sections),
+        direct_min_mbs=tuple(a.direct_min_mb),
     )
     return 0
 

@@ -86,6 +86,9 @@ class BucketPipeline:
         self.finished = False
         self.current: BucketItem | None = None  # bucket being consumed, not yet released
         self.drain_task: asyncio.Future[None] | None = None
+        # {name sent: other names of that tensor}: the version's first bucket says (tied embeddings),
+        # known before any destination is asked for
+        self.tied: dict[str, list[str]] = {}
 
     async def _produce(self) -> None:
         """Post each bucket's broadcast as soon as its metadata is here and its slot is free; the
@@ -97,6 +100,8 @@ class BucketPipeline:
                 await self.free[slot].wait()
                 self.free[slot].clear()
                 meta = await self.control.next_bucket(self.plan.version, index, self.timeout_s)
+                if index == 0:
+                    self.tied = {name: list(aliases) for name, aliases in meta.tied.items()}
                 target = self._direct_target(meta)
                 done = self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done))
@@ -109,12 +114,15 @@ class BucketPipeline:
                 raise
 
     def _direct_target(self, meta: BucketMeta) -> torch.Tensor | None:
-        """A bucket that is one full-bucket chunk goes straight into its destination, if any."""
+        """A bucket that is one chunk and nothing else (a chunk of a large tensor, or one filling the
+        bucket) goes straight into its destination, if the consumer gave one: the bucket metadata says
+        so, whatever the sender's `direct_min_mb`, so the wire stays self-describing."""
         if (
             self.destinations is None
             or not self.backend.direct_ok
             or len(meta.entries) != 1
-            or meta.nbytes != self.plan.group.bucket_size
+            or meta.nbytes == 0
+            or meta.entries[0].offset != 0
             or meta.entries[0].chunk_size != meta.nbytes
         ):
             return None

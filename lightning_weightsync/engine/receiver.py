@@ -71,6 +71,13 @@ class WeightReceiver(Endpoint):
         return self
 
     @property
+    def tied(self) -> dict[str, list[str]]:
+        """The version in flight's tied names, {name sent: other names of that tensor} (tied
+        embeddings are sent once); known once its first bucket's metadata arrived, before any
+        destination is asked for."""
+        return dict(self._pipeline.tied) if self._pipeline is not None else {}
+
+    @property
     def dropped_messages(self) -> int:
         return self._control.dropped_messages
 

@@ -1,14 +1,21 @@
 """WeightSender: split, pack, publish, broadcast, swap.
 
-    for each chunk from split_weight_chunks(weights, bucket_size):
+    for each chunk from split_weight_chunks(weights, bucket_size, alone_from=direct_min):
         when the chunk starts a new bucket: publish the full bucket's metadata (ZeroMQ), start its
         broadcast on the executor thread, swap to the other slot, and wait until that slot's
         previous broadcast is complete (not merely enqueued) before packing into it
-        pack: bucket[offset : offset + size] = chunk
+        a chunk of a large tensor (>= transport.direct_min_mb) has a bucket of its own: it is not
+        packed but broadcast straight from the caller's tensor (where the backend can)
+        otherwise pack: bucket[offset : offset + size] = chunk
     publish + broadcast the last bucket (is_last); wait for both slots; collect acks
 
 Buckets are allocated once (by the backend, at `start()`) and reused for every version. Memory:
 two buckets plus whatever the caller's iterable holds (one full tensor when it streams a gather).
+A direct broadcast reads the caller's tensor: by default it completes before the next tensor is
+pulled (the caller may reuse that memory, as FSDP1's unsharded views do); a producer that yields
+fresh tensors (`stable_tensors=True`: FSDP2 `full_tensor()`, a dtype cast) lets the next gather
+overlap the broadcast, and the sender holds each tensor until its broadcast completed: at most
+`NUM_SLOTS` tensors in flight on top of the two buckets.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ..config import auth_token, bucket_size_bytes, load_config
+from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
-from ..protocol.chunks import NamedTensors, aiter_any, split_weight_chunks
+from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Plan, check_tensor
 from ..transport.backends import NUM_SLOTS, Backend, backend_class, build_backend, next_slot
@@ -105,6 +112,7 @@ class WeightSender(Endpoint):
         self.cfg = cfg if cfg is not None else load_config()
         t = self.cfg.transport
         self.bucket_size = bucket_size_bytes(self.cfg)
+        self.direct_min = direct_min_bytes(self.cfg)
         self.timeout_s = float(t.timeout_s)
         self.session = secrets.token_hex(8)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
@@ -148,11 +156,23 @@ class WeightSender(Endpoint):
         return self
 
     # -- one version ------------------------------------------------------------------------------
-    async def send_weights(self, weights: NamedTensors, *, version: int) -> SendStats:
+    async def send_weights(
+        self,
+        weights: NamedTensors,
+        *,
+        version: int,
+        stable_tensors: bool = False,
+        tied: Mapping[str, Iterable[str]] | None = None,
+    ) -> SendStats:
         """Send one version; raises `WeightSyncError` (after draining `weights`) on failure.
 
         A receiver that nacks or does not ack in time makes this raise `PeerError` with the
         stats attached (`exc.stats`): the bytes went out, but not every rollout holds them.
+
+        `stable_tensors`: the iterable yields tensors whose memory it does not reuse for the next
+        one, so a direct broadcast may still read a tensor while the next is produced (overlap).
+        `tied`: {name sent: other names of that tensor} (tied embeddings, sent once); it travels
+        with the first bucket so every sink can restore the tie.
         """
         iterable = hasattr(weights, "__iter__") or hasattr(weights, "__aiter__")
         if isinstance(weights, (Mapping, str, bytes)) or not iterable:
@@ -187,7 +207,8 @@ class WeightSender(Endpoint):
                 await source.drain()
                 return stats
             await self._join(version, peers)
-            await self._stream(source, version, peers, stats)
+            tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
+            await self._stream(source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names)
             acks = await self._control.collect_acks(version, peers, self.timeout_s)
         except BaseException as exc:
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
@@ -231,22 +252,33 @@ class WeightSender(Endpoint):
             await self._control.send(peer.identity, Plan(version, rank, group))
         await self._control.serve_while(self._executor.submit(self._backend.join, group, 0, version))
 
-    async def _stream(self, source: _Drainable, version: int, peers: list[Peer], stats: SendStats) -> None:
+    async def _stream(
+        self,
+        source: _Drainable,
+        version: int,
+        peers: list[Peer],
+        stats: SendStats,
+        *,
+        stable_tensors: bool = False,
+        tied: dict[str, list[str]] | None = None,
+    ) -> None:
         assert self._backend is not None and self._executor is not None
         backend, executor = self._backend, self._executor
         pending = self._pending = [None] * NUM_SLOTS
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
-        direct: torch.Tensor | None = None  # a full-bucket chunk, broadcast from the caller's tensor
-        # The last direct broadcast reading the caller's current tensor: it must be complete before
-        # the next tensor is pulled (the caller may reuse its memory then).
+        direct: torch.Tensor | None = None  # a chunk alone in its bucket, broadcast from the caller's tensor
+        # The last direct broadcast reading the caller's current tensor: unless the producer's tensors
+        # are stable, it must be complete before the next tensor is pulled (the caller may reuse its
+        # memory then). With stable tensors the executor's reference keeps the tensor alive instead.
         direct_in_flight: tuple[asyncio.Future[None], int] | None = None
 
         async def publish(is_last: bool) -> None:
             """The bucket's metadata to every receiver, then its broadcast onto the executor thread."""
             nonlocal direct, direct_in_flight
             backend.fence(slot)
-            await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries))
+            first_tied = tied if bucket_index == 0 and tied else {}
+            await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
             pending[slot] = future = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
             if direct is not None:
                 direct_in_flight = (future, bucket_index)
@@ -259,13 +291,17 @@ class WeightSender(Endpoint):
             slot, bucket_index, fill, entries = next_slot(slot), bucket_index + 1, 0, []
             await self._complete(pending, slot, version, bucket_index - NUM_SLOTS)
 
-        async for meta, data in split_weight_chunks(source, self.bucket_size):
+        direct_ok, bucket_size, alone_from = backend.direct_ok, self.bucket_size, self.direct_min
+        async for meta, data in split_weight_chunks(source, bucket_size, alone_from=alone_from if direct_ok else None):
             assert meta.offset is not None
             if meta.offset < fill:  # the split started a new bucket
                 await publish(is_last=False)
                 await swap()
-            # A chunk that fills a whole bucket needs no packing where the backend can send any tensor.
-            is_direct = backend.direct_ok and meta.chunk_size == self.bucket_size and data.device == self.device
+            # A chunk alone in its bucket needs no packing where the backend can send any tensor.
+            is_direct = (
+                direct_ok and meta.chunk_size > 0 and data.device == self.device
+                and chunk_goes_alone(meta, bucket_size, alone_from)
+            )  # fmt: skip
             if is_direct:
                 direct = data
                 stats.direct_buckets += 1
@@ -280,7 +316,7 @@ class WeightSender(Endpoint):
             if is_direct:
                 await publish(is_last=False)
                 await swap()
-            if meta.is_last and direct_in_flight is not None:  # the caller may reuse its tensor next
+            if meta.is_last and direct_in_flight is not None and not stable_tensors:  # caller may reuse it next
                 await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
                 direct_in_flight = None
         await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
@@ -359,8 +395,17 @@ class BlockingWeightSender:
     def start(self) -> None:
         self._run(self.sender.start())
 
-    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SendStats:
-        return self._run(self.sender.send_weights(weights, version=version))  # type: ignore[no-any-return]
+    def send_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        stable_tensors: bool = False,
+        tied: Mapping[str, Iterable[str]] | None = None,
+    ) -> SendStats:
+        """`WeightSender.send_weights`, run to completion on this object's loop."""
+        coro = self.sender.send_weights(weights, version=version, stable_tensors=stable_tensors, tied=tied)
+        return self._run(coro)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         if not self._loop.is_closed():

@@ -79,15 +79,19 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 async def split_weight_chunks(
-    weights: NamedTensors, bucket_size: int
+    weights: NamedTensors, bucket_size: int, *, alone_from: int | None = None
 ) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
     """Yield `(meta, uint8 view)` chunks of at most `bucket_size` bytes, packed back to back.
 
-    Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0.
+    Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0. With
+    `alone_from`, every chunk of a tensor of at least that many bytes gets a bucket of its own
+    (offset 0, nothing packed before or after it): a transport can then broadcast it straight from
+    the tensor and receive it straight into its destination, with no pack or merge copy. Only the
+    smaller tensors are packed. `chunk_goes_alone` says which chunks those are.
     """
     if bucket_size < 1:
         raise ConfigError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
-    plan = _BucketPlan(bucket_size)
+    plan = _BucketPlan(bucket_size, alone_from)
     # Two loops instead of `aiter_any`: one async-generator layer less per tensor on the hot path.
     if isinstance(weights, AsyncIterable):
         async for name, tensor in weights:
@@ -106,13 +110,22 @@ def _place(dest: torch.Tensor, data: torch.Tensor) -> None:
         dest.copy_(data)
 
 
+def chunk_goes_alone(meta: TensorMeta, bucket_size: int, alone_from: int | None) -> bool:
+    """Whether `split_weight_chunks(..., alone_from=...)` gave this chunk a bucket of its own: every
+    chunk of a large tensor, and any chunk that fills a whole bucket."""
+    return meta.offset == 0 and (
+        meta.chunk_size == bucket_size or (alone_from is not None and meta.nbytes >= alone_from > 0)
+    )
+
+
 class _BucketPlan:
     """Assigns chunks their bucket offsets; `filled` carries over from one tensor to the next."""
 
-    __slots__ = ("bucket_size", "filled")
+    __slots__ = ("alone_from", "bucket_size", "filled")
 
-    def __init__(self, bucket_size: int) -> None:
+    def __init__(self, bucket_size: int, alone_from: int | None = None) -> None:
         self.bucket_size = bucket_size
+        self.alone_from = alone_from if alone_from is not None and alone_from > 0 else None
         self.filled = 0  # bytes already planned into the current bucket
 
     def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
@@ -121,6 +134,13 @@ class _BucketPlan:
         data = as_bytes(tensor)
         shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
         bucket_size, filled = self.bucket_size, self.filled
+        if self.alone_from is not None and nbytes >= self.alone_from:
+            # a bucket per chunk, starting afresh; the next tensor starts afresh too
+            for chunk_offset in range(0, nbytes, bucket_size):
+                size = min(bucket_size, nbytes - chunk_offset)
+                self.filled = bucket_size
+                yield TensorMeta(name, shape, dtype, chunk_offset, size, 0), data[chunk_offset : chunk_offset + size]
+            return
         if filled == bucket_size:
             filled = 0
         if nbytes <= bucket_size - filled:  # fits whole (the common case): no slicing

@@ -236,7 +236,7 @@ class RolloutDaemon:
             if not v.began:
                 v.version = int(receiver.version)
                 v.began = True
-                sink.begin(v.version)
+                sink.begin(v.version, tied=receiver.tied)  # bucket 0 (with the tied names) is here
 
         def into(meta: TensorMeta) -> torch.Tensor | None:
             begin()

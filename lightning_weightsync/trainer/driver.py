@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..config import FailurePolicy
 from ..errors import ConfigError, WeightSyncError
-from .gather import NamedTensor, iter_full_parameters
+from .gather import NamedTensor, iter_full_parameters, yields_stable_tensors
 from .names import tied_names
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class SyncRecord:
     last_synced_version: int | None = None
     failures: int = 0
     last_stats: SendStats | None = None
+    last_stall_seconds: float = 0.0  # how long the last sync blocked the training loop on this rank
 
     def delivered(self, version: int, stats: SendStats | None) -> None:
         self.last_synced_version = version
@@ -109,6 +111,9 @@ class SyncRecord:
             "weightsync/GBps": float(stats.gbps),
             "weightsync/version": float(version),
             "weightsync/receivers": float(stats.receivers),
+            # every rank leaves a sync at the same agreement all-reduce, so the sending rank's stall is
+            # the training loop's stall
+            "weightsync/stall_seconds": float(self.last_stall_seconds),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -216,7 +221,7 @@ class SyncDriver:
 
     def tied(self, module: nn.Module) -> dict[str, tuple[str, ...]]:
         """{name sent: other names of the same tensor} under this sync's rules (tied embeddings are
-        sent once). Local, no collectives. What `BucketMeta.tied` is for, once the sender carries it."""
+        sent once). Local, no collectives; travels in the version's first `BucketMeta.tied`."""
         tr = self.cfg.trainer
         return tied_names(module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, prefix=self.prefix)
 
@@ -228,20 +233,30 @@ class SyncDriver:
             self._tied_logged = True
             for sent, aliases in self.tied(module).items():
                 logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
+        started = time.perf_counter()
+        try:
+            return self._sync(module, version)
+        finally:
+            self.record.last_stall_seconds = time.perf_counter() - started
+
+    def _sync(self, module: nn.Module, version: int) -> bool:
         weights = self.weights(module)
         error: Exception | None = None
         self.last_stats = None
         if self.is_sender:
             if self.sender is None:
                 raise WeightSyncError("SyncDriver.sync() before start()")
+            sender = self.sender
+            stable, tied = yields_stable_tensors(module), self.tied(module)
+
+            def send() -> SendStats:
+                return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied)
+
             try:
                 if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
-                    sender = self.sender
-                    self.last_stats = self.rollouts.run_version(
-                        version, lambda: sender.send_weights(weights, version=version)
-                    )
+                    self.last_stats = self.rollouts.run_version(version, send)
                 else:
-                    self.last_stats = self.sender.send_weights(weights, version=version)
+                    self.last_stats = send()
             except ConfigError:
                 raise  # raised by the gather on every rank at the same point: nobody is left waiting
             except Exception as exc:

@@ -172,6 +172,14 @@ def iter_full_parameters(
             yield from emit(_walk_tensors(unit, path, _is_fsdp1, include_buffers))
 
 
+def yields_stable_tensors(module: nn.Module) -> bool:
+    """Whether `iter_full_parameters(module)` yields tensors whose memory it does not reuse for the
+    next one, so a sender may still read a tensor while the next is gathered (overlap). FSDP2's
+    `full_tensor()` allocates afresh and plain/DDP parameters are untouched during a sync; FSDP1's
+    `summon_full_params` views are freed and reused unit by unit, so they are not stable."""
+    return not _fsdp1_units(module)
+
+
 def drain(weights: Iterable[Any]) -> int:
     """Exhaust `weights` (what ranks that do not send do with `iter_full_parameters`); returns the count."""
     count = 0
@@ -196,4 +204,5 @@ __all__: Sequence[str] = (
     "named_full_state_dict",
     "resolve_dtype",
     "strip_wrapper_prefixes",
+    "yields_stable_tensors",
 )

@@ -53,14 +53,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def record_event(device: torch.device) -> Any | None:
-    """An event on the current stream of `device`, or None on CPU (copies there are synchronous)."""
+    """An event on the current stream of `device` (not of whatever device is current in this thread:
+    with `transport.device=cuda:1` the copies to fence are on cuda:1), or None on CPU (copies there
+    are synchronous)."""
     if device.type == "cuda":
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         return event
     if device.type == "npu":
         event = torch.npu.Event()  # type: ignore[attr-defined]
-        event.record()
+        event.record(torch.npu.current_stream(device))  # type: ignore[attr-defined]
         return event
     return None
 

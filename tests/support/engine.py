@@ -45,3 +45,20 @@ def stream(version: int, **kwargs: Any) -> list[tuple[str, torch.Tensor]]:
 
 async def with_timeout(coro: Any, timeout_s: float = 60) -> Any:
     return await asyncio.wait_for(coro, timeout_s)
+
+
+def planned_buckets(weights: list[tuple[str, torch.Tensor]], bucket_size: int, alone_from: int | None) -> int:
+    """How many buckets the split plans for `weights` (what the sender must report), counted the way
+    the sender counts them: a chunk whose offset falls below the current fill starts a new bucket."""
+    from lightning_weightsync.protocol.chunks import split_weight_chunks
+
+    async def count() -> int:
+        buckets, fill = 1, 0
+        async for meta, _ in split_weight_chunks(weights, bucket_size, alone_from=alone_from):
+            assert meta.offset is not None
+            if meta.offset < fill:
+                buckets += 1
+            fill = meta.offset + meta.chunk_size
+        return buckets
+
+    return asyncio.run(count())

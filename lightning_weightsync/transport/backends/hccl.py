@@ -22,6 +22,10 @@ from .torch_pg import TorchProcessGroupBackend
 
 @register_backend("hccl", natural_device="npu")
 class HcclBackend(TorchProcessGroupBackend):
+    # any contiguous NPU tensor on `device` can be sent / received in place: `wait_fence` covers the
+    # work that produced it, and the device is synchronized after each broadcast
+    direct_ok = True
+
     def __init__(self, **kwargs: Any) -> None:
         self._torch_npu = import_torch_npu()
         super().__init__(**kwargs)

@@ -39,6 +39,7 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
 @register_backend("nccl", natural_device="cuda")
 class NcclBackend(Backend):
     join_type = NcclJoin
+    direct_ok = True  # any contiguous CUDA tensor on `device` can be sent / received in place
 
     def __init__(self, **kwargs: Any) -> None:
         self._cupy, self._nccl = _import_cupy_nccl()
@@ -70,12 +71,19 @@ class NcclBackend(Backend):
             self._comm = None
 
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        """On NCCL's own stream, after the compute stream's work on what it reads (the event recorded
+        by `fence`: the packing copies, or the gather/cast that produced a direct chunk); returns when
+        that stream finished, so the slot may be repacked and a direct source tensor released."""
         if nbytes == 0:
             return
-        bucket = self.buckets[slot]
+        target = self.buckets[slot][:nbytes] if buffer is None else buffer
+        if target.device != self.device or target.numel() != nbytes or not target.is_contiguous():
+            raise PeerError(f"nccl broadcast of {nbytes} bytes from a {target.numel()}-byte {target.device} tensor")
         event = self._fences[slot]
-        if event is not None:  # the compute stream's packing (or copying out) finishes first
+        if event is not None:
             self._stream.wait_event(event)  # type: ignore[arg-type]
             self._fences[slot] = None
-        self._comm.bcast(bucket.data_ptr(), nbytes, self._nccl.NCCL_UINT8, 0, self._stream.cuda_stream)
+        if buffer is not None:  # a caller's tensor: whatever the compute stream still does with it comes first
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._comm.bcast(target.data_ptr(), nbytes, self._nccl.NCCL_UINT8, 0, self._stream.cuda_stream)
         self._stream.synchronize()

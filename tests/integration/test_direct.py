@@ -1,0 +1,120 @@
+"""Large tensors go direct, whatever their size relative to the bucket; stable producers overlap.
+
+`transport.direct_min_mb`: every chunk of a tensor at least that large has a bucket of its own, is
+broadcast from the caller's tensor and received into its destination (no pack, no merge copy); only
+small tensors are packed. A producer that yields fresh tensors (`stable_tensors=True`) is asked for
+the next tensor while the direct broadcast of the previous one is still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from lightning_weightsync import WeightReceiver, WeightSender
+from tests.support.engine import assert_bitwise, engine_cfg, with_timeout
+
+KIB = 1024
+
+
+def _tensor(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+async def _pair(**extra):
+    sender = WeightSender(engine_cfg(0, bucket_size_mb=64 / 1024, **extra))
+    await sender.start()
+    receiver = WeightReceiver(engine_cfg(sender.port, bucket_size_mb=64 / 1024, **extra), identity="direct")
+    await receiver.start()
+    return sender, receiver
+
+
+async def test_tensors_over_the_threshold_go_direct_in_buckets_of_their_own() -> None:
+    # 64 KiB buckets, direct from 16 KiB: 40 KiB and 100 KiB tensors go direct (1 and 2 chunks), the 1 KiB
+    # ones are packed; none of the direct chunks fills a bucket, so the old full-bucket rule sent none direct
+    weights = [("s0", _tensor(KIB, 0)), ("mid", _tensor(40 * KIB, 1)), ("s1", _tensor(KIB, 2)),
+               ("big", _tensor(100 * KIB, 3)), ("s2", _tensor(KIB, 4))]  # fmt: skip
+    sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
+    dest = {n: torch.zeros_like(t) for n, t in weights}
+    try:
+
+        async def consume() -> dict[str, torch.Tensor]:
+            got = {}
+            async for name, tensor in receiver.receive_weights(into=lambda m: dest[m.name]):
+                assert tensor.data_ptr() == dest[name].data_ptr()
+                got[name] = tensor.clone()
+            return got
+
+        got, stats = await with_timeout(asyncio.gather(consume(), sender.send_weights(weights, version=1)))
+    finally:
+        await receiver.close()
+        await sender.close()
+    assert_bitwise(got, weights)
+    assert stats.direct_buckets == 3  # mid, big[0:64K], big[64K:100K]
+    assert stats.num_buckets == 6  # [s0] [mid] [s1] [big 0] [big 1] [s2]
+    assert receiver.last_stats.direct_buckets >= 3
+
+
+async def test_threshold_zero_packs_everything_that_does_not_fill_a_bucket() -> None:
+    weights = [("s0", _tensor(KIB, 0)), ("mid", _tensor(40 * KIB, 1)), ("s1", _tensor(KIB, 2))]
+    sender, receiver = await _pair(transport__direct_min_mb=0)
+    try:
+        got, stats = await with_timeout(
+            asyncio.gather(
+                _collect(receiver),
+                sender.send_weights(weights, version=1),
+            )
+        )
+    finally:
+        await receiver.close()
+        await sender.close()
+    assert_bitwise(got, weights)
+    assert stats.direct_buckets == 0 and stats.num_buckets == 1
+
+
+async def _collect(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
+    return {name: t.clone() async for name, t in receiver.receive_weights()}
+
+
+async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
+    """Stream [a, b1, b2, c] (b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot:
+    the broadcast of b2 (same slot as `a`) cannot complete until then. Returns whether the sender asked
+    for `c` before the consumer woke up, i.e. while b2's broadcast was still in flight."""
+    weights = [("a", _tensor(KIB, 0)), ("b1", _tensor(40 * KIB, 1)), ("b2", _tensor(40 * KIB, 2)),
+               ("c", _tensor(KIB, 3))]  # fmt: skip
+    sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
+    woke = asyncio.Event()
+    pulled_before_wake: list[bool] = []
+
+    def produce():
+        for name, tensor in weights:
+            if name == "c":
+                pulled_before_wake.append(not woke.is_set())
+            yield name, tensor
+
+    async def consume() -> dict[str, torch.Tensor]:
+        dest = {n: torch.zeros_like(t) for n, t in weights}
+        async for name, _ in receiver.receive_weights(into=lambda m: dest[m.name]):
+            if name == "a":
+                await asyncio.sleep(1.0)
+                woke.set()
+        return dest
+
+    try:
+        got, _ = await with_timeout(
+            asyncio.gather(consume(), sender.send_weights(produce(), version=1, stable_tensors=stable))
+        )
+    finally:
+        await receiver.close()
+        await sender.close()
+    assert_bitwise(got, weights)
+    return pulled_before_wake[0]
+
+
+async def test_stable_producer_overlaps_the_next_tensor_with_the_broadcast() -> None:
+    assert await _next_pulled_while_broadcast_in_flight(stable=True)
+
+
+async def test_unstable_producer_waits_for_the_broadcast_before_the_next_tensor() -> None:
+    assert not await _next_pulled_while_broadcast_in_flight(stable=False)
