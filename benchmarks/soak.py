@@ -43,15 +43,17 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _sender_code(ip: str, out: Path) -> str:
-    return f"from tests.integration.test_chaos import chaos_sender as f; f({ip!r}, {str(out)!r}, 1, 0.05, 0.0)"
+def _sender_code(ip: str, out: Path, gap_s: float) -> str:
+    return f"from tests.integration.test_chaos import chaos_sender as f; f({ip!r}, {str(out)!r}, 1, {gap_s}, 0.0)"
 
 
 def _receiver_code(ip: str, name: str, out: Path) -> str:
     return f"from tests.integration.test_chaos import chaos_receiver as f; f({ip!r}, {name!r}, {str(out)!r}, 0.0)"
 
 
-def soak(versions: int, seed: int, receivers: int, fault_every_s: float, max_minutes: float) -> dict[str, Any]:
+def soak(
+    versions: int, seed: int, receivers: int, fault_every_s: float, max_minutes: float, gap_s: float = 0.05
+) -> dict[str, Any]:
     rng = random.Random(seed)
     with netlab() as lab:
         names = [f"r{i}" for i in range(1, receivers + 1)]
@@ -59,7 +61,7 @@ def soak(versions: int, seed: int, receivers: int, fault_every_s: float, max_min
             lab.add(name)
         s_ip = lab.nodes["s"].ip
         sender_log = lab.workdir / "s.jsonl"
-        lab.spawn("s", _sender_code(s_ip, sender_log), lab.workdir / "s.log")
+        lab.spawn("s", _sender_code(s_ip, sender_log, gap_s), lab.workdir / "s.log")
         procs: dict[str, Any] = {}
         files = {name: lab.workdir / f"{name}.jsonl" for name in names}
         for name in names:
@@ -135,12 +137,13 @@ def main() -> int:
     parser.add_argument("--receivers", type=int, default=2)
     parser.add_argument("--fault-every-s", type=float, default=6.0)
     parser.add_argument("--max-minutes", type=float, default=20.0)
+    parser.add_argument("--gap-s", type=float, default=0.05, help="pause between versions (more faults per version)")
     args = parser.parse_args()
     reason = skip_reason()
     if reason:
         print(f"soak needs network namespaces: {reason}", file=sys.stderr)
         return 2
-    result = soak(args.versions, args.seed, args.receivers, args.fault_every_s, args.max_minutes)
+    result = soak(args.versions, args.seed, args.receivers, args.fault_every_s, args.max_minutes, args.gap_s)
     for key, value in result.items():
         print(f"{key}: {value}")
     return 1 if result["corrupted"] else 0
