@@ -30,7 +30,9 @@ class ControlPlaneStore(dist.Store):
     thread until the sender answered. Keys are namespaced under `prefix` (PrefixStore cannot wrap a
     Python store in this torch)."""
 
-    def __init__(self, control: ReceiverControl, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float):
+    def __init__(
+        self, control: ReceiverControl, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float
+    ) -> None:
         super().__init__()
         self._control, self._loop, self._prefix, self._timeout_s = control, loop, prefix.rstrip("/") + "/", timeout_s
 
