@@ -109,7 +109,9 @@ class TransportConfig:
     heartbeat_interval_s: float = 2.0
     """Seconds between receiver heartbeats while idle; several missed ones = the peer is gone."""
     store_port: int = 0
-    """TCP port of the data-plane rendezvous store on the sender host; 0 = OS-chosen."""
+    """TCP port of the data-plane rendezvous store (TCPStore) without a token; 0 = OS-chosen. With
+    transport.auth_token set the rendezvous goes over the authenticated control plane and no store
+    port is opened."""
     rebuild_group: bool = False
     """true: a new data-plane group for every version; false: reuse it while the receivers are unchanged."""
     auth_token: str | None = None
