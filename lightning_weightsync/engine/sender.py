@@ -135,6 +135,22 @@ class WeightSender(Endpoint):
     def address(self) -> str:
         return self._control.address
 
+    @property
+    def generation(self) -> int:
+        """The data-plane group generation: it grows each time the group is (re)built, so a caller can
+        tell that receivers joined, left or were replaced."""
+        return self._generation
+
+    @property
+    def registered(self) -> list[str]:
+        """Identities of the receivers registered now (authenticated ones only, when a token is set)."""
+        return sorted(self._control.peers)
+
+    @property
+    def dropped_messages(self) -> int:
+        """Control messages rejected (malformed, unsigned, badly signed, replayed) since start."""
+        return self._control.dropped_messages
+
     async def start(self) -> None:
         t = self.cfg.transport
         await self._control.start()

@@ -198,6 +198,14 @@ class Progress:
             self._task = self._progress.add_task("receive", total=None, version=version)
         self._progress.update(self._task, advance=nbytes)
 
+    @property
+    def shown(self) -> tuple[int | None, int] | None:
+        """(version, bytes) of the bar on screen, or None when nothing is drawn."""
+        if self._progress is None:
+            return None
+        task = self._progress.tasks[0]
+        return task.fields["version"], int(task.completed)
+
     def stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -20,9 +20,14 @@ from tests.support.mp import free_port, run_workers
 HAS_CUDA = torch.cuda.is_available()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 HAS_NPU = importlib.util.find_spec("torch_npu") is not None
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
-needs_cupy = pytest.mark.skipif(not (HAS_CUDA and HAS_CUPY), reason="needs a GPU and cupy (extra [nccl])")
-needs_npu = pytest.mark.skipif(not HAS_NPU, reason="needs an Ascend NPU and torch_npu (extra [npu])")
+# `gpu` / `npu` markers: `pytest -m gpu` on a GPU machine selects exactly these (conftest skips them,
+# with the reason, where the hardware is missing); cupy is an extra condition on top
+needs_cuda = pytest.mark.gpu
+needs_npu = pytest.mark.npu
+
+
+def needs_cupy(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUPY, reason="needs cupy (extra [nccl])")(fn))
 
 
 def _kwargs(**extra):

@@ -208,15 +208,14 @@ async def test_safetensors_and_callable_sinks_behind_the_daemon(tmp_path) -> Non
 
 
 def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:
-    from lightning_weightsync.rollout.observability import Progress as _Progress
+    from lightning_weightsync.rollout.observability import Progress
 
-    off = _Progress(enabled=False)
+    off = Progress(enabled=False)
     off.bucket(1, 100)
-    assert off._progress is None  # not a terminal: nothing drawn
-    bar = _Progress(enabled=True)
+    assert off.shown is None  # not a terminal: nothing drawn
+    bar = Progress(enabled=True)
     bar.bucket(7, 1024)
     bar.bucket(7, 512)
-    task = bar._progress.tasks[0]
-    assert task.completed == 1536 and task.fields["version"] == 7
+    assert bar.shown == (7, 1536)
     bar.stop()
-    assert bar._progress is None
+    assert bar.shown is None

@@ -54,7 +54,7 @@ def _sender_proc(
             for version in range(1, versions + 1):
                 s = await with_timeout(sender.send_weights(stream(version, **stream_kw), version=version))
                 stats.append(s)
-            generation = sender._generation
+            generation = sender.generation
         return {"stats": stats, "generation": generation}
 
     return asyncio.run(main())
@@ -282,8 +282,8 @@ async def test_wrong_auth_token_is_dropped_and_counted():
         try:
             with pytest.raises(WeightSyncTimeout):
                 await sender.send_weights(stream(1), version=1)
-            assert sender._control.dropped_messages > 0
-            assert "intruder" not in sender._control.peers
+            assert sender.dropped_messages > 0
+            assert "intruder" not in sender.registered
         finally:
             await bad.close()
 
