@@ -70,6 +70,7 @@ from ..protocol.messages import (
 from .rendezvous import ControlPlaneStore
 
 logger = logging.getLogger(__name__)
+PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
 
 DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
 LINK_HEARTBEAT_MS = 1000  # ZMTP pings on every control connection ...
@@ -837,7 +838,17 @@ class ReceiverControl:
                 raise VersionAborted(f"version {msg.version} aborted by the sender: {msg.reason}")
 
     async def next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
-        self.progress(version, bucket_index)
+        # Progress is reported only when this wait lasts (PROGRESS_AFTER_S): while buckets stream,
+        # their metadata is already here and a message per bucket would only compete with the data
+        # plane for the CPU; when a broadcast stalls, every healthy receiver waits here and reports,
+        # and the stalled one, which cannot, is the one the sender names.
+        report = asyncio.get_running_loop().call_later(PROGRESS_AFTER_S, self.progress, version, bucket_index)
+        try:
+            return await self._next_bucket(version, bucket_index, timeout_s)
+        finally:
+            report.cancel()
+
+    async def _next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
         deadline = time.monotonic() + timeout_s
         awaited = (
             f"version {version}: bucket {bucket_index} metadata (transport.timeout_s={timeout_s}s; "
