@@ -3,8 +3,8 @@
 a ratio against a baseline measured in the same run, in the same processes: absolute numbers from a
 shared 2-core machine mean little; ratios travel.
 
-    lightning-weightsync bench [--json] [--only chunking|engine]
+    lightning-weightsync bench [--json] [--only chunking|engine|latency|stall]
     python -m lightning_weightsync.bench.engine --help
 """
 
-BENCHMARKS = ("chunking", "engine")
+BENCHMARKS = ("chunking", "engine", "latency", "stall")

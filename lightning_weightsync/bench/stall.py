@@ -1,0 +1,168 @@
+"""Trainer stall: how long a 2-rank FSDP2 Lightning run is blocked per sync, against a raw broadcast.
+
+The training loop is blocked for the whole `WeightSyncCallback` sync: every rank gathers (FSDP2
+all-gathers one full tensor at a time), rank 0 sends, all ranks agree on the outcome. The callback
+logs that as `weightsync/stall_seconds` (its `SyncDriver` times it on every rank; every rank leaves
+at the same agreement all-reduce). This benchmark runs the tiny LM recipe at a size where the bytes
+matter (2 CPU processes, `ModelParallelStrategy`, gloo) into a real rollout daemon (module sink), reads
+the stall per version from the CSV log, and compares it with a raw gloo broadcast of the same bytes
+between two processes measured in the same run: stall / raw says what the gather, the agreement and
+the engine cost on top of moving the bytes.
+
+    python -m lightning_weightsync.bench.stall [--json] [--dim 512] [--layers 8] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import multiprocessing as mp
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..transport.process import free_port, process_group
+
+MiB = 1 << 20
+
+
+def _raw_worker(rank: int, store_port: int, nbytes: int, bucket: int, repeats: int, out: Any) -> None:
+    from .engine import _raw_group
+
+    torch.set_num_threads(1)
+    pg = _raw_group(rank, 2, store_port)
+    buf = torch.empty(bucket, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for start in range(0, nbytes, bucket):
+            pg.broadcast(buf[: min(bucket, nbytes - start)], 0).wait()
+        pg.broadcast(torch.zeros(1), 0).wait()
+        best = min(best, time.perf_counter() - t0)
+    if rank == 0:
+        out.put(best)
+
+
+def raw_broadcast_seconds(nbytes: int, bucket: int, repeats: int = 3, timeout_s: float = 300) -> float:
+    """Best-of time of a plain gloo broadcast of `nbytes` in `bucket`-byte pieces, rank 0 -> rank 1."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_raw_worker, args=(r, port, nbytes, bucket, repeats, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        return float(out.get(timeout=timeout_s))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _train(work: Path, common: list[str], steps: int, model_arg: str, *extra: str) -> list[dict[str, str]]:
+    """One tiny-LM training run (2 processes, FSDP2); its `weightsync/*` rows from the CSV log."""
+    out = work / f"runs{len(list(work.glob('runs*')))}"
+    train = subprocess.run(
+        [sys.executable, "-m", "lightning_weightsync.examples.tiny_lm", "--config",
+         str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_lm_cpu.yaml"), *common, *extra,
+         f"recipe.steps={steps}", f"recipe.output_dir={out}", f"recipe.model={model_arg}",
+         "recipe.seq_len=32", "recipe.batch_size=2"],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    if train.returncode != 0:
+        raise RuntimeError(f"the training run failed:\n{train.stdout[-2000:]}\n{train.stderr[-4000:]}")
+    (metrics_csv,) = sorted(out.rglob("metrics.csv"))
+    rows = [r for r in csv.DictReader(metrics_csv.open()) if r.get("weightsync/stall_seconds")]
+    if not rows:
+        raise RuntimeError("no weightsync/stall_seconds in the training log")
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def run(
+    json_out: bool = False, *, dim: int = 512, layers: int = 8, steps: int = 4, bucket_mb: float = 16.0
+) -> dict[str, Any]:
+    """Two runs of the same training: with a rollout (the real stall) and with none (`min_receivers=0`:
+    every rank still gathers, nothing is sent: the gather's own share of the stall)."""
+    model = {"dim": dim, "n_layers": layers, "vocab_size": 8192, "n_heads": 8, "max_seq_len": 64}
+    model_arg = "{" + ", ".join(f"{k}: {v}" for k, v in model.items()) + "}"
+    with tempfile.TemporaryDirectory(prefix="lws-stall-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        common = [f"transport.port={free_port()}", f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120"]
+        gather_rows = _train(work, common, steps, model_arg, "trainer.min_receivers=0")
+        common = [f"transport.port={free_port()}", f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120"]
+        daemon_log = (work / "daemon.log").open("w")
+        stack.enter_context(daemon_log)
+        daemon_cmd = [
+            sys.executable, "-m", "lightning_weightsync.cli", "rollout", *common, "rollout.progress=false",
+            "rollout.sink.factory=lightning_weightsync.examples.tiny_lm:build_model",
+            f"rollout.sink.options={model_arg}", "rollout.apply=streaming",
+        ]  # fmt: skip
+        stack.enter_context(process_group(daemon_cmd, stdout=daemon_log, stderr=subprocess.STDOUT))
+        rows = _train(work, common, steps, model_arg)
+        daemon_log.flush()
+        # the rollout's own view: seconds from its first bucket to its commit, per version
+        applied = [float(m) for m in re.findall(r"applied: .*? in ([0-9.]+) s", (work / "daemon.log").read_text())]
+    nbytes = sum(p.numel() * p.element_size() for p in _model_params(model))
+    stalls = [float(r["weightsync/stall_seconds"]) for r in rows]
+    gather_only = [float(r["weightsync/stall_seconds"]) for r in gather_rows]
+    raw = raw_broadcast_seconds(nbytes, int(bucket_mb * MiB))
+    steady = stalls[1:] or stalls  # version 0 forms the group
+    report = {
+        "model_mb": nbytes / MiB,
+        "versions": len(stalls),
+        "stall_s": stalls,
+        "gather_only_stall_s": gather_only,
+        "send_s": [float(r["weightsync/seconds"]) for r in rows],
+        "rollout_receive_s": applied,
+        "raw_broadcast_s": raw,
+        "median_stall_s": _median(steady),
+        "median_gather_only_s": _median(gather_only[1:] or gather_only),
+        "stall_over_raw": _median(steady) / raw,
+    }
+    if json_out:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"trainer stall, 2-rank FSDP2 (gloo) tiny LM of {report['model_mb']:.0f} MiB, {bucket_mb:g} MiB buckets:\n"
+            f"  median stall per sync {report['median_stall_s'] * 1e3:.0f} ms; the same training with no rollout "
+            f"(gather only) {report['median_gather_only_s'] * 1e3:.0f} ms\n"
+            f"  raw gloo broadcast of the same bytes {raw * 1e3:.0f} ms; stall / raw = {report['stall_over_raw']:.1f}x"
+        )
+        if applied:
+            print(f"  the rollout's receive (first bucket to commit), median: {_median(applied) * 1e3:.0f} ms")
+    return report
+
+
+def _model_params(model: dict[str, Any]) -> list[torch.Tensor]:
+    from ..examples.tiny_lm import build_model
+
+    return list(build_model(model).state_dict().values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--bucket-mb", type=float, default=16.0)
+    a = p.parse_args(argv)
+    run(a.json, dim=a.dim, layers=a.layers, steps=a.steps, bucket_mb=a.bucket_mb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
