@@ -104,7 +104,12 @@ def _raw_group(rank: int, world: int, store_port: int) -> Any:
 
 
 def _raw_broadcast_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]], bucket: int, repeats: int) -> float:
-    total = sum(t.numel() * t.element_size() for _, t in stream)
+    return raw_bytes_seconds(pg, sum(t.numel() * t.element_size() for _, t in stream), bucket, repeats)
+
+
+def raw_bytes_seconds(pg: Any, total: int, bucket: int, repeats: int) -> float:
+    """The baseline: best-of-`repeats` time of a plain broadcast of `total` bytes in `bucket`-byte pieces
+    of one reused buffer (no packing, no metadata, no merging), until every rank finished."""
     buf = torch.empty(bucket, dtype=torch.uint8)
     best = float("inf")
     for _ in range(repeats):

@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +34,12 @@ MiB = 1 << 20
 
 
 def _raw_worker(rank: int, store_port: int, nbytes: int, bucket: int, repeats: int, out: Any) -> None:
-    from .engine import _raw_group
+    from .engine import _raw_group, raw_bytes_seconds
 
     torch.set_num_threads(1)
-    pg = _raw_group(rank, 2, store_port)
-    buf = torch.empty(bucket, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for start in range(0, nbytes, bucket):
-            pg.broadcast(buf[: min(bucket, nbytes - start)], 0).wait()
-        pg.broadcast(torch.zeros(1), 0).wait()
-        best = min(best, time.perf_counter() - t0)
+    seconds = raw_bytes_seconds(_raw_group(rank, 2, store_port), nbytes, bucket, repeats)
     if rank == 0:
-        out.put(best)
+        out.put(seconds)
 
 
 def raw_broadcast_seconds(nbytes: int, bucket: int, repeats: int = 3, timeout_s: float = 300) -> float:

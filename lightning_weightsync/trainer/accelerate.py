@@ -29,13 +29,13 @@ from torch import nn
 
 from ..config import load_config
 from ..errors import ConfigError, WeightSyncError
-from .driver import SENDER_RANK, SyncDriver, SyncRecord
+from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
 
 logger = logging.getLogger(__name__)
 
 
-class AccelerateWeightSync:
+class AccelerateWeightSync(SyncRecordView):
     """Sync `model`'s weights to rollout receivers from an Accelerate training loop.
 
     Args:
@@ -143,19 +143,6 @@ class AccelerateWeightSync:
     def is_sender(self) -> bool:
         """True on the one process that sends (global rank 0 of torch.distributed when initialised)."""
         return self._driver.is_sender
-
-    @property
-    def last_synced_version(self) -> int | None:
-        return self.record.last_synced_version
-
-    @property
-    def failures(self) -> int:
-        return self.record.failures
-
-    @property
-    def last_stats(self) -> Any:
-        """`SendStats` of the last delivered version (the sending rank; None elsewhere)."""
-        return self.record.last_stats
 
     # -- life cycle / state ----------------------------------------------------------------------------
     def close(self) -> None:

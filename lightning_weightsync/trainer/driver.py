@@ -124,6 +124,30 @@ class SyncRecord:
         self.failures = int(state.get("failures", 0))
 
 
+class SyncRecordView:
+    """What both integrations expose of their `SyncRecord` (one definition, not two copies)."""
+
+    record: SyncRecord
+
+    @property
+    def last_synced_version(self) -> int | None:
+        return self.record.last_synced_version
+
+    @property
+    def failures(self) -> int:
+        return self.record.failures
+
+    @property
+    def last_stats(self) -> SendStats | None:
+        """`SendStats` of the last delivered version (the sending rank; None elsewhere)."""
+        return self.record.last_stats
+
+    @property
+    def last_stall_seconds(self) -> float:
+        """How long the last sync blocked the training loop on this rank (`weightsync/stall_seconds`)."""
+        return self.record.last_stall_seconds
+
+
 class SyncDriver:
     """One sync at a time: gather everywhere, send from global rank 0, agree, apply the policy.
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ..config import load_config
 from ..errors import WeightSyncError
-from .driver import SENDER_RANK, SyncDriver, SyncRecord
+from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
 from .names import served_child
 
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - the standalone `pytorch_lightning` pac
 logger = logging.getLogger(__name__)
 
 
-class WeightSyncCallback(pl.Callback):
+class WeightSyncCallback(SyncRecordView, pl.Callback):
     """Gather the full weights and send them to every registered rollout receiver.
 
     Args:
@@ -112,19 +112,6 @@ class WeightSyncCallback(pl.Callback):
     def port(self) -> int | None:
         """The sender's bound control port on global rank 0 (useful with `transport.port=0`)."""
         return self._driver.port if self._driver is not None else None
-
-    @property
-    def last_synced_version(self) -> int | None:
-        return self.record.last_synced_version
-
-    @property
-    def failures(self) -> int:
-        return self.record.failures
-
-    @property
-    def last_stats(self) -> Any:
-        """`SendStats` of the last delivered version (global rank 0; None elsewhere)."""
-        return self.record.last_stats
 
     # -- when ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -104,6 +104,11 @@ def test_syncs_per_optimizer_step_not_per_micro_batch(tmp_path: Path) -> None:
     assert logger.synced_versions() == [0, 2, 4, 5]
     assert cb.last_synced_version == 5 and cb.failures == 0
     assert cb.last_stats.receivers == 0 and cb.port is None  # the sender is closed after fit
+    # every sync logs how long it blocked the training loop; it contains the send it waited for
+    stalls = [m["weightsync/stall_seconds"] for _, m in logger.rows if "weightsync/stall_seconds" in m]
+    sends = [m["weightsync/seconds"] for _, m in logger.rows if "weightsync/seconds" in m]
+    assert len(stalls) == 4 and all(st >= se > 0 for st, se in zip(stalls, sends, strict=True))
+    assert cb.last_stall_seconds == stalls[-1]
 
 
 def test_no_sync_on_fit_start_when_disabled(tmp_path: Path) -> None:
