@@ -155,6 +155,8 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     )
     cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"))
     result: dict[str, Any] = {"baseline_s": baseline}
+    if case["kind"] == "model":  # a second baseline: the same tensors, one raw broadcast each, in place
+        result["per_tensor_s"] = _per_tensor_seconds(pg, stream, repeats)
 
     async def send() -> None:
         async with WeightSender(cfg) as sender:
@@ -241,6 +243,9 @@ def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: lis
         "engine_s_per_GiB": sender["engine_s"] / (nbytes / 2**30),
         "raw_s_per_GiB": sender["baseline_s"] / (nbytes / 2**30),
         "ratio": sender["baseline_s"] / sender["engine_s"],
+        # the same tensors broadcast one by one from where they are into where they go: what gloo itself
+        # does with this layout of bytes, with no engine at all
+        "ratio_vs_per_tensor": sender["per_tensor_s"] / sender["engine_s"] if "per_tensor_s" in sender else None,
         "sender_extra_mb": sender["peak_extra_bytes"] / MiB,
         "receiver_extra_mb": max(r["peak_extra_bytes"] for r in receivers) / MiB,
         "sender_budget_mb": (2 * bucket + SLACK_BYTES) / MiB,

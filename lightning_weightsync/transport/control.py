@@ -70,6 +70,7 @@ from ..protocol.messages import (
 from .rendezvous import ControlPlaneStore
 
 logger = logging.getLogger(__name__)
+PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
 PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
 
 DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
@@ -213,6 +214,7 @@ class SenderControl:
         self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver instance -> last seq accepted
         self._seq = 0
         self._kept: list[tuple[str, Message]] = []  # read by `_pump` while streaming, for the next `recv`
+        self._pumped_at = 0.0
         self._store: dist.HashStore | None = None
         self._drops = _DropLog("dropped a control message")
         self._refusals = _DropLog("refused a registration")
@@ -480,7 +482,12 @@ class SenderControl:
     async def send_all(self, peers: list[Peer], msg: Message) -> None:
         for peer in peers:
             await self.send(peer.identity, msg)
-        await self._pump()  # called once per bucket while streaming
+        # called once per bucket while streaming: read what arrived at most every PUMP_EVERY_S (receivers
+        # only write on a stall or to register, so their queues cannot fill in that time)
+        now = time.monotonic()
+        if now - self._pumped_at >= PUMP_EVERY_S:
+            self._pumped_at = now
+            await self._pump()
 
     # -- the data-plane rendezvous store (replaces an open TCPStore) ----------------------------------
     @property
