@@ -9,10 +9,11 @@ Whatever goes wrong, it raises `ProtocolError` and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Union
 
 import msgspec
@@ -243,9 +244,23 @@ def encode(msg: Message, key: bytes | None = None) -> list[bytes]:
     return [sign(body, key), body] if key else [body]
 
 
+@contextlib.contextmanager
+def _from_hostile_bytes() -> Iterator[None]:
+    """Whatever bytes from the network make decoding raise becomes a `ProtocolError` (never anything
+    else, whatever msgspec or a validator throws): decode and unseal share this one rule."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from None
+    except Exception as exc:  # anything else from hostile bytes is still a protocol error
+        raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
+
+
 def decode(frames: list[bytes], key: bytes | None = None, *, bucket_size: int | None = None) -> Message:
     """Authenticate, decode and validate one message; raises only `ProtocolError`."""
-    try:
+    with _from_hostile_bytes():
         if key:
             if len(frames) != 2 or len(frames[0]) != MAC_LEN:
                 raise ProtocolError("unsigned message (transport.auth_token is set on this side)")
@@ -261,12 +276,6 @@ def decode(frames: list[bytes], key: bytes | None = None, *, bucket_size: int | 
         msg = _decoder.decode(body)
         validate(msg, bucket_size=bucket_size)
         return msg
-    except ProtocolError:
-        raise
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed control message: {exc}") from None
-    except Exception as exc:  # anything else from hostile bytes is still a protocol error
-        raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
 
 
 class Seal(msgspec.Struct, array_like=True, frozen=True):
@@ -308,7 +317,7 @@ def unseal(
     Checks what one message can show (MAC, direction, ranges); whether its seq is fresh and its
     session the current one is the caller's (control plane's) bookkeeping.
     """
-    try:
+    with _from_hostile_bytes():
         if len(frames) != 3 or len(frames[0]) != MAC_LEN:
             raise ProtocolError(
                 f"unsealed message ({len(frames)} frames; transport.auth_token is set on this side: "
@@ -327,12 +336,6 @@ def unseal(
         msg = _decoder.decode(body)
         validate(msg, bucket_size=bucket_size)
         return msg, envelope
-    except ProtocolError:
-        raise
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed control message: {exc}") from None
-    except Exception as exc:  # anything else from hostile bytes is still a protocol error
-        raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
 
 
 STORE_OPS = ("set", "get", "add")  # add: value and answer are decimal integers
@@ -476,12 +479,22 @@ def validate_tied(msg: BucketMeta) -> None:
         raise ProtocolError(f"bucket {msg.bucket_index} carries tied names; only bucket 0 may")
     if len(msg.tied) + sum(len(a) for a in msg.tied.values()) > MAX_ENTRIES:
         raise ProtocolError(f"tied names exceed {MAX_ENTRIES} entries")
-    seen: set[str] = set()
     for source, aliases in msg.tied.items():
         for name in (source, *aliases):
             if not name or len(name) > MAX_NAME_LEN:
                 raise ProtocolError(f"tied name of length {len(name)} is empty or over {MAX_NAME_LEN}")
+    twice = alias_sent_twice(msg.tied)
+    if twice is not None:
+        raise ProtocolError(f"tied name {twice!r} is sent or aliased twice")
+
+
+def alias_sent_twice(tied: Mapping[str, Sequence[str]]) -> str | None:
+    """The first alias that is also sent, or aliased twice (it would make a version's content
+    ambiguous), or None; the one rule for the wire (`validate_tied`) and for the sinks."""
+    seen: set[str] = set()
+    for source, aliases in tied.items():
         for alias in aliases:
-            if alias in seen or alias in msg.tied or alias == source:
-                raise ProtocolError(f"tied name {alias!r} is sent or aliased twice")
+            if alias in seen or alias in tied or alias == source:
+                return alias
             seen.add(alias)
+    return None

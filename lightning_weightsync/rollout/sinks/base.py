@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from ...config import ApplyMode, SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
+from ...protocol.messages import alias_sent_twice
 
 logger = logging.getLogger(__name__)
 
@@ -180,16 +181,14 @@ def _check_tied(tied: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str
     """`tied` as {sent name: aliases}, checked: names are non-empty strings and no alias is also
     sent or aliased twice (that would make the version's content ambiguous)."""
     out: dict[str, tuple[str, ...]] = {}
-    seen: set[str] = set()
     for source, aliases in (tied or {}).items():
         names = (source, *aliases)
         if not all(isinstance(n, str) and n for n in names):
             raise SinkError(f"tied names {names!r} are not all non-empty strings")
-        for alias in aliases:
-            if alias in seen or alias in (tied or {}) or alias == source:
-                raise SinkError(f"tied name {alias!r} is sent or aliased twice")
-            seen.add(alias)
         out[source] = tuple(aliases)
+    twice = alias_sent_twice(out)
+    if twice is not None:
+        raise SinkError(f"tied name {twice!r} is sent or aliased twice")
     return out
 
 
