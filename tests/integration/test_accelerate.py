@@ -20,7 +20,7 @@ from lightning_weightsync import load_config  # noqa: E402
 from lightning_weightsync.errors import ConfigError, WeightSyncError  # noqa: E402
 from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.trainer.accelerate import AccelerateWeightSync  # noqa: E402
-from tests.support.mp import free_port, popen, spawned  # noqa: E402
+from tests.support.mp import free_port, output_of, popen, spawned  # noqa: E402
 from tests.support.receiver import assert_same_weights, received_versions, receiver_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,12 +131,7 @@ def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool)
     ]  # fmt: skip
     with spawned(receiver_main, port, steps + 1, str(tmp_path)) as receiver:
         with popen(cmd, cwd=str(tmp_path)) as proc:
-            try:
-                out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-            except Exception:
-                proc.kill()
-                out, _ = proc.communicate(timeout=10)
-                raise AssertionError(f"torchrun did not finish in {RUN_TIMEOUT_S}s:\n{out[-4000:]}") from None
+            out = output_of(proc, RUN_TIMEOUT_S, "torchrun")
         assert proc.returncode == 0, out[-4000:]
         receiver.join(30)
         assert receiver.exitcode == 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
-from tests.support.mp import PYTHON, popen
+from tests.support.mp import PYTHON, output_of, popen
 
 REPO = Path(__file__).resolve().parents[2]
 DRY_RUN_BUDGET_S = 200  # the driver's own budget: a hanging step still leaves a report (about 45 s normally)
@@ -25,12 +25,7 @@ def _dry_run(out: Path, *extra: str, env: dict[str, str] | None = None) -> tuple
     cmd += extra
     run_env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out wins anyway; keep $OUT out of it
     with popen(cmd, cwd=str(REPO), env={**run_env, **(env or {})}) as proc:
-        try:
-            output, _ = proc.communicate(timeout=DRY_RUN_TIMEOUT_S)
-        except Exception:
-            proc.kill()
-            output, _ = proc.communicate(timeout=10)
-            raise AssertionError(f"dry run did not finish in {DRY_RUN_TIMEOUT_S}s:\n{output[-4000:]}") from None
+        output = output_of(proc, DRY_RUN_TIMEOUT_S, "dry run")
     assert (out / REPORT_JSON).exists(), output[-4000:]
     return proc.returncode, output, json.loads((out / REPORT_JSON).read_text())
 

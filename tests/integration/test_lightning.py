@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning_weightsync import WeightSyncTimeout, load_config  # noqa: E402
 from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.trainer.lightning import WeightSyncCallback  # noqa: E402
-from tests.support.mp import PYTHON, free_port, popen, spawned  # noqa: E402
+from tests.support.mp import PYTHON, free_port, output_of, popen, spawned  # noqa: E402
 from tests.support.receiver import assert_same_weights, received_versions, receiver_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,12 +175,7 @@ def _train(tmp: Path, port: int, *extra: str) -> str:
         f"transport.port={port}", "transport.timeout_s=60", f"recipe.output_dir={tmp / 'runs'}", *extra,
     ]  # fmt: skip
     with popen(cmd, cwd=str(tmp)) as proc:
-        try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        except Exception:
-            proc.kill()
-            out, _ = proc.communicate(timeout=10)
-            raise AssertionError(f"training did not finish in {RUN_TIMEOUT_S}s:\n{out[-4000:]}") from None
+        out = output_of(proc, RUN_TIMEOUT_S, "training")
     assert proc.returncode == 0, out[-4000:]
     return out
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("lightning.pytorch")
 
-from tests.support.mp import PYTHON, free_port, popen, spawned
+from tests.support.mp import PYTHON, free_port, output_of, popen, spawned
 from tests.support.vllm_standin import standin_server_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,12 +46,7 @@ def _train(tmp: Path, *extra: str) -> str:
     cmd = [PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(RECIPE),
            "transport.timeout_s=60", f"recipe.output_dir={tmp / 'runs'}", *extra]  # fmt: skip
     with popen(cmd, cwd=str(tmp)) as proc:
-        try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        except Exception:
-            proc.kill()
-            out, _ = proc.communicate(timeout=10)
-            raise AssertionError(f"training did not finish in {RUN_TIMEOUT_S}s:\n{out[-4000:]}") from None
+        out = output_of(proc, RUN_TIMEOUT_S, "training")
     assert proc.returncode == 0, out[-4000:]
     return out
 

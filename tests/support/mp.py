@@ -117,4 +117,16 @@ def popen(cmd: Sequence[str], *, env: dict[str, str] | None = None, **kwargs: An
         yield proc
 
 
+def output_of(proc: subprocess.Popen[str], timeout_s: float, what: str) -> str:
+    """All of `proc`'s output once it exits; if it runs past `timeout_s`, kill it and fail naming `what`
+    with the tail of what it printed (the one way every test waits for a subprocess)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except Exception:
+        proc.kill()
+        out, _ = proc.communicate(timeout=10)
+        raise AssertionError(f"{what} did not finish in {timeout_s}s:\n{(out or '')[-4000:]}") from None
+    return out or ""
+
+
 PYTHON = sys.executable
