@@ -253,10 +253,6 @@ class SyncDriver:
         """Gather and send `version`; call on every rank. True (on every rank) when it was delivered;
         False when it failed and `on_failure: warn` skipped it. The sending rank's `SendStats` are
         in `self.last_stats`."""
-        if self.is_sender and not self._tied_logged:
-            self._tied_logged = True
-            for sent, aliases in self.tied(module).items():
-                logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
         started = time.perf_counter()
         try:
             return self._sync(module, version)
@@ -272,6 +268,10 @@ class SyncDriver:
                 raise WeightSyncError("SyncDriver.sync() before start()")
             sender = self.sender
             stable, tied = yields_stable_tensors(module), self.tied(module)
+            if not self._tied_logged:
+                self._tied_logged = True
+                for sent, aliases in tied.items():
+                    logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
 
             def send() -> SendStats:
                 return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied)
