@@ -6,7 +6,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..transport.backends import Backend
+import torch
+
+from ..transport.backends import Backend, build_backend
 from ..transport.executor import SerialExecutor
 
 
@@ -14,6 +16,24 @@ class Endpoint(ABC):
     _backend: Backend | None
     _executor: SerialExecutor | None
     _control: Any  # SenderControl | ReceiverControl
+    device: torch.device
+    timeout_s: float
+    _key: bytes | None
+
+    def _new_backend(self, name: str, *, bucket_size: int, is_sender: bool, session: str, **extra: Any) -> Backend:
+        """The data-plane backend `name` on this endpoint's device, timeout, key and control plane
+        (the rendezvous goes through it when a token is set): what both sides build alike."""
+        return build_backend(
+            name,
+            bucket_size=bucket_size,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            is_sender=is_sender,
+            session=session,
+            auth_key=self._key,
+            rendezvous=self._control,
+            **extra,
+        )
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -23,7 +23,7 @@ from ..config import auth_token, load_config
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import merge_weight_chunks
 from ..protocol.messages import Ack, BucketMeta, Plan, Prepare, Ready
-from ..transport.backends import BACKENDS, Backend, backend_class, build_backend
+from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor
@@ -133,16 +133,12 @@ class WeightReceiver(Endpoint):
         if self._backend is None or self._backend.name != group.backend:
             if self._backend is not None:
                 self._backend.close()
-            self._backend = build_backend(
+            self._backend = self._new_backend(
                 group.backend,
                 bucket_size=group.bucket_size,
-                device=self.device,
-                timeout_s=self.timeout_s,
                 is_sender=False,
                 session=group.session,
-                auth_key=self._key,
                 identity=self.identity,
-                rendezvous=self._control,
             )
         return self._backend
 

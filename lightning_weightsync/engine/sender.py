@@ -35,7 +35,7 @@ from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeou
 from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Plan, check_tensor
-from ..transport.backends import NUM_SLOTS, Backend, backend_class, build_backend, next_slot
+from ..transport.backends import NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
@@ -155,16 +155,7 @@ class WeightSender(Endpoint):
         t = self.cfg.transport
         await self._control.start()
         self._executor = SerialExecutor(self._executor_name)
-        self._backend = build_backend(
-            t.backend,
-            bucket_size=self.bucket_size,
-            device=self.device,
-            timeout_s=self.timeout_s,
-            is_sender=True,
-            session=self.session,
-            auth_key=self._key,
-            rendezvous=self._control,
-        )
+        self._backend = self._new_backend(t.backend, bucket_size=self.bucket_size, is_sender=True, session=self.session)
         await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
 
     async def __aenter__(self) -> WeightSender:
