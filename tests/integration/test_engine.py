@@ -18,8 +18,8 @@ from lightning_weightsync import (
     WeightSyncTimeout,
 )
 from lightning_weightsync.examples.inventory import largest, stream_nbytes
-from tests.support.engine import assert_bitwise, engine_cfg, planned_buckets, receive_once, stream, with_timeout
-from tests.support.mp import free_port, run_workers
+from tests.support.engine import assert_bitwise, engine_cfg, expected_layout, receive_once, stream, with_timeout
+from tests.support.mp import LOAD_SLACK_S, free_port, run_workers
 
 # -- multi-process: the model-shaped stream, bitwise, several versions -------------------------------
 
@@ -95,10 +95,11 @@ def test_model_stream_to_two_receivers_bitwise(backend, bucket_mb, versions, str
         # gloo: tensors >= transport.direct_min_mb get buckets of their own (sent direct), the rest are packed
         # to the last byte; shm cannot send from the caller's tensor, so everything is packed
         alone_from = 1 << 20 if backend == "gloo" else None
-        assert stats.num_buckets == planned_buckets(expected, bucket_size, alone_from)
+        # exact counts both ways (a tensor split when it must not be is as wrong as one that is not)
+        buckets, chunked = expected_layout(expected, bucket_size, alone_from)
+        assert (stats.num_buckets, stats.num_chunked_tensors) == (buckets, chunked)
         if alone_from is None or largest(expected) < alone_from:
             assert stats.num_buckets == max(1, -(-stats.nbytes // bucket_size))  # packed to the last byte
-        assert (stats.num_chunked_tensors > 0) == (largest(expected) > bucket_size) or stats.num_chunked_tensors > 0
     assert [v for v, _ in recv_a] == [v for v, _ in recv_b] == list(range(1, versions + 1))
     assert [n for _, n in recv_a] == [s.num_buckets for s in sender["stats"]]
     assert sender["generation"] == (versions if rebuild else 1)
@@ -107,8 +108,13 @@ def test_model_stream_to_two_receivers_bitwise(backend, bucket_mb, versions, str
 # -- in-process: protocol behaviour and failures (sender and receivers share one event loop) ----------
 
 
-async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None):
-    """Run a sender and `n_receivers` receivers for `versions`; returns (send results, received)."""
+async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None, may_fail=()):
+    """Run a sender and `n_receivers` receivers for `versions`; returns (send results, received),
+    `received[i]` a list of `(version, what the consumer returned)` per receiver.
+
+    A failure is a result only for the versions in `may_fail` (a test that provokes it then checks
+    it); anywhere else it propagates and fails the test, so a broken version cannot hide in a list.
+    """
     stream_kw = stream_kw or {}
     sender = WeightSender(cfg)
     await sender.start()
@@ -129,16 +135,21 @@ async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None
                 try:
                     out.append(await sender.send_weights(stream(v, **stream_kw), version=v))
                 except WeightSyncError as exc:
+                    if v not in may_fail:
+                        raise
                     out.append(exc)
             return out
 
         async def recv_all(i, r):
             got = []
-            for _ in versions:
+            for v in versions:
                 consume = (consumers or {}).get(i, receive_once)
                 try:
-                    got.append((r.version, await consume(r)))
+                    result = await consume(r)  # (r.version is read after the version arrived)
+                    got.append((r.version, result))
                 except Exception as exc:
+                    if v not in may_fail:
+                        raise
                     got.append((r.version, exc))
             return got
 
@@ -147,6 +158,13 @@ async def _serve(cfg, versions, *, n_receivers=1, stream_kw=None, consumers=None
         for r in receivers:
             await r.close()
         await sender.close()
+
+
+def _assert_every_version(received: list, versions: list[int], **stream_kw) -> None:
+    """Each version a test sent arrived, in order, bitwise (not only the last one)."""
+    assert [v for v, _ in received] == versions
+    for version, got in received:
+        assert_bitwise(got, stream(version, **stream_kw))
 
 
 async def test_into_destinations_receive_in_place():
@@ -180,7 +198,9 @@ async def test_sender_times_out_without_receivers_and_names_the_knob():
         t0 = time.monotonic()
         with pytest.raises(WeightSyncTimeout, match="min_receivers"):
             await sender.send_weights(stream(1), version=1)
-        assert time.monotonic() - t0 < 5
+        elapsed = time.monotonic() - t0
+        # it waited for the knob (not an instant give-up) and no longer than the knob allows
+        assert cfg.transport.timeout_s <= elapsed < cfg.transport.timeout_s + LOAD_SLACK_S, elapsed
 
 
 async def test_min_receivers_zero_sends_nothing_but_drains_the_stream():
@@ -258,20 +278,19 @@ async def test_failing_consumer_does_not_stall_the_others():
     cfg = engine_cfg(0, bucket_size_mb=1 / 256, trainer__min_receivers=2)
 
     async def broken_sink(r):
-        n = 0
-        async for _name, _t in r.receive_weights():
-            n += 1
-            if n == 5 and r.version == 1:
+        got = {}
+        async for name, t in r.receive_weights():
+            got[name] = t.clone()
+            if len(got) == 5 and r.version == 1:
                 raise ValueError("sink rejected tensor")
-        return n
+        return got
 
-    sent, got0, got1 = await _serve(cfg, [1, 2], n_receivers=2, consumers={1: broken_sink})
+    sent, got0, got1 = await _serve(cfg, [1, 2], n_receivers=2, consumers={1: broken_sink}, may_fail={1})
     assert isinstance(sent[0], PeerError) and "r1" in str(sent[0]) and "consumer stopped" in str(sent[0])
     assert sent[1].receivers == 2  # the next version reaches both again
-    assert_bitwise(got0[0][1], stream(1))  # the healthy receiver got version 1 whole
-    assert_bitwise(got0[1][1], stream(2))
-    assert isinstance(got1[0][1], ValueError)
-    assert got1[1][1] == len(stream(2))  # ... and the failed receiver takes the next version whole
+    _assert_every_version(got0, [1, 2])  # the healthy receiver got both versions whole
+    assert got1[0][0] == 1 and isinstance(got1[0][1], ValueError)
+    _assert_every_version(got1[1:], [2])  # ... and the failed receiver takes the next version whole
 
 
 async def test_wrong_auth_token_is_dropped_and_counted():
@@ -290,9 +309,9 @@ async def test_wrong_auth_token_is_dropped_and_counted():
 
 async def test_signed_round_trip():
     cfg = engine_cfg(0, transport__auth_token="s3cret", bucket_size_mb=1 / 128)
-    sent, got = await _serve(cfg, [1, 2])
-    assert all(s.receivers == 1 for s in sent)
-    assert_bitwise(got[1][1], stream(2))
+    sent, got = await _serve(cfg, [1, 2, 3])
+    assert [(s.version, s.receivers) for s in sent] == [(1, 1), (2, 1), (3, 1)]
+    _assert_every_version(got, [1, 2, 3])
 
 
 async def test_receiver_restart_gets_next_version():
@@ -366,7 +385,9 @@ def _surviving_receiver(port: int, backend: str) -> list:
 
 
 def _sender_with_a_dying_receiver(port: int, backend: str) -> list:
-    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=8)
+    # timeout_s far above LOAD_SLACK_S: a death noticed by waiting for the knob is told apart from one
+    # noticed at once, however loaded the machine (the healthy path never waits for it)
+    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=60)
 
     async def main() -> list:
         results = []
@@ -402,8 +423,8 @@ def test_receiver_killed_mid_version_fails_the_version_not_the_session(backend):
     args = [(r, port, backend) for r in range(3)]
     sender, survivor, _ = run_workers(_dying_role, args, timeout_s=100, doomed=[2], exit_codes=codes)
     assert codes[2] == 1  # it really died
-    # bounded, named, not a hang; and noticed at once, well before transport.timeout_s=8
-    assert sender[0] == "PeerError" and sender[1] < 6
+    # bounded, named, not a hang; and noticed at once, not by waiting out transport.timeout_s=60
+    assert sender[0] == "PeerError" and sender[1] < 60 / 2, sender
     assert sender[2] == 1  # the next version reached the survivor
     assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
     assert survivor[1] == ("ok", 2)

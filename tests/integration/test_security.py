@@ -99,7 +99,8 @@ async def test_unsendable_tensor_fails_the_version_at_once_and_the_next_lands(na
         assert isinstance(sent, ProtocolError) and match in str(sent), sent
         assert repr(name[:40])[:-1] in str(sent) and "trainer.names" in str(sent)  # names the tensor and the fix
         assert isinstance(got, VersionAborted), got  # the receiver was told, nothing applied
-        assert elapsed < 20, f"took {elapsed:.1f}s: waited for transport.timeout_s=60 instead of failing at once"
+        # failed at once, not after waiting out transport.timeout_s=60
+        assert elapsed < cfg.transport.timeout_s / 2, f"took {elapsed:.1f}s"
         assert len(pulled) == len(stream(1)) + 1  # the caller's iterable was drained (FSDP ranks stay in step)
         got2, stats = await with_timeout(
             asyncio.gather(receive_once(receiver), sender.send_weights(stream(2), version=2))

@@ -47,18 +47,33 @@ async def with_timeout(coro: Any, timeout_s: float = 60) -> Any:
     return await asyncio.wait_for(coro, timeout_s)
 
 
-def planned_buckets(weights: list[tuple[str, torch.Tensor]], bucket_size: int, alone_from: int | None) -> int:
-    """How many buckets the split plans for `weights` (what the sender must report), counted the way
-    the sender counts them: a chunk whose offset falls below the current fill starts a new bucket."""
-    from lightning_weightsync.protocol.chunks import split_weight_chunks
-
-    async def count() -> int:
-        buckets, fill = 1, 0
-        async for meta, _ in split_weight_chunks(weights, bucket_size, alone_from=alone_from):
-            assert meta.offset is not None
-            if meta.offset < fill:
+def expected_layout(
+    weights: list[tuple[str, torch.Tensor]], bucket_size: int, alone_from: int | None
+) -> tuple[int, int]:
+    """(buckets, chunked tensors) the sender must report, derived from the packing rule by plain
+    arithmetic (not by running the splitter it checks): small tensors are packed back to back and cut
+    at bucket boundaries; a tensor of at least `alone_from` bytes gets whole buckets of its own; a
+    chunk that starts below the previous chunk's end starts a new bucket."""
+    buckets, fill, chunked = 1, 0, 0
+    for _, tensor in weights:
+        n = tensor.numel() * tensor.element_size()
+        alone = alone_from is not None and 0 < alone_from <= n
+        if alone:
+            chunks = [(0, min(bucket_size, n - c)) for c in range(0, n, bucket_size)]
+        else:
+            chunks, start, left = [], (0 if fill == bucket_size else fill), n
+            while True:
+                size = min(left, bucket_size - start)
+                chunks.append((start, size))
+                left -= size
+                start = start + size if start + size < bucket_size else 0
+                if left <= 0:
+                    break
+        chunked += len(chunks) > 1
+        for offset, size in chunks:
+            if offset < fill:
                 buckets += 1
-            fill = meta.offset + meta.chunk_size
-        return buckets
-
-    return asyncio.run(count())
+            fill = offset + size
+        if alone:
+            fill = bucket_size
+    return buckets, chunked

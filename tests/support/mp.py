@@ -20,6 +20,11 @@ from lightning_weightsync.transport.process import free_port as free_port  # re-
 from lightning_weightsync.transport.process import process_group
 
 DEFAULT_TIMEOUT_S = 120.0
+LOAD_SLACK_S = 15.0
+"""What a loaded 2-core CI machine may add to any bounded wait (scheduling, imports, GC pauses).
+Timing checks here prove *bounded by the configured knob*, never speed: `elapsed < knob_s +
+LOAD_SLACK_S` for "fails within the knob", and a knob set far above the slack (e.g. `timeout_s=60`,
+checked `< timeout_s / 2`) for "noticed at once, not by waiting for the knob"."""
 
 
 def _trampoline(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, index: int) -> None:
