@@ -1,9 +1,15 @@
 """`rollout.sink.type=safetensors`: every complete version becomes `<dir>/step_<version>.safetensors`.
 
-Crash safety: a version is written to a hidden temp file in the same directory
-(`.step_<version>.safetensors.<pid>.tmp`), fsynced, then renamed onto its final name (and the
-directory fsynced). A crash at any point leaves at worst a temp file (removed on the next start),
-never a truncated file under a final name. An aborted version deletes its temp file.
+Crash and power-loss safety. A version is written to a hidden temp file in the same directory
+(`.step_<version>.safetensors.<pid>.tmp`), and `commit` then, in this order: writes the header,
+flushes Python's buffer, fsyncs the file, renames it onto `step_<version>.safetensors`, and fsyncs
+the directory. When `commit` returns, the file's complete content and its final name are on disk
+(as far as the filesystem honours fsync). A crash or power loss at any earlier point leaves at
+worst a temp file (removed on the next start) and the previous versions, never a truncated file
+under a final name. Where the platform cannot fsync a directory (it is tried, and a refusal
+ignored) the data is still durable, but after a power loss the newest name may be missing (the
+file is never truncated). Pruning old versions (`keep_last`) is not synced on its own; a pruned
+file may reappear after a power loss. An aborted version deletes its temp file.
 
 Memory: tensors are written as they arrive, one at a time; the version is never held in memory.
 The safetensors header (names, dtypes, offsets) can only be written once the version is complete,
@@ -19,9 +25,16 @@ Both apply policies behave the same here: a file is only ever visible whole.
 
 Checkpoint directories (`rollout.sink.template_dir`): each version becomes
 `<dir>/step_<version>/model.safetensors` plus copies of the template's non-weight files
-(`config.json`, tokenizer files, `generation_config.json`, ...), staged in a hidden temp directory
-and renamed into place whole, so every version is a Hugging Face checkpoint that
-`AutoModelForCausalLM.from_pretrained` or vLLM loads as is.
+(`config.json`, tokenizer files, `generation_config.json`, ...), so every version is a Hugging Face
+checkpoint that `AutoModelForCausalLM.from_pretrained` or vLLM loads as is. They are staged in a
+hidden temp directory (`.step_<version>.<pid>.tmpdir`); `model.safetensors` and every copied file
+are fsynced, then the stage directory, then it is renamed onto `step_<version>/` and the parent
+directory is fsynced: the same guarantee as above, for the directory as a whole. The one
+non-atomic case: publishing a version whose `step_<version>/` already exists (a restarted trainer
+re-sends it) first renames the old directory aside, then the new one into place, so for a moment
+there is no `step_<version>/` at all (a crash right there leaves none; the older versions are
+untouched and the aside copy is removed on the next start). A file name (no template), by
+contrast, is replaced atomically.
 
 Tied weights: a tensor sent once for several names (`begin(version, tied=...)`) is written once,
 under the name it was sent as, which is what Hugging Face checkpoints of tied models hold
@@ -55,7 +68,7 @@ logger = logging.getLogger(__name__)
 FINAL_RE = re.compile(r"^step_(\d+)\.safetensors$")
 TEMP_RE = re.compile(r"^\.step_(\d+)\.safetensors\.(\d+)\.tmp2?$")
 FINAL_DIR_RE = re.compile(r"^step_(\d+)$")
-TEMP_DIR_RE = re.compile(r"^\.step_(\d+)\.(\d+)\.tmpdir$")
+TEMP_DIR_RE = re.compile(r"^\.step_(\d+)\.(\d+)(?:\.old)?\.tmpdir$")  # .old: a replaced step_N/
 WEIGHTS_NAME = "model.safetensors"
 # files of a template checkpoint that are weights (ours replace them), never copied
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -93,7 +106,21 @@ def step_path(directory: str | os.PathLike[str], version: int) -> Path:
     return Path(directory) / f"step_{version}.safetensors"
 
 
+def _fsync_file(path: Path) -> None:
+    """Flush a file written by someone else (`shutil.copy2`) to disk; errors propagate."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable, where the platform allows.
+
+    Best effort on purpose: some platforms (Windows) cannot open a directory, some filesystems
+    refuse fsync on one (EINVAL); the files themselves are fsynced regardless.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -202,33 +229,39 @@ class SafetensorsSink(Sink):
         return json.dumps(header, separators=(",", ":")).encode()
 
     def _commit(self, version: int) -> None:
+        # Order (see the module docstring): write, flush, fsync the file, rename, fsync the directory.
+        # Renaming before the data is on disk would let a power loss leave a truncated file under the
+        # final name, which rollouts would load.
         assert self._file is not None and self._tmp is not None
         header = self._header(version)
         f, tmp = self._file, self._tmp
+        self._file = None
         if len(header) <= self._reserve:
-            f.seek(0)
-            f.write(struct.pack("<Q", self._reserve))
-            f.write(header.ljust(self._reserve, b" "))
+            try:
+                f.seek(0)
+                f.write(struct.pack("<Q", self._reserve))
+                f.write(header.ljust(self._reserve, b" "))
+                f.flush()  # Python's buffer -> the OS, so that the fsync covers every byte
+                os.fsync(f.fileno())
+            finally:
+                f.close()
         else:  # header outgrew the reservation: copy the data once behind a header of the right size
             padded = header.ljust((len(header) + 7) // 8 * 8, b" ")
             tmp2 = tmp.with_name(tmp.name + "2")
-            with open(tmp2, "wb") as out:
-                out.write(struct.pack("<Q", len(padded)))
-                out.write(padded)
+            try:
                 f.flush()
-                with open(tmp, "rb") as src:
+                with open(tmp2, "wb") as out, open(tmp, "rb") as src:
+                    out.write(struct.pack("<Q", len(padded)))
+                    out.write(padded)
                     src.seek(8 + self._reserve)
                     shutil.copyfileobj(src, out, COPY_CHUNK)
-                out.flush()
-                os.fsync(out.fileno())
-            f.close()
-            tmp.unlink()
+                    out.flush()
+                    os.fsync(out.fileno())
+            finally:
+                f.close()
+            # tmp2's data is on disk; renaming it over the (temp) name is made durable by the
+            # directory fsync after the final rename below, like the final rename itself
             os.replace(tmp2, tmp)
-            f = open(tmp, "ab")  # noqa: SIM115 - only to fsync/close below
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        self._file = None
         if self._stage is not None:
             final = self._publish_dir(self._stage, version)
             self._stage = None
@@ -236,20 +269,28 @@ class SafetensorsSink(Sink):
             final = step_path(self.dir, version)
             os.replace(tmp, final)
         self._tmp = None
-        _fsync_dir(self.dir)
+        _fsync_dir(self.dir)  # the new name itself survives a power loss
         self._last_header_len = len(header)
         self._prune()
         logger.debug("wrote %s (%d tensors, %d bytes)", final, len(self._entries), self._data_len)
 
     def _publish_dir(self, stage: Path, version: int) -> Path:
-        """Copy the template's non-weight files into the staged version, then rename it into place."""
+        """Copy the template's non-weight files into the staged version, then rename it into place.
+
+        Every copied file and the stage directory are fsynced before the rename (the weights file
+        already is, by `_commit`): otherwise a power loss could leave `step_N/config.json` empty
+        under a complete-looking directory. The caller fsyncs the parent directory afterwards.
+        """
         assert self.template is not None
         for src in sorted(self.template.iterdir()):
             if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES) and src.name not in WEIGHT_INDEXES:
-                shutil.copy2(src, stage / src.name)
+                dst = stage / src.name
+                shutil.copy2(src, dst)
+                _fsync_file(dst)
         _fsync_dir(stage)
         final = self.dir / f"step_{version}"
         if final.exists():  # the same version again (a restarted trainer re-sends it): replace it whole
+            # not atomic: between these two renames there is no step_N/ at all (documented above)
             old = self.dir / f".step_{version}.{os.getpid()}.old.tmpdir"
             os.replace(final, old)
             os.replace(stage, final)
