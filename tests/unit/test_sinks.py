@@ -11,6 +11,8 @@ import json
 import os
 import struct
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from safetensors.torch import load_file
 
 from lightning_weightsync import SinkError, VersionAborted, load_config, merge_weight_chunks, split_weight_chunks
 from lightning_weightsync.errors import ConfigError
+from lightning_weightsync.protocol.chunks import TensorMeta
 from lightning_weightsync.rollout.sinks import Sink, SinkState, build_sink, load_callable
 from lightning_weightsync.rollout.sinks.callable import CallableSink
 from lightning_weightsync.rollout.sinks.module import ModuleSink
@@ -153,6 +156,89 @@ async def test_module_sink_atomic_abort_keeps_previous_version() -> None:
     assert_same(sink.state_dict(), v0)
     await drive(sink, version_weights(2), 2)  # and the next version still applies
     assert_same(sink.state_dict(), version_weights(2))
+
+
+class Wide(torch.nn.Module):
+    """18 parameters of 64K-256K floats: copying a version into them takes long enough to be caught
+    half-way. `forward` is what a generation loop's reads boil down to: every parameter's min and max."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.zeros(64 * 1024 * (1 + i % 4)), requires_grad=False) for i in range(18)
+        )
+
+    def forward(self) -> torch.Tensor:
+        return torch.stack([torch.stack([p.amin(), p.amax()]) for p in self.blocks])
+
+
+def whole_version(values: list[torch.Tensor]) -> int | None:
+    """The version a snapshot holds if it is one whole version (every element of every tensor equal), else None."""
+    lows = [float(v.min()) for v in values]
+    highs = [float(v.max()) for v in values]
+    if len(set(lows) | set(highs)) != 1:
+        return None
+    return int(lows[0])
+
+
+def test_module_sink_atomic_readers_never_see_a_half_copied_version() -> None:
+    """A reader thread taking snapshots while versions commit never sees two versions mixed: not through
+    `state_dict()`, not by running the module under `sink.lock` as a generation loop does. This is what
+    the commit's `with self.lock` buys; without it this test fails (tensors of two versions)."""
+    sink = ModuleSink(module_cfg("atomic"), module=Wide())
+    module = sink.module
+    assert isinstance(module, Wide)
+    versions = 40
+    seen: list[int] = []
+    mixed: list[str] = []
+    taken = threading.Condition()
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            snapshot = list(sink.state_dict().values())
+            with sink.lock, torch.no_grad():  # a generation loop: hold the lock while using the weights
+                ran = module()
+            for how, values in (("state_dict()", snapshot), ("module() under sink.lock", list(ran))):
+                version = whole_version(values)
+                if version is None:
+                    mixed.append(f"{how}: {sorted({float(v) for t in values for v in t.unique()})}")
+                else:
+                    seen.append(version)
+            with taken:
+                taken.notify_all()
+
+    def wait_for_reader(version: int) -> None:
+        """The reader really runs alongside: it has seen `version` before the next one is sent."""
+        with taken:
+            assert taken.wait_for(lambda: version in seen or not thread.is_alive(), timeout=60), version
+        assert thread.is_alive(), "reader thread died"
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: interleave the copy and the reads
+    thread = threading.Thread(target=reader, name="reader", daemon=True)
+    try:
+        thread.start()
+        wait_for_reader(0)
+        for version in range(1, versions + 1):
+            # the daemon's calls, without the chunk merge in between (its cost would only make the
+            # commits a smaller share of the time the reader runs alongside)
+            sink.begin(version)
+            for i, p in enumerate(module.blocks):
+                name = f"blocks.{i}"
+                staged = sink.destination(TensorMeta(name, tuple(p.shape), p.dtype, 0, p.numel() * p.element_size()))
+                assert staged is not None and staged.data_ptr() != p.data_ptr()  # a shadow, not the live tensor
+                staged.fill_(version)
+                sink.accept(name, staged)
+            sink.commit(version)
+            wait_for_reader(version)
+    finally:
+        stop.set()
+        thread.join(60)
+        sys.setswitchinterval(old)
+    assert not mixed, f"{len(mixed)} of {len(seen) + len(mixed)} snapshots mixed versions, e.g. {mixed[:3]}"
+    assert set(seen) == set(range(versions + 1)) and len(seen) >= 2 * versions
+    assert sink.version == versions and whole_version(list(sink.state_dict().values())) == versions
 
 
 async def test_module_sink_streaming_abort_marks_incomplete_until_next_version() -> None:

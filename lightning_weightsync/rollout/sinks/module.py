@@ -87,7 +87,13 @@ class ModuleSink(Sink):
         return self.state_dict()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A consistent snapshot (clones) of what the module holds now, taken under `self.lock`."""
+        """Clones of what the module holds now, taken under `self.lock`.
+
+        One whole version with `rollout.apply=atomic` (commits copy under the same lock). With
+        `streaming` the merge writes into the live tensors without the lock, so a snapshot taken
+        while a version arrives (`self.in_flight` is set) may mix two versions, and after one broke
+        mid-way (`self.state` is `incomplete`) it does mix them.
+        """
         with self.lock:
             return {name: t.detach().clone() for name, t in self._live.items()}
 
