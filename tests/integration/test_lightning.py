@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from lightning_weightsync import WeightSyncTimeout, load_config  # noqa: E402
 from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
+from lightning_weightsync.trainer.driver import SyncRecord  # noqa: E402
 from lightning_weightsync.trainer.lightning import WeightSyncCallback  # noqa: E402
 from tests.support.mp import PYTHON, free_port, output_of, popen, spawned  # noqa: E402
 from tests.support.receiver import assert_same_weights, received_versions, receiver_main  # noqa: E402
@@ -28,6 +29,17 @@ RUN_TIMEOUT_S = 150  # one training subprocess
 
 
 # ------------------------------------------------------------------ single process: the schedule
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Any:
+    """The in-process fits use a model of a few KiB: with torch's default intra-op threads they spend
+    their time in thread hand-offs, and on a busy machine a fit takes seconds instead of ~0.1 s. The
+    schedule does not depend on it; the subprocess runs below are not affected."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 class MemoryLogger(Logger):
@@ -95,26 +107,59 @@ def _fit(cb: WeightSyncCallback, *, steps: int, accumulate: int = 1, ckpt_path: 
     return trainer, logger
 
 
-def test_syncs_per_optimizer_step_not_per_micro_batch(tmp_path: Path) -> None:
-    cb = WeightSyncCallback(_cfg("trainer.every_n_steps=2"), module_attr="model")
-    trainer, logger = _fit(cb, steps=5, accumulate=3, tmp=tmp_path)
-    assert trainer.global_step == 5
-    # version 0 at start, then every 2nd optimizer step; 15 micro-batches add nothing; the final
-    # step 5 is not a multiple of 2, so it is sent when training ends
-    assert logger.synced_versions() == [0, 2, 4, 5]
-    assert cb.last_synced_version == 5 and cb.failures == 0
-    assert cb.last_stats.receivers == 0 and cb.port is None  # the sender is closed after fit
+class DeliveryLog(SyncRecord):
+    """The callback's real record, also keeping every delivered version: counts what was sent and
+    acknowledged, not what was logged, so a sync that logs nothing is still counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[int] = []
+
+    def delivered(self, version: int, stats: Any) -> None:
+        self.versions.append(version)
+        super().delivered(version, stats)
+
+
+def expected_versions(*, max_steps: int, every_n_steps: int, sync_on_fit_start: bool) -> list[int]:
+    """The documented schedule (sync_on_train_end=true), from the rule rather than from a run: 0 at
+    start if enabled, every multiple of every_n_steps among the optimizer steps, the final step at the
+    end unless it was just sent. Micro-batches never count."""
+    versions = [0] if sync_on_fit_start else []
+    versions += [step for step in range(1, max_steps + 1) if step % every_n_steps == 0]
+    if versions[-1:] != [max_steps]:
+        versions.append(max_steps)
+    return versions
+
+
+@pytest.mark.parametrize("sync_on_fit_start", [True, False], ids=["fit_start", "no_fit_start"])
+@pytest.mark.parametrize("every_n_steps", [1, 2], ids=["every1", "every2"])
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["acc1", "acc3"])
+def test_syncs_per_optimizer_step_not_per_micro_batch(
+    tmp_path: Path, accumulate: int, every_n_steps: int, sync_on_fit_start: bool
+) -> None:
+    """Exactly the scheduled versions, whatever the accumulation: with accumulate=3 the 15 micro-batches
+    add nothing (in particular none before the first optimizer step when there is no fit-start sync),
+    and max_steps=5 is not a multiple of 2, so every_n_steps=2 ends with the train-end sync."""
+    max_steps = 5
+    cfg = _cfg(
+        f"trainer.every_n_steps={every_n_steps}",
+        f"trainer.sync_on_fit_start={str(sync_on_fit_start).lower()}",
+        "trainer.sync_on_train_end=true",
+    )
+    cb = WeightSyncCallback(cfg, module_attr="model")
+    cb.record = delivered = DeliveryLog()
+    trainer, logger = _fit(cb, steps=max_steps, accumulate=accumulate, tmp=tmp_path)
+    assert trainer.global_step == max_steps
+    want = expected_versions(max_steps=max_steps, every_n_steps=every_n_steps, sync_on_fit_start=sync_on_fit_start)
+    assert delivered.versions == want  # what was sent
+    assert logger.synced_versions() == want  # what was logged
+    assert cb.last_synced_version == max_steps and cb.failures == 0
+    assert cb.last_stats is not None and cb.last_stats.receivers == 0 and cb.port is None  # sender closed after fit
     # every sync logs how long it blocked the training loop; it contains the send it waited for
     stalls = [m["weightsync/stall_seconds"] for _, m in logger.rows if "weightsync/stall_seconds" in m]
     sends = [m["weightsync/seconds"] for _, m in logger.rows if "weightsync/seconds" in m]
-    assert len(stalls) == 4 and all(st >= se > 0 for st, se in zip(stalls, sends, strict=True))
+    assert len(stalls) == len(want) and all(st >= se > 0 for st, se in zip(stalls, sends, strict=True))
     assert cb.last_stall_seconds == stalls[-1]
-
-
-def test_no_sync_on_fit_start_when_disabled(tmp_path: Path) -> None:
-    cb = WeightSyncCallback(_cfg("trainer.sync_on_fit_start=false"))
-    _, logger = _fit(cb, steps=3, tmp=tmp_path)
-    assert logger.synced_versions() == [1, 2, 3]
 
 
 def test_resume_restores_last_synced_version(tmp_path: Path) -> None:
