@@ -4,7 +4,9 @@ Every message is a msgspec Struct encoded as msgpack. `decode()` is the only way
 network become objects: it checks the HMAC (when a token is configured), decodes into the closed
 set of message types below (anything else is rejected by msgspec, not executed), then validates
 ranges (dtype allow-list, non-negative shapes, chunk and bucket offsets in range, bounded names).
-Whatever goes wrong, it raises `ProtocolError` and nothing else.
+Whatever goes wrong, it raises `ProtocolError` and nothing else. An exception that nobody raised
+on purpose (a bug here, not in the peer) is still a rejection, so hostile bytes never crash a
+daemon, but it is a `DecoderBug`, logged with its traceback, so a test or an operator sees it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Union
@@ -26,6 +29,8 @@ MAX_NAME_LEN = 1024
 MAX_NDIM = 16
 MAX_ENTRIES = 1_000_000
 MAX_TEXT_LEN = 4096
+logger = logging.getLogger(__name__)
+
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
 MAX_MEMBERS = 65536  # receivers in one group
@@ -244,18 +249,27 @@ def encode(msg: Message, key: bytes | None = None) -> list[bytes]:
     return [sign(body, key), body] if key else [body]
 
 
+class DecoderBug(ProtocolError):
+    """Decoding raised an exception that no check raises on purpose: a bug in this module, not a
+    bad peer. The message is still rejected (this is a `ProtocolError`, so callers treat it like
+    any malformed message and a hostile peer cannot crash a daemon with it), but it is logged with
+    its traceback and tests fail on it instead of counting it as a correct rejection."""
+
+
 @contextlib.contextmanager
 def _from_hostile_bytes() -> Iterator[None]:
     """Whatever bytes from the network make decoding raise becomes a `ProtocolError` (never anything
-    else, whatever msgspec or a validator throws): decode and unseal share this one rule."""
+    else): decode and unseal share this one rule. The expected failures are our own checks and
+    msgspec's schema errors (deep nesting included); anything else is a `DecoderBug`."""
     try:
         yield
     except ProtocolError:
         raise
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from None
-    except Exception as exc:  # anything else from hostile bytes is still a protocol error
-        raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:
+        logger.error("bug in the control-message decoder (message rejected); please report", exc_info=True)
+        raise DecoderBug(f"malformed control message: {type(exc).__name__}: {exc} (a decoder bug)") from exc
 
 
 def decode(frames: list[bytes], key: bytes | None = None, *, bucket_size: int | None = None) -> Message:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import pickle
 from pathlib import Path
 
@@ -22,9 +23,14 @@ from lightning_weightsync import ProtocolError, TensorMeta
 from lightning_weightsync.protocol.dtypes import DTYPES
 from lightning_weightsync.protocol.messages import (
     MAC_LEN,
+    MAX_ENTRIES,
     MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
+    MAX_SLOTS,
+    MAX_STORE_KEY_LEN,
+    MAX_STORE_VALUE_LEN,
+    MAX_TENSOR_BYTES,
     MAX_TEXT_LEN,
     NCCL_UNIQUE_ID_BYTES,
     Abort,
@@ -32,9 +38,11 @@ from lightning_weightsync.protocol.messages import (
     BucketDone,
     BucketMeta,
     Bye,
+    DecoderBug,
     Entry,
     GroupSpec,
     Member,
+    Message,
     NcclJoin,
     Plan,
     Prepare,
@@ -327,12 +335,140 @@ def test_tampered_mac_and_replayed_mac_rejected() -> None:
 
 
 def _decode_or_protocol_error(frames: list[bytes], key: bytes | None, bucket_size: int | None = None) -> None:
+    """The decoder's contract on any frames: a message that passes `_assert_receiver_invariants` and
+    round-trips, or a deliberate rejection. A `DecoderBug` (an exception no check raised on purpose)
+    fails the test: it is a ProtocolError too, so it must not be counted as a correct rejection."""
     try:
         msg = decode(frames, key, bucket_size=bucket_size)
+    except DecoderBug:
+        raise
     except ProtocolError:
         return
-    # anything that decodes is one of our types and passes validation on its own
-    validate(msg, bucket_size=bucket_size)
+    _assert_receiver_invariants(msg, bucket_size)
+    again = decode(encode(msg, key), key, bucket_size=bucket_size)  # what we accept, we can send
+    assert again == msg and encode(again) == encode(msg)
+
+
+def _assert_receiver_invariants(msg: Message, bucket_size: int | None) -> None:
+    """What the receiver, the sender and the backends rely on in an accepted message, written from
+    their side (sizes from torch meta tensors, not from the validator's arithmetic), so that a check
+    missing from `validate` shows up here."""
+    for attr in ("identity", "host", "device", "reason", "error", "backend", "session", "nonce", "instance"):
+        value = getattr(msg, attr, None)
+        assert value is None or len(value) <= MAX_TEXT_LEN, attr
+    assert getattr(msg, "version", 0) >= 0
+    if isinstance(msg, BucketMeta):
+        assert msg.bucket_index >= 0 and msg.nbytes >= 0
+        assert bucket_size is None or msg.nbytes <= bucket_size, "bucket larger than the receiver's buffer"
+        assert len(msg.entries) <= MAX_ENTRIES
+        for e in msg.entries:
+            assert 0 < len(e.name) <= MAX_NAME_LEN and len(e.shape) <= MAX_NDIM and min(e.shape, default=0) >= 0
+            assert e.dtype in DTYPES, "dtype outside the allow-list"
+            meta = e.to_meta()  # the receiver's form: a real torch dtype
+            size = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            tensor_bytes = size.numel() * size.element_size()
+            assert tensor_bytes <= MAX_TENSOR_BYTES
+            assert e.chunk_offset >= 0 and e.chunk_size >= 0 and e.chunk_offset + e.chunk_size <= tensor_bytes
+            assert e.offset >= 0 and e.offset + e.chunk_size <= msg.nbytes, "chunk outside its bucket"
+        assert not msg.tied or msg.bucket_index == 0
+        aliases = [a for group in msg.tied.values() for a in group]
+        assert len(set(aliases)) == len(aliases) and not set(aliases) & set(msg.tied)
+        assert all(0 < len(n) <= MAX_NAME_LEN for n in [*msg.tied, *aliases])
+        assert all(source not in group for source, group in msg.tied.items())
+    elif isinstance(msg, Plan):
+        group = msg.group
+        assert 0 <= msg.rank <= len(group.members), "rank outside the group"
+        identities = [m.identity for m in group.members]
+        assert len(identities) <= MAX_MEMBERS and len(set(identities)) == len(identities) and all(identities)
+        assert all(m.pid >= 0 and len(m.identity) <= MAX_TEXT_LEN for m in group.members)
+        assert group.generation >= 0 and 1 <= group.bucket_size <= MAX_TENSOR_BYTES
+        assert len(group.session) <= MAX_TEXT_LEN and len(group.backend) <= 64
+        join = group.join
+        if isinstance(join, StoreJoin):
+            assert join.host and len(join.host) <= 256 and 1 <= join.port <= 65535
+        elif isinstance(join, NcclJoin):
+            assert len(bytes(b & 0xFF for b in join.unique_id)) == NCCL_UNIQUE_ID_BYTES
+            assert all(-128 <= b <= 255 for b in join.unique_id)
+        else:
+            assert isinstance(join, SharedJoin)
+            assert 1 <= len(join.slots) <= MAX_SLOTS and all(0 < len(h) <= MAX_TEXT_LEN for h in join.slots)
+            assert join.release_addr.startswith("tcp://") and len(join.release_addr) <= 256
+    elif isinstance(msg, BucketDone):
+        assert msg.bucket_index >= 0
+    elif isinstance(msg, StoreRequest):
+        assert msg.op in ("set", "get", "add") and 0 < len(msg.key) <= MAX_STORE_KEY_LEN
+        assert msg.request_id >= 0 and len(msg.value) <= MAX_STORE_VALUE_LEN
+    elif isinstance(msg, StoreReply):
+        assert msg.request_id >= 0 and len(msg.value) <= MAX_STORE_VALUE_LEN
+    elif isinstance(msg, Register):
+        assert msg.pid >= 0 and len(msg.instance) <= 256 and len(msg.nonce) <= 256
+    elif isinstance(msg, (Prepare, Refuse)):
+        assert len(msg.nonce) <= 256
+
+
+_E = Entry("w", [4], "float32", 0, 16, 0)
+# one message per rule an accepted message must satisfy; each breaks exactly that rule
+HOSTILE = {
+    "negative-version": Prepare(-1, "s"),
+    "long-identity": Bye("x" * (MAX_TEXT_LEN + 1)),
+    "bucket-over-buffer": BucketMeta(1, 0, True, (1 << 20) + 1, []),
+    "empty-name": BucketMeta(1, 0, True, 16, [Entry("", [4], "float32", 0, 16, 0)]),
+    "too-many-dims": BucketMeta(1, 0, True, 4, [Entry("w", [1] * (MAX_NDIM + 1), "float32", 0, 4, 0)]),
+    "negative-dim": BucketMeta(1, 0, True, 16, [Entry("w", [-4], "float32", 0, 0, 0)]),
+    "unknown-dtype": BucketMeta(1, 0, True, 16, [Entry("w", [4], "object", 0, 16, 0)]),
+    "huge-tensor": BucketMeta(1, 0, True, 16, [Entry("w", [1 << 30, 1 << 20], "float32", 0, 16, 0)]),
+    "chunk-past-tensor": BucketMeta(1, 0, True, 32, [Entry("w", [4], "float32", 8, 16, 0)]),
+    "chunk-past-bucket": BucketMeta(1, 0, True, 16, [Entry("w", [4], "float32", 0, 16, 8)]),
+    "negative-offset": BucketMeta(1, 0, True, 16, [Entry("w", [4], "float32", 0, 16, -1)]),
+    "tied-on-bucket-1": BucketMeta(1, 1, True, 16, [_E], tied={"w": ["v"]}),
+    "alias-also-sent": BucketMeta(1, 0, True, 16, [_E], tied={"w": ["v"], "v": ["u"]}),
+    "rank-outside": _plan(rank=3, n=2),
+    "member-twice": _plan(members=[Member("a", 1), Member("a", 2)]),
+    "bad-port": _plan(join=StoreJoin("127.0.0.1", 0)),
+    "short-nccl-id": _plan(join=NcclJoin(NCCL_ID[:-1]), backend="nccl"),
+    "nccl-id-out-of-range": _plan(join=NcclJoin([300] * NCCL_UNIQUE_ID_BYTES), backend="nccl"),
+    "no-slots": _plan(join=SharedJoin([], "tcp://127.0.0.1:1"), backend="shm"),
+    "release-not-tcp": _plan(join=SharedJoin(["psm_1"], "ipc:///tmp/x"), backend="shm"),
+    "store-op": StoreRequest("r", 1, "delete", "k"),
+    "store-empty-key": StoreRequest("r", 1, "set", ""),
+    "negative-pid": Register("r", "h", -1, "cpu"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_invariant_oracle_catches_what_validate_rejects(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oracle is not vacuous: each hostile message breaks one invariant. With validation on,
+    `decode` rejects it; with validation switched off (the bug a fuzz test must catch), the oracle
+    fails on what `decode` then lets through."""
+    from lightning_weightsync.protocol import messages
+
+    frames = encode(HOSTILE[name])
+    with pytest.raises(ProtocolError) as rejected:
+        decode(frames, bucket_size=1 << 20)
+    assert not isinstance(rejected.value, DecoderBug)
+    monkeypatch.setattr(messages, "validate", lambda msg, *, bucket_size=None: None)
+    with pytest.raises(AssertionError):
+        _decode_or_protocol_error(frames, None, bucket_size=1 << 20)
+
+
+def test_a_decoder_bug_surfaces_instead_of_passing_as_a_rejection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in a check (here: an IndexError) is still a rejection for a caller, but it is a
+    `DecoderBug`, logged with its traceback, and the fuzz helper fails on it."""
+    from lightning_weightsync.protocol import messages
+
+    def buggy(msg: BucketMeta, bucket_size: int | None) -> None:
+        return [][msg.bucket_index]
+
+    monkeypatch.setattr(messages, "validate_bucket", buggy)
+    frames = encode(BucketMeta(3, 0, True, 0, []))
+    with pytest.raises(DecoderBug, match="IndexError") as info, caplog.at_level("ERROR"):
+        decode(frames)
+    assert isinstance(info.value, ProtocolError) and isinstance(info.value.__cause__, IndexError)
+    assert "decoder" in caplog.text and "Traceback" in caplog.text
+    with pytest.raises(DecoderBug):
+        _decode_or_protocol_error(frames, None)
 
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -456,6 +592,113 @@ def test_fuzz_structured_plans(group: dict, join_tag, join: dict, members, uniqu
     obj = {"type": "plan", "version": 1, "rank": rank, "group": {**group_obj, "join": join_obj, **group}}
     body = msgspec.msgpack.encode(obj)
     _decode_or_protocol_error(encode_raw(body, key) if key else [body], key, bucket_size=1 << 20)
+
+
+@st.composite
+def _near_valid_plan(draw: st.DrawFn) -> dict:
+    """A valid plan of one join kind, then (most of the time) one field moved to a value at or past
+    its limit, so each limit is hit often even in a few hundred examples."""
+    kind = draw(st.sampled_from(["store", "nccl", "shared"]))
+    join: dict = {
+        "store": {"type": "store", "host": "h", "port": 1},
+        "nccl": {"type": "nccl", "unique_id": NCCL_ID},
+        "shared": {"type": "shared", "slots": ["psm_1"], "release_addr": "tcp://127.0.0.1:1"},
+    }[kind]
+    group = {"session": "s", "generation": 1, "backend": "gloo", "bucket_size": 1 << 20}
+    plan = {"type": "plan", "version": 1, "rank": 1, "group": {**group, "members": [["a", 1], ["b", 2]], "join": join}}
+    near = {
+        ("rank",): st.sampled_from([-1, 3, 4, 0, 2]),
+        ("group", "members"): st.lists(
+            st.tuples(st.sampled_from(["a", "b", ""]), st.integers(-1, 2)).map(list), max_size=3
+        ),
+        ("group", "generation"): st.integers(-2, 0),
+        ("group", "bucket_size"): st.sampled_from([-1, 0, 1, MAX_TENSOR_BYTES, MAX_TENSOR_BYTES + 1]),
+        ("group", "join", "host"): st.sampled_from(["", "h" * 256, "h" * 257]),
+        ("group", "join", "port"): st.sampled_from([-1, 0, 65535, 65536]),
+        ("group", "join", "unique_id"): st.lists(st.integers(-128, 255), min_size=127, max_size=129)
+        | st.lists(st.sampled_from([-129, 0, 256]), min_size=128, max_size=128),
+        ("group", "join", "slots"): st.sampled_from([[], [""], ["psm"] * MAX_SLOTS, ["psm"] * (MAX_SLOTS + 1)]),
+        ("group", "join", "release_addr"): st.sampled_from(["ipc:///x", "", "tcp://" + "h" * 251]),
+    }
+    usable = [path for path in near if len(path) < 3 or path[-1] in join]
+    path = draw(st.sampled_from([None, *usable]))
+    if path is not None:
+        target = plan
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = draw(near[path])
+    return plan
+
+
+@settings(FUZZ, max_examples=1000)
+@given(plan=_near_valid_plan(), key=st.sampled_from([None, KEY]))
+def test_fuzz_near_valid_plans(plan: dict, key: bytes | None) -> None:
+    """Plans a hair inside or outside every limit (rank, members, each join kind): many decode."""
+    body = msgspec.msgpack.encode(plan)
+    _decode_or_protocol_error(encode_raw(body, key) if key else [body], key, bucket_size=1 << 20)
+
+
+_BUCKET = 1024  # the receiver's bucket_size in the near-valid bucket fuzz
+
+
+@st.composite
+def _near_valid_entry(draw: st.DrawFn, may_break: bool = True) -> list:
+    """A valid entry, or (when `may_break`, most of the time) one whose one field is at or past its
+    limit; the other fields stay valid for it (a chunk inside a broken shape), so the broken one is
+    what decides."""
+    field = draw(st.sampled_from([None, "name", "shape", "dtype", "chunk_offset", "chunk_size", "offset"]))
+    field = field if may_break else None
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    if field == "shape":
+        shape = draw(st.sampled_from([[-1], [1] * MAX_NDIM, [1] * (MAX_NDIM + 1), [1 << 30, 1 << 20], [1 << 20] * 4]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "uint8", "float8_e4m3fn", "int64"]))
+    nbytes = max(0, math.prod(shape)) * DTYPES[dtype].itemsize
+    chunk_offset = draw(st.integers(0, min(nbytes, 64)))
+    chunk_size = draw(st.integers(0, min(nbytes - chunk_offset, 64)))
+    entry = {"name": "w", "shape": shape, "dtype": dtype, "chunk_offset": chunk_offset, "chunk_size": chunk_size}
+    entry["offset"] = draw(st.integers(0, 8))
+    near = {
+        "name": st.sampled_from(["", "x" * MAX_NAME_LEN, "x" * (MAX_NAME_LEN + 1)]),
+        "dtype": st.sampled_from(["float33", "object", ""]),
+        "chunk_offset": st.integers(-2, nbytes + 2),
+        "chunk_size": st.integers(-2, max(nbytes, _BUCKET) + 2),
+        "offset": st.integers(-2, _BUCKET + 2),
+    }
+    if field in near:
+        entry[field] = draw(near[field])
+    return list(entry.values())
+
+
+@st.composite
+def _near_valid_bucket(draw: st.DrawFn) -> dict:
+    """Valid bucket metadata with at most one thing at or past its limit: the bucket's size, index,
+    tied names, or (most often) one field of its first entry."""
+    broken = draw(st.sampled_from([None, "nbytes", "bucket_index", "tied", "entry", "entry", "entry"]))
+    entries = [draw(_near_valid_entry(may_break=broken == "entry"))]
+    entries += draw(st.lists(_near_valid_entry(may_break=False), max_size=3))
+    bucket = {"type": "bucket", "version": 1, "bucket_index": 0, "is_last": True, "nbytes": _BUCKET}
+    bucket["tied"] = draw(st.sampled_from([{}, {"w": ["v"]}, {"w": ["v", "u"]}]))
+    near = {
+        "nbytes": st.integers(_BUCKET - 2, _BUCKET + 2) | st.integers(-2, 40),
+        "bucket_index": st.integers(-1, 2),
+        "tied": st.dictionaries(
+            st.sampled_from(["w", "v", "u", "", "x" * (MAX_NAME_LEN + 1)]),
+            st.lists(st.sampled_from(["w", "v", "u", ""]), max_size=2),
+            min_size=1,
+        ),
+    }
+    if broken in near:
+        bucket[broken] = draw(near[broken])
+    return {**bucket, "entries": entries}
+
+
+@settings(FUZZ, max_examples=1000)
+@given(bucket=_near_valid_bucket(), key=st.sampled_from([None, KEY]))
+def test_fuzz_near_valid_buckets(bucket: dict, key: bytes | None) -> None:
+    """Bucket metadata a hair inside or outside every limit (sizes, offsets, dims, names, ties):
+    many decode, so the invariants of accepted messages are really exercised, not only rejections."""
+    body = msgspec.msgpack.encode(bucket)
+    _decode_or_protocol_error(encode_raw(body, key) if key else [body], key, bucket_size=_BUCKET)
 
 
 def test_decoded_entries_become_valid_metas() -> None:
