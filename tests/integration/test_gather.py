@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_weightsync.errors import ConfigError
@@ -20,6 +21,7 @@ from lightning_weightsync.trainer.gather import (
     resolve_dtype,
     strip_wrapper_prefixes,
 )
+from tests.support.collectives import Lockstep
 from tests.support.mp import free_port, run_workers
 
 WORLD = 2
@@ -190,15 +192,17 @@ def test_keep_on_other_rank_yields_nothing_without_group() -> None:
 # ---------------------------------------------------------------- real FSDP / DDP over gloo
 
 
-def _init(rank: int, port: int) -> None:
+def _init(rank: int, port: int) -> dist.Store:
+    """Join the gloo group; returns its store (for `Lockstep`, which must not use the group)."""
     import faulthandler
-
-    import torch.distributed as dist
+    from datetime import timedelta
 
     faulthandler.dump_traceback_later(WORKER_TIMEOUT_S - 10, exit=True)  # a hung worker shows where
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    return store
 
 
 def _wrap(net: nn.Module, kind: str) -> nn.Module:
@@ -227,11 +231,9 @@ def _wrap(net: nn.Module, kind: str) -> nn.Module:
 def _gather_worker(rank: int, port: int, kind: str) -> dict[str, object]:
     import gc
 
-    import torch.distributed as dist
-
-    _init(rank, port)
+    store = _init(rank, port)
     try:
-        return _gather_checks(rank, kind)
+        return _gather_checks(rank, kind, store)
     finally:
         # the wrapped model is gone by now: freeing a DDP reducer after its process group was
         # destroyed can hang in C++ (seen with gloo)
@@ -239,13 +241,22 @@ def _gather_worker(rank: int, port: int, kind: str) -> dict[str, object]:
         dist.destroy_process_group()
 
 
-def _gather_checks(rank: int, kind: str) -> dict[str, object]:
+def _gather_checks(rank: int, kind: str, store: dist.Store) -> dict[str, object]:
     net = make_net()
     want = expected_state(net)
     param_names = {n for n, _ in net.named_parameters()}
     model = _wrap(net, kind)
+    issued: list[list[str]] = []
+
+    def gathered(tag: str, **kwargs: object) -> dict[str, torch.Tensor]:
+        """`named_full_state_dict`, with every collective checked to match the other rank's first."""
+        with Lockstep(store, rank, WORLD, f"{kind}/{tag}") as lockstep:
+            got = named_full_state_dict(model, **kwargs)
+        issued.append(lockstep.issued)
+        return got
+
     # 1. before any forward (a fit-start sync): the initial weights
-    got = named_full_state_dict(model, keep_on_rank=0)
+    got = gathered("initial", keep_on_rank=0)
     if rank == 0:
         assert_bitwise(got, want)
     else:
@@ -259,11 +270,11 @@ def _gather_checks(rank: int, kind: str) -> dict[str, object]:
         for p in model.parameters():
             p.add_(1.0)
     want_after = {k: (v + 1.0 if k in param_names else v) for k, v in want.items()}
-    got = named_full_state_dict(model, keep_on_rank=None)  # every rank keeps
+    got = gathered("after-step", keep_on_rank=None)  # every rank keeps
     assert_bitwise(got, want_after)
     # 3. dtype cast and exclusion, in step on both ranks
     names = {"exclude": ["blocks.1.*"]}
-    got = named_full_state_dict(model, keep_on_rank=1, dtype=torch.bfloat16, names_cfg=names)
+    got = gathered("cast-exclude", keep_on_rank=1, dtype=torch.bfloat16, names_cfg=names)
     if rank == 1:
         want_cast = {
             k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
@@ -276,7 +287,7 @@ def _gather_checks(rank: int, kind: str) -> dict[str, object]:
     # the model still trains afterwards (FSDP state left consistent)
     model(tokens).float().pow(2).mean().backward()
     opt.step()
-    return {"n": len(want)}
+    return {"n": len(want), "issued": issued}
 
 
 @pytest.mark.slow
@@ -285,6 +296,18 @@ def test_distributed_gather_bitwise(kind: str) -> None:
     port = free_port()
     results = run_workers(_gather_worker, [(r, port, kind) for r in range(WORLD)], timeout_s=WORKER_TIMEOUT_S)
     assert results[0]["n"] == len(make_net().state_dict())
+    # Lockstep compared every collective before it ran; here: it saw them (the check is not vacuous).
+    # DDP holds whole tensors and issues none; FSDP2 gathers per tensor (an excluded tensor costs no
+    # collective); FSDP1 gathers per unit (a unit is summoned whole, excluded tensors or not)
+    initial, after_step, cast_exclude = results[0]["issued"]
+    assert results[1]["issued"] == results[0]["issued"]
+    if kind == "ddp":
+        assert initial == after_step == cast_exclude == []
+    else:
+        assert initial == after_step and all(op.startswith(("all_gather", "allgather")) for op in initial), initial
+        excluded = len(list(make_net().blocks[1].parameters()))  # `exclude: blocks.1.*` in _gather_checks
+        expected_after_exclusion = len(initial) if kind.startswith("fsdp1") else len(initial) - excluded
+        assert 0 < len(cast_exclude) == expected_after_exclusion, cast_exclude
 
 
 # ---------------------------------------------------------------- peak memory
@@ -299,7 +322,6 @@ def _vm_hwm_kib() -> int:
 
 def _memory_worker(rank: int, port: int, kind: str) -> dict[str, float]:
     import psutil
-    import torch.distributed as dist
 
     _init(rank, port)
     try:
