@@ -1,0 +1,140 @@
+"""Plant known bugs one at a time and check that the tests written for them fail (issue 14).
+
+A test that passes on a broken implementation proves nothing. Each plant below is a small, realistic
+bug (a removed check, a reordered durability step, a missing lock, a skipped collective) with the
+tests that must catch it. For each one this script edits the source in place, runs those tests,
+restores the file (always, also on Ctrl-C), and reports CAUGHT or MISSED. Exit status 1 if any plant
+was missed or a file could not be restored.
+
+    .venv/bin/python benchmarks/plant_check.py            # every plant (~4 min on 2 cores)
+    .venv/bin/python benchmarks/plant_check.py decoder    # plants whose name contains "decoder"
+
+Not part of the test suite on purpose: it rewrites source files while it runs. Run it on a clean
+checkout (it refuses to start when a file it plants into has uncommitted changes).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = "lightning_weightsync"
+
+
+@dataclass(frozen=True)
+class Plant:
+    name: str
+    path: str  # relative to the repository
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids or files (-k expressions after "::-k ")
+
+
+MESSAGES = f"{PKG}/protocol/messages.py"
+FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
+
+PLANTS = [
+    # -- the wire: each validator check removed in turn; only the fuzz tests run
+    Plant("decoder: chunk outside its bucket", MESSAGES,
+          "if e.offset < 0 or e.offset + e.chunk_size > msg.nbytes:", "if e.offset < 0:", FUZZ),
+    Plant("decoder: chunk outside its tensor", MESSAGES,
+          "if e.chunk_offset < 0 or e.chunk_size < 0 or e.chunk_offset + e.chunk_size > nbytes:",
+          "if e.chunk_offset < 0 or e.chunk_size < 0:", FUZZ),
+    Plant("decoder: bucket over the receiver's buffer", MESSAGES,
+          "if bucket_size is not None and msg.nbytes > bucket_size:", "if False:", FUZZ),
+    Plant("decoder: rank outside the group", MESSAGES,
+          "if not (0 <= msg.rank < msg.group.world_size):", "if not (0 <= msg.rank):", FUZZ),
+    Plant("decoder: member listed twice", MESSAGES,
+          "if len({m.identity for m in group.members}) != len(group.members):", "if False:", FUZZ),
+    Plant("decoder: store port range", MESSAGES,
+          "if not join.host or not (1 <= join.port <= 65535):", "if not join.host:", FUZZ),
+    Plant("decoder: nccl id byte range", MESSAGES,
+          "any(not (-128 <= b <= 255) for b in join.unique_id)", "False", FUZZ),
+    Plant("decoder: slot count", MESSAGES, "if not (1 <= len(join.slots) <= MAX_SLOTS):", "if False:", FUZZ),
+    Plant("decoder: tied names only on bucket 0", MESSAGES,
+          "if msg.bucket_index != 0:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries",
+          "if False:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries", FUZZ),
+    Plant("decoder: ndim limit", MESSAGES,
+          "if len(shape) > MAX_NDIM or any(d < 0 for d in shape):", "if any(d < 0 for d in shape):", FUZZ),
+    Plant("decoder: a bug (IndexError) in a check", MESSAGES,
+          '    _check_nonneg("bucket_index", msg.bucket_index)\n    _check_nonneg("bucket nbytes"',
+          '    [][msg.nbytes]\n    _check_nonneg("bucket_index", msg.bucket_index)\n    _check_nonneg("bucket nbytes"',
+          FUZZ),
+    # -- durability and consistency of the sinks
+    Plant("safetensors: no fsync before the rename", f"{PKG}/rollout/sinks/safetensors.py",
+          "                os.fsync(f.fileno())\n", "", ("tests/unit/test_sink_durability.py",)),
+    Plant("safetensors: template files not fsynced", f"{PKG}/rollout/sinks/safetensors.py",
+          "                _fsync_file(dst)\n", "", ("tests/unit/test_sink_durability.py",)),
+    Plant("safetensors: directory not fsynced after the rename", f"{PKG}/rollout/sinks/safetensors.py",
+          "        _fsync_dir(self.dir)  # the new name itself survives a power loss\n", "",
+          ("tests/unit/test_sink_durability.py",)),
+    Plant("module sink: atomic commit without the lock", f"{PKG}/rollout/sinks/module.py",
+          "with self.lock, torch.no_grad():", "with torch.no_grad():",
+          ("tests/unit/test_sinks.py", "-k", "half_copied")),
+    # -- when the trainer syncs, what the sender reports, what every rank gathers
+    Plant("lightning: sync on a micro-batch", f"{PKG}/trainer/lightning.py",
+          "if stepped and step % self.every_n_steps == 0", "if step % self.every_n_steps == 0",
+          ("tests/integration/test_lightning.py", "-k", "per_optimizer_step")),
+    Plant("sender: every tensor counted as chunked", f"{PKG}/engine/sender.py",
+          "stats.num_chunked_tensors += not meta.is_last", "stats.num_chunked_tensors += 1",
+          ("tests/integration/test_engine.py", "-k", "gloo-64MiB")),
+    Plant("gather: a rank skips a collective", f"{PKG}/trainer/gather.py",
+          "            emitted[name] = raw\n",
+          "            emitted[name] = raw\n"
+          "            if not keep and name.endswith('bias') and isinstance(tensor, DTensor):\n"
+          "                continue\n",
+          ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp2")),
+]  # fmt: skip
+
+
+def _dirty(paths: set[str]) -> list[str]:
+    cmd = ["git", "status", "--porcelain", "--", *sorted(paths)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if line.strip()]
+
+
+def run(plant: Plant) -> tuple[bool, str]:
+    """(caught, the first failure line) for one plant; the file is restored before returning."""
+    target = REPO / plant.path
+    original = target.read_text()
+    if original.count(plant.old) != 1:
+        return False, f"the text to replace occurs {original.count(plant.old)} times in {plant.path} (update the plant)"
+    try:
+        target.write_text(original.replace(plant.old, plant.new))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plant.tests],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        target.write_text(original)
+    lines = proc.stdout.splitlines()
+    first = next((ln.strip() for ln in lines if ln.startswith("E ")), lines[-1] if lines else "")
+    return proc.returncode != 0, first[:200]
+
+
+def main(argv: list[str]) -> int:
+    chosen = [p for p in PLANTS if not argv or any(a in p.name for a in argv)]
+    dirty = _dirty({p.path for p in chosen})
+    if dirty:
+        print("refusing to plant into files with uncommitted changes:\n  " + "\n  ".join(dirty))
+        return 2
+    missed = 0
+    for plant in chosen:
+        t0 = time.monotonic()
+        caught, detail = run(plant)
+        missed += not caught
+        verdict = "CAUGHT" if caught else "MISSED"
+        print(f"{verdict}  {plant.name:52s} {time.monotonic() - t0:5.1f}s  {detail}", flush=True)
+    if _dirty({p.path for p in chosen}):
+        print("a planted file was not restored: check `git diff`")
+        return 1
+    print(f"{len(chosen) - missed} of {len(chosen)} plants caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
