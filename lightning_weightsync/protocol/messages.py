@@ -398,6 +398,11 @@ def check_tensor(name: str, shape: Sequence[int], dtype: str) -> int:
     nbytes = math.prod(shape) * itemsize(DTYPES[dtype])
     if nbytes > MAX_TENSOR_BYTES:
         raise ProtocolError(f"{name!r} declares {nbytes} bytes (limit {MAX_TENSOR_BYTES}); refusing to allocate")
+    # An empty tensor is 0 bytes whatever its other dims, but torch still computes its strides from
+    # them: shape [0, 2**62, 2**62] would pass the byte limit and then fail inside torch.empty
+    # ("Stride calculation overflowed") on the receiver. The non-zero dims obey the same limit.
+    if nbytes == 0 and math.prod(d for d in shape if d) * itemsize(DTYPES[dtype]) > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"empty tensor {name!r} declares absurd dims {list(shape)}; refusing to allocate")
     return nbytes
 
 

@@ -365,7 +365,10 @@ def _assert_receiver_invariants(msg: Message, bucket_size: int | None) -> None:
             assert 0 < len(e.name) <= MAX_NAME_LEN and len(e.shape) <= MAX_NDIM and min(e.shape, default=0) >= 0
             assert e.dtype in DTYPES, "dtype outside the allow-list"
             meta = e.to_meta()  # the receiver's form: a real torch dtype
-            size = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            try:
+                size = torch.empty(meta.shape, dtype=meta.dtype, device="meta")  # what the merge allocates
+            except RuntimeError as exc:
+                raise AssertionError(f"the receiver cannot allocate {e.name!r} {e.shape}: {exc}") from None
             tensor_bytes = size.numel() * size.element_size()
             assert tensor_bytes <= MAX_TENSOR_BYTES
             assert e.chunk_offset >= 0 and e.chunk_size >= 0 and e.chunk_offset + e.chunk_size <= tensor_bytes
@@ -417,6 +420,7 @@ HOSTILE = {
     "negative-dim": BucketMeta(1, 0, True, 16, [Entry("w", [-4], "float32", 0, 0, 0)]),
     "unknown-dtype": BucketMeta(1, 0, True, 16, [Entry("w", [4], "object", 0, 16, 0)]),
     "huge-tensor": BucketMeta(1, 0, True, 16, [Entry("w", [1 << 30, 1 << 20], "float32", 0, 16, 0)]),
+    "empty-with-absurd-dims": BucketMeta(1, 0, True, 0, [Entry("w", [0, 1 << 62, 1 << 62], "float32", 0, 0, 0)]),
     "chunk-past-tensor": BucketMeta(1, 0, True, 32, [Entry("w", [4], "float32", 8, 16, 0)]),
     "chunk-past-bucket": BucketMeta(1, 0, True, 16, [Entry("w", [4], "float32", 0, 16, 8)]),
     "negative-offset": BucketMeta(1, 0, True, 16, [Entry("w", [4], "float32", 0, 16, -1)]),
