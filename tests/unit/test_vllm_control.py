@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from lightning_weightsync.config import PauseMode, load_config
-from lightning_weightsync.errors import PeerError
+from lightning_weightsync.errors import ConfigError, PeerError
 from lightning_weightsync.trainer.rollout_control import (
     EngineRolloutClient,
     HTTPRolloutClient,
@@ -157,7 +157,7 @@ def test_from_config_builds_one_client_per_url() -> None:
     assert ctl is not None and [c.name for c in ctl.clients] == ["http://a:8000", "http://b:8000"]
     assert ctl.pause_mode is PauseMode.abort and ctl.receive_timeout_s == cfg.transport.timeout_s
     assert RolloutControl.from_config(load_config()) is None
-    with pytest.raises(Exception, match=r"vllm\.urls.*not an http"):
+    with pytest.raises(ConfigError, match=r"vllm\.urls.*not an http"):
         load_config(overrides=["vllm.urls=[rollout-0:8000]"])
 
 

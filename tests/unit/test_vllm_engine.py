@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from lightning_weightsync import PeerError
 from lightning_weightsync.engine.sender import BlockingWeightSender
-from lightning_weightsync.errors import SinkError
+from lightning_weightsync.errors import ConfigError, SinkError
 from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.rollout.vllm.worker import worker_identity
 from tests.support.engine import engine_cfg
@@ -138,5 +138,5 @@ def test_a_version_other_than_the_announced_one_is_refused(tmp_path: Path) -> No
 def test_without_a_config_the_engine_says_which_variable_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIGHTNING_WEIGHTSYNC_CONFIG", raising=False)
     engine = StandInEngine(StandInWeightTransferConfig(), None, torch.device("cpu"), build_model(), "")
-    with pytest.raises(Exception, match=r"LIGHTNING_WEIGHTSYNC_CONFIG"):
+    with pytest.raises(ConfigError, match=r"LIGHTNING_WEIGHTSYNC_CONFIG"):
         engine.start_weight_update()
