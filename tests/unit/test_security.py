@@ -197,6 +197,18 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
             # the other direction: the first run's Prepare replayed to the receiver is rejected too
             await second_run._sock.send_multipart([second_run.route_of("rollout-0"), *old_prepare])  # type: ignore[union-attr]
             assert await receiver.recv(1) is None and receiver.replayed_messages == 1
+            # ... and a sender message of this run delivered twice (same seq) is a replay for the receiver
+            assert second_run._sock is not None
+            sender_send, sent = second_run._sock.send_multipart, []
+
+            def recording_sender_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
+                sent.append(list(frames))
+                return sender_send(frames, *args, **kwargs)
+
+            second_run._sock.send_multipart = recording_sender_send  # type: ignore[method-assign]
+            await _prepare(second_run, receiver, 2)
+            await sender_send(sent[-1])
+            assert await receiver.recv(1) is None and receiver.replayed_messages == 2
         finally:
             await second_run.close()
     finally:
