@@ -293,6 +293,28 @@ async def test_failing_consumer_does_not_stall_the_others():
     _assert_every_version(got1[1:], [2])  # ... and the failed receiver takes the next version whole
 
 
+async def test_a_destination_that_raises_fails_the_version_not_the_receiver():
+    """`into` raising (a sink rejecting a tensor) is a local failure: the version is nacked with the
+    reason, is never counted as complete, and the next version lands whole."""
+    cfg = engine_cfg(0, bucket_size_mb=1 / 256, trainer__min_receivers=1)
+    complete_before: list[int | None] = []  # last_complete_version as each version starts
+
+    def into(meta):
+        if meta.name == stream(1)[3][0] and complete_before == [None]:  # version 1 only
+            raise KeyError(f"no slot for {meta.name}")
+        return None
+
+    async def consume(r):
+        complete_before.append(r.last_complete_version)
+        return await receive_once(r, into=into)
+
+    sent, got = await _serve(cfg, [1, 2], consumers={0: consume}, may_fail={1})
+    assert isinstance(sent[0], PeerError) and "no slot for" in str(sent[0]), sent[0]
+    assert got[0][0] == 1 and isinstance(got[0][1], KeyError)
+    _assert_every_version(got[1:], [2])
+    assert complete_before == [None, None]  # the failed version 1 never counted as complete
+
+
 async def test_wrong_auth_token_is_dropped_and_counted():
     cfg = engine_cfg(0, transport__timeout_s=1.5, transport__auth_token="right-secret")
     async with WeightSender(cfg) as sender:
