@@ -458,11 +458,44 @@ async def test_callable_sink_atomic_never_sees_a_broken_version() -> None:
 
 
 @pytest.mark.parametrize("apply", ["atomic", "streaming"])
-async def test_callable_sink_function_error_is_a_sink_error(apply: str) -> None:
+async def test_callable_sink_function_error_is_a_sink_error(apply: str, caplog: pytest.LogCaptureFixture) -> None:
     sink = build_sink(callable_cfg(apply, "tests.unit.test_sinks:explode"))
     with pytest.raises(SinkError, match=r"rollout\.sink\.target='tests\.unit\.test_sinks:explode' raised RuntimeError"):
         await drive(sink, odd_weights(1), 1)
     assert sink.version is None and sink.in_flight is None
+    # the function is gone: the abort does not wait on its iterator (it used to, 10 s, then warned
+    # that the function "does not consume its iterator")
+    assert "does not consume" not in caplog.text
+
+
+RELEASE_STUCK = threading.Event()
+
+
+def stuck_after_one(version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    next(tensors)
+    RELEASE_STUCK.wait(30)  # user code blocked (a lock, a full queue of its own)
+
+
+async def test_callable_sink_that_stops_reading_fails_the_version_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A streaming function stuck in its own code fails the version after transport.timeout_s
+    (before: the daemon waited forever), the abort abandons it after ABORT_JOIN_TIMEOUT_S with a
+    warning, and the sink stays usable."""
+    from lightning_weightsync.rollout.sinks import callable as callable_sink
+
+    monkeypatch.setattr(callable_sink, "ABORT_JOIN_TIMEOUT_S", 0.3)
+    cfg = callable_cfg("streaming", "tests.unit.test_sinks:stuck_after_one")
+    cfg.transport.timeout_s = 0.5
+    sink = build_sink(cfg)
+    RELEASE_STUCK.clear()
+    try:
+        with pytest.raises(SinkError, match=r"did not read its next tensor within transport\.timeout_s=0\.5s"):
+            await drive(sink, odd_weights(1), 1)
+        assert "does not consume its iterator; abandoning it" in caplog.text
+        assert sink.version is None and sink.in_flight is None and sink.state is SinkState.INCOMPLETE
+    finally:
+        RELEASE_STUCK.set()
 
 
 def test_callable_sink_bad_target() -> None:

@@ -8,7 +8,9 @@
 - `streaming`: the function runs in its own thread while the version arrives and pulls tensors as
   they are merged (one or two in memory). If the version breaks mid-way, the iterator raises
   `VersionAborted` inside the function; if the function raises, the daemon reports it and the
-  version is not acknowledged as applied.
+  version is not acknowledged as applied. A function that stops reading (blocked in its own code)
+  fails the version after `transport.timeout_s` instead of stalling the daemon; it is then told of
+  the abort and, if it still does not read, abandoned (its thread is a daemon thread).
 
 Tensors handed over are the function's to keep: they do not alias any receive buffer.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,6 +64,7 @@ class CallableSink(Sink):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._consumed_any = False
+        self.put_timeout_s = float(cfg.transport.timeout_s)
 
     # --- streaming plumbing ---------------------------------------------------------------------
     def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,7 +87,11 @@ class CallableSink(Sink):
             self._done.set()
 
     def _put(self, item: object) -> None:
+        """Hand the function its next item. Bounded by `transport.timeout_s`: a function that stops
+        reading its iterator (stuck in user code) fails the version instead of stalling the daemon
+        forever (the sender would time out on us anyway, and the next version must still land)."""
         assert self._queue is not None
+        deadline = time.monotonic() + self.put_timeout_s
         while True:
             if self._done.is_set():
                 raise self._failure("returned before the version ended")
@@ -91,7 +99,11 @@ class CallableSink(Sink):
                 self._queue.put(item, timeout=_POLL_S)
                 return
             except queue.Full:
-                continue
+                if time.monotonic() >= deadline:
+                    raise SinkError(
+                        f"rollout.sink.target={self.target!r} did not read its next tensor within "
+                        f"transport.timeout_s={self.put_timeout_s}s (is it blocked?)"
+                    ) from None
 
     def _failure(self, what: str) -> SinkError:
         if self._error is not None and not isinstance(self._error, VersionAborted):
@@ -145,11 +157,18 @@ class CallableSink(Sink):
         if self.apply is not ApplyMode.streaming or self._thread is None:
             return False
         assert self._queue is not None
-        try:
-            self._queue.put(_Abort(reason), timeout=ABORT_JOIN_TIMEOUT_S)
-        except queue.Full:
-            logger.warning("rollout.sink.target=%r does not consume its iterator; abandoning it", self.target)
-        self._thread.join(timeout=ABORT_JOIN_TIMEOUT_S)
+        # Tell a function still reading its iterator; one that already returned or raised (often why
+        # the version is aborted) reads nothing more, so do not wait on its full queue.
+        deadline = time.monotonic() + ABORT_JOIN_TIMEOUT_S
+        while not self._done.is_set():
+            try:
+                self._queue.put(_Abort(reason), timeout=_POLL_S)
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    logger.warning("rollout.sink.target=%r does not consume its iterator; abandoning it", self.target)
+                    break
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._thread = None
         return self._consumed_any
 
