@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from ...protocol.messages import GroupSpec, StoreJoin
-from .base import Backend
+from .base import Backend, Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +34,15 @@ class TorchProcessGroupBackend(Backend):
         self._pg: Any = None
 
     @property
-    def _via_control(self) -> bool:
-        return bool(self.auth_key) and self.rendezvous is not None
+    def _control_rendezvous(self) -> Rendezvous | None:
+        """The control plane to meet through (with transport.auth_token), or None: an open TCPStore."""
+        return self.rendezvous if self.auth_key else None
 
     def setup(self, host: str, store_port: int) -> None:
         super().setup(host, store_port)
-        if self.rendezvous is not None and self._via_control:  # nothing listens: keys go via the control plane
-            self._store_addr = (self.rendezvous.host, int(self.rendezvous.port))
+        rendezvous = self._control_rendezvous
+        if rendezvous is not None:  # nothing listens: keys go via the control plane
+            self._store_addr = (rendezvous.host, int(rendezvous.port))
             logger.debug("%s rendezvous through the control plane at %s:%d", self.name, *self._store_addr)
             return
         try:
@@ -80,8 +82,9 @@ class TorchProcessGroupBackend(Backend):
         join = group.join
         assert isinstance(join, StoreJoin)  # checked by Backend.join
         namespace = f"lws/{group.session}/{group.generation}"
-        if self.rendezvous is not None and self._via_control:
-            prefix = self.rendezvous.rendezvous_store(namespace, self.timeout_s)
+        rendezvous = self._control_rendezvous
+        if rendezvous is not None:
+            prefix = rendezvous.rendezvous_store(namespace, self.timeout_s)
         else:
             prefix = dist.PrefixStore(namespace, self._store_for(join))
         try:
