@@ -86,24 +86,31 @@ class CallableSink(Sink):
         finally:
             self._done.set()
 
+    def _offer(self, item: object, deadline: float) -> str:
+        """Queue `item` for the function: "put", "done" (the function returned or raised: it reads
+        nothing more) or "timeout" (still running, but not reading by `deadline`)."""
+        assert self._queue is not None
+        while not self._done.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return "put"
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    return "timeout"
+        return "done"
+
     def _put(self, item: object) -> None:
         """Hand the function its next item. Bounded by `transport.timeout_s`: a function that stops
         reading its iterator (stuck in user code) fails the version instead of stalling the daemon
         forever (the sender would time out on us anyway, and the next version must still land)."""
-        assert self._queue is not None
-        deadline = time.monotonic() + self.put_timeout_s
-        while True:
-            if self._done.is_set():
-                raise self._failure("returned before the version ended")
-            try:
-                self._queue.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                if time.monotonic() >= deadline:
-                    raise SinkError(
-                        f"rollout.sink.target={self.target!r} did not read its next tensor within "
-                        f"transport.timeout_s={self.put_timeout_s}s (is it blocked?)"
-                    ) from None
+        outcome = self._offer(item, time.monotonic() + self.put_timeout_s)
+        if outcome == "done":
+            raise self._failure("returned before the version ended")
+        if outcome == "timeout":
+            raise SinkError(
+                f"rollout.sink.target={self.target!r} did not read its next tensor within "
+                f"transport.timeout_s={self.put_timeout_s}s (is it blocked?)"
+            )
 
     def _failure(self, what: str) -> SinkError:
         if self._error is not None and not isinstance(self._error, VersionAborted):
@@ -156,18 +163,11 @@ class CallableSink(Sink):
         self._held = []
         if self.apply is not ApplyMode.streaming or self._thread is None:
             return False
-        assert self._queue is not None
         # Tell a function still reading its iterator; one that already returned or raised (often why
         # the version is aborted) reads nothing more, so do not wait on its full queue.
         deadline = time.monotonic() + ABORT_JOIN_TIMEOUT_S
-        while not self._done.is_set():
-            try:
-                self._queue.put(_Abort(reason), timeout=_POLL_S)
-                break
-            except queue.Full:
-                if time.monotonic() >= deadline:
-                    logger.warning("rollout.sink.target=%r does not consume its iterator; abandoning it", self.target)
-                    break
+        if self._offer(_Abort(reason), deadline) == "timeout":
+            logger.warning("rollout.sink.target=%r does not consume its iterator; abandoning it", self.target)
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._thread = None
         return self._consumed_any
