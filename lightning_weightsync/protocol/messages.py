@@ -25,12 +25,12 @@ from ..errors import ProtocolError
 from .chunks import TensorMeta
 from .dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 
+logger = logging.getLogger(__name__)
+
 MAX_NAME_LEN = 1024
 MAX_NDIM = 16
 MAX_ENTRIES = 1_000_000
 MAX_TEXT_LEN = 4096
-logger = logging.getLogger(__name__)
-
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
 MAX_MEMBERS = 65536  # receivers in one group

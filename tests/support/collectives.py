@@ -13,6 +13,7 @@ collective could hang). A mismatch or a rank that stops short is an `AssertionEr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ class Lockstep(TorchDispatchMode):
             if other == self.rank:
                 continue
             try:
-                self.store.wait([f"{key}/{other}"], _timedelta(self.timeout_s))
+                self.store.wait([f"{key}/{other}"], timedelta(seconds=self.timeout_s))
                 seen.append((other, self.store.get(f"{key}/{other}").decode()))
             except RuntimeError:  # timed out (DistStoreError): that rank never got here
                 seen.append((other, None))
@@ -84,9 +85,3 @@ class Lockstep(TorchDispatchMode):
                 f"rank {self.rank} issued {len(self.issued)} collectives, rank {other} "
                 + (f"issued {theirs}" if theirs is not None else f"did not finish within {self.timeout_s}s")
             )
-
-
-def _timedelta(seconds: float) -> Any:
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
