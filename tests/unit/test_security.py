@@ -153,20 +153,26 @@ async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | N
 # ----------------------------------------------------------------------------------------------- finding 3
 
 
+def _record_sends(sock: Any) -> tuple[Any, list[list[bytes]]]:
+    """Make `sock` keep a copy of every multipart message it sends; returns its real send (to replay
+    a copy on the same authenticated connection) and the copies."""
+    original, sent = sock.send_multipart, []
+
+    def recording_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
+        sent.append(list(frames))
+        return original(frames, *args, **kwargs)
+
+    sock.send_multipart = recording_send
+    return original, sent
+
+
 async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() -> None:
     """Before: an Ack/Ready captured in one run verified in a later run reusing the version."""
     port = free_port()
     first_run = await _started_sender(port=port)
     receiver = await _registered(first_run, "rollout-0")
-    captured: list[list[bytes]] = []
     assert receiver._sock is not None
-    original_send = receiver._sock.send_multipart
-
-    def recording_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
-        captured.append(list(frames))
-        return original_send(frames, *args, **kwargs)
-
-    receiver._sock.send_multipart = recording_send  # type: ignore[method-assign]
+    original_send, captured = _record_sends(receiver._sock)
     old_prepare: list[bytes] = []
     try:
         await _prepare(first_run, receiver, 1)
@@ -199,13 +205,7 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
             assert await receiver.recv(1) is None and receiver.replayed_messages == 1
             # ... and a sender message of this run delivered twice (same seq) is a replay for the receiver
             assert second_run._sock is not None
-            sender_send, sent = second_run._sock.send_multipart, []
-
-            def recording_sender_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
-                sent.append(list(frames))
-                return sender_send(frames, *args, **kwargs)
-
-            second_run._sock.send_multipart = recording_sender_send  # type: ignore[method-assign]
+            sender_send, sent = _record_sends(second_run._sock)
             await _prepare(second_run, receiver, 2)
             await sender_send(sent[-1])
             assert await receiver.recv(1) is None and receiver.replayed_messages == 2
