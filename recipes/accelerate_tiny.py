@@ -107,6 +107,9 @@ def train(recipe: AccelerateRecipe, cfg: DictConfig) -> str | None:
     is_main = weight_sync.is_sender  # not accelerator.is_main_process: a plain Accelerator() may say so everywhere
     weight_sync.close()
     accelerator.wait_for_everyone()
+    # destroy the process group before the interpreter exits: left to static destructors, gloo's
+    # threads can still be running and abort a rank ("terminate called without an active exception")
+    accelerator.end_training()
     return line if is_main else None
 
 
