@@ -36,6 +36,8 @@ MAC_LEN = 32
 MAX_MEMBERS = 65536  # receivers in one group
 MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
 NCCL_UNIQUE_ID_BYTES = 128
+MAX_NIXL_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata: ~0.5 KiB over UCX on one host, more with RDMA NICs
+NIXL_MEM_TYPES = ("DRAM", "VRAM")
 PROTOCOL_VERSION = 1
 
 
@@ -116,7 +118,27 @@ class SharedJoin(msgspec.Struct, tag="shared", frozen=True):
     release_addr: str
 
 
-Join = Union[StoreJoin, NcclJoin, SharedJoin]  # noqa: UP007
+class NixlRegion(msgspec.Struct, array_like=True, frozen=True):
+    """One registered memory region of a NIXL agent: address in its process, size, device index."""
+
+    addr: int
+    nbytes: int
+    device_id: int
+
+
+class NixlJoin(msgspec.Struct, tag="nixl", frozen=True):
+    """nixl: the sender's NIXL agent (its name, and its metadata as `get_agent_metadata` returns it:
+    connection info and registered regions, parsed by NIXL), where each bucket slot lives in it and
+    of which memory type, and the sender's socket that collects `BucketDone` releases."""
+
+    agent: str
+    metadata: bytes
+    mem_type: str
+    slots: list[NixlRegion]
+    release_addr: str
+
+
+Join = Union[StoreJoin, NcclJoin, SharedJoin, NixlJoin]  # noqa: UP007
 """What a receiver needs to join one backend's group; a backend reads only its own kind."""
 
 
@@ -458,6 +480,8 @@ def validate_group(group: GroupSpec) -> None:
     elif isinstance(join, NcclJoin):
         if len(join.unique_id) != NCCL_UNIQUE_ID_BYTES or any(not (-128 <= b <= 255) for b in join.unique_id):
             raise ProtocolError(f"plan has a malformed nccl unique_id ({len(join.unique_id)} values)")
+    elif isinstance(join, NixlJoin):
+        _validate_nixl_join(join)
     else:
         if not (1 <= len(join.slots) <= MAX_SLOTS):
             raise ProtocolError(f"plan has {len(join.slots)} slot handles (expected 1 to {MAX_SLOTS})")
@@ -468,6 +492,27 @@ def validate_group(group: GroupSpec) -> None:
         _check_text("release_addr", join.release_addr, 256)
         if not join.release_addr.startswith("tcp://"):
             raise ProtocolError(f"plan release_addr {join.release_addr[:256]!r} is not a tcp:// address")
+
+
+def _validate_nixl_join(join: NixlJoin) -> None:
+    if not join.agent:
+        raise ProtocolError("plan has an empty nixl agent name")
+    _check_text("nixl agent name", join.agent, 256)
+    if not (1 <= len(join.metadata) <= MAX_NIXL_METADATA_BYTES):
+        raise ProtocolError(
+            f"plan has {len(join.metadata)} bytes of nixl agent metadata (expected 1 to {MAX_NIXL_METADATA_BYTES})"
+        )
+    if join.mem_type not in NIXL_MEM_TYPES:
+        raise ProtocolError(f"plan has nixl memory type {join.mem_type[:16]!r} (one of {', '.join(NIXL_MEM_TYPES)})")
+    if not (1 <= len(join.slots) <= MAX_SLOTS):
+        raise ProtocolError(f"plan has {len(join.slots)} nixl slots (expected 1 to {MAX_SLOTS})")
+    for region in join.slots:
+        in_range = 0 < region.addr < 1 << 64 and 0 < region.nbytes <= MAX_TENSOR_BYTES
+        if not (in_range and 0 <= region.device_id < 1 << 16):
+            raise ProtocolError(f"plan has a malformed nixl slot {region.addr}:{region.nbytes}@{region.device_id}")
+    _check_text("release_addr", join.release_addr, 256)
+    if not join.release_addr.startswith("tcp://"):
+        raise ProtocolError(f"plan release_addr {join.release_addr[:256]!r} is not a tcp:// address")
 
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:

@@ -6,7 +6,7 @@ is built, so the registry always lists every name and config validation can read
 
 from __future__ import annotations
 
-from . import cuda_ipc, gloo, hccl, nccl, shm  # noqa: F401 - registration
+from . import cuda_ipc, gloo, hccl, nccl, nixl, shm  # noqa: F401 - registration
 from .base import BACKENDS, NUM_SLOTS, Backend, backend_class, build_backend, next_slot, register_backend
 
 __all__ = ["BACKENDS", "NUM_SLOTS", "Backend", "backend_class", "build_backend", "next_slot", "register_backend"]
