@@ -507,7 +507,7 @@ def _validate_nixl_join(join: NixlJoin) -> None:
     if not (1 <= len(join.slots) <= MAX_SLOTS):
         raise ProtocolError(f"plan has {len(join.slots)} nixl slots (expected 1 to {MAX_SLOTS})")
     for region in join.slots:
-        in_range = 0 < region.addr < 1 << 64 and 0 < region.nbytes <= MAX_TENSOR_BYTES
+        in_range = region.addr > 0 and 0 < region.nbytes <= MAX_TENSOR_BYTES  # msgpack: addr < 2**64
         if not (in_range and 0 <= region.device_id < 1 << 16):
             raise ProtocolError(f"plan has a malformed nixl slot {region.addr}:{region.nbytes}@{region.device_id}")
     _check_text("release_addr", join.release_addr, 256)
