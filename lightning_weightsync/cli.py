@@ -90,7 +90,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
 
 
-BENCHMARKS = ("chunking", "engine", "latency", "stall")  # modules of lightning_weightsync/bench/
+BENCHMARKS = ("chunking", "engine", "latency", "nixl", "stall")  # modules of lightning_weightsync/bench/
 
 
 def _find_benchmark(name: str) -> ModuleType | None:

@@ -7,4 +7,4 @@ shared 2-core machine mean little; ratios travel.
     python -m lightning_weightsync.bench.engine --help
 """
 
-BENCHMARKS = ("chunking", "engine", "latency", "stall")
+BENCHMARKS = ("chunking", "engine", "latency", "nixl", "stall")
