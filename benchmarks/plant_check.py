@@ -54,7 +54,10 @@ PLANTS = [
           "if not join.host or not (1 <= join.port <= 65535):", "if not join.host:", FUZZ),
     Plant("decoder: nccl id byte range", MESSAGES,
           "any(not (-128 <= b <= 255) for b in join.unique_id)", "False", FUZZ),
-    Plant("decoder: slot count", MESSAGES, "if not (1 <= len(join.slots) <= MAX_SLOTS):", "if False:", FUZZ),
+    Plant("decoder: slot count", MESSAGES,
+          "if not (1 <= len(join.slots) <= MAX_SLOTS):\n"
+          "            raise ProtocolError(f\"plan has {len(join.slots)} slot handles",
+          "if False:\n            raise ProtocolError(f\"plan has {len(join.slots)} slot handles", FUZZ),
     Plant("decoder: tied names only on bucket 0", MESSAGES,
           "if msg.bucket_index != 0:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries",
           "if False:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries", FUZZ),

@@ -98,6 +98,10 @@ class TransportConfig:
     """Tensors of at least this many MiB go direct: each chunk is broadcast from the caller's tensor and
     received into its destination (no pack or merge copy); smaller ones are packed. 0 = only chunks that
     fill a whole bucket go direct."""
+    direct_in_flight: int = 4
+    """Direct broadcasts a sender may have queued or running while it produces the next tensor, when the
+    producer's tensors are stable (FSDP2 `full_tensor()`, a cast, a plain module): the sender then holds
+    up to this many extra tensors (each at most the largest weight). Unstable producers (FSDP1) always 1."""
     host: str = "127.0.0.1"
     """The sender's control endpoint: the sender binds it, receivers connect to it."""
     port: int = 29600
@@ -412,6 +416,11 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"transport.direct_min_mb={direct} must be in [0, {MAX_BUCKET_SIZE_MB}] MiB (0: only full-bucket chunks "
             "go direct)"
+        )
+    if not 1 <= t.direct_in_flight <= 1024:
+        raise ConfigError(
+            f"transport.direct_in_flight={t.direct_in_flight} must be in [1, 1024] (tensors the sender may hold "
+            "while their broadcasts run)"
         )
     _port("transport.port", t.port, allow_zero=True)
     _port("transport.store_port", t.store_port, allow_zero=True)

@@ -82,13 +82,15 @@ def _model_stream(scale: int, model: str = "qwen3-8b", fraction: float = 1.0) ->
     return list(model_stream(model, scale=scale, max_tensors=count, extras=False))
 
 
-def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | None = None) -> Any:
+def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | None = None, auth: bool = False) -> Any:
     from ..config import load_config
 
     direct = [] if direct_min_mb is None else [f"transport.direct_min_mb={direct_min_mb}"]
+    token = ["transport.auth_token=bench-token-not-a-secret"] if auth else []
     return load_config(
         overrides=[
             *direct,
+            *token,
             f"transport.port={port}",
             f"transport.bucket_size_mb={bucket_mb}",
             "transport.timeout_s=120",
@@ -103,6 +105,26 @@ def _raw_group(rank: int, world: int, store_port: int) -> Any:
     return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, timedelta(seconds=120))
 
 
+class _Best:
+    """Best-of-N wall time of a repeated transfer, with this process's CPU seconds (all threads: the
+    collective's own threads included) during that best repeat."""
+
+    def __init__(self) -> None:
+        self.seconds = float("inf")
+        self.cpu_s = 0.0
+
+    def time(self, fn: Any) -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if wall < self.seconds:
+            self.seconds, self.cpu_s = wall, cpu
+
+
+def _done(pg: Any) -> None:
+    pg.broadcast(torch.zeros(1), 0).wait()  # every rank finished
+
+
 def _raw_broadcast_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]], bucket: int, repeats: int) -> float:
     return raw_bytes_seconds(pg, sum(t.numel() * t.element_size() for _, t in stream), bucket, repeats)
 
@@ -110,25 +132,78 @@ def _raw_broadcast_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]], buck
 def raw_bytes_seconds(pg: Any, total: int, bucket: int, repeats: int) -> float:
     """The baseline: best-of-`repeats` time of a plain broadcast of `total` bytes in `bucket`-byte pieces
     of one reused buffer (no packing, no metadata, no merging), until every rank finished."""
+    return _raw_best(pg, total, bucket, repeats).seconds
+
+
+def _raw_best(pg: Any, total: int, bucket: int, repeats: int) -> _Best:
     buf = torch.empty(bucket, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    best = _Best()
+
+    def once() -> None:
         for start in range(0, total, bucket):
             pg.broadcast(buf[: min(bucket, total - start)], 0).wait()
-        pg.broadcast(torch.zeros(1), 0).wait()  # everyone finished
-        best = min(best, time.perf_counter() - t0)
+        _done(pg)
+
+    for _ in range(repeats):
+        best.time(once)
+    return best
+
+
+def _per_tensor_best(pg: Any, tensors: list[torch.Tensor], repeats: int) -> _Best:
+    """What TRL does: one in-place broadcast per tensor, each waited for, from where it is (sender) into
+    where it goes (receivers)."""
+    best = _Best()
+
+    def once() -> None:
+        for tensor in tensors:
+            pg.broadcast(tensor, 0).wait()
+        _done(pg)
+
+    for _ in range(repeats):
+        best.time(once)
     return best
 
 
 def _per_tensor_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]], repeats: int) -> float:
-    best = float("inf")
+    return _per_tensor_best(pg, [t for _, t in stream], repeats).seconds
+
+
+def _pack_loop_best(pg: Any, tensors: list[torch.Tensor], bucket: int, sender: bool, repeats: int) -> _Best:
+    """What verl does: pack tensors into one bucket (cut at its boundary), broadcast it, unpack into the
+    destinations, synchronously, bucket after bucket. Both sides derive the layout from the shapes."""
+    from ..protocol.chunks import as_bytes
+
+    buf = torch.empty(bucket, dtype=torch.uint8)
+    views = [as_bytes(t) for t in tensors]
+    layout: list[list[tuple[int, int, int, int]]] = [[]]  # per bucket: (tensor, start, size, bucket offset)
+    fill = 0
+    for index, view in enumerate(views):
+        start = 0
+        while start < view.numel() or (start == 0 and view.numel() == 0):
+            if fill == bucket:
+                layout.append([])
+                fill = 0
+            size = min(view.numel() - start, bucket - fill)
+            layout[-1].append((index, start, size, fill))
+            fill, start = fill + size, start + size
+            if size == 0:
+                break
+    best = _Best()
+
+    def once() -> None:
+        for entries in layout:
+            nbytes = max((off + size for _, _, size, off in entries), default=0)
+            if sender:
+                for index, start, size, off in entries:
+                    buf[off : off + size].copy_(views[index][start : start + size])
+            pg.broadcast(buf[:nbytes], 0).wait()
+            if not sender:
+                for index, start, size, off in entries:
+                    views[index][start : start + size].copy_(buf[off : off + size])
+        _done(pg)
+
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _, tensor in stream:
-            pg.broadcast(tensor, 0).wait()
-        pg.broadcast(torch.zeros(1), 0).wait()
-        best = min(best, time.perf_counter() - t0)
+        best.time(once)
     return best
 
 
@@ -148,37 +223,53 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     bucket = int(case["bucket_mb"] * MiB)
     repeats = case["repeats"]
     pg = _raw_group(role, world, ports["store"])
-    baseline = (
-        _per_tensor_seconds(pg, stream, repeats)
-        if case["kind"] == "small"
-        else _raw_broadcast_seconds(pg, stream, bucket, repeats)
-    )
-    cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"))
-    result: dict[str, Any] = {"baseline_s": baseline}
-    if case["kind"] == "model":  # a second baseline: the same tensors, one raw broadcast each, in place
-        result["per_tensor_s"] = _per_tensor_seconds(pg, stream, repeats)
+    cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"), case.get("auth", False))
+    into = case.get("into", True)
+    expected = dict(stream)
+    # destinations are touched before we measure: their pages are the model's, not the transfer's
+    dest = {n: torch.zeros_like(t) for n, t in stream} if role > 0 else {}
+    # the peers move the same tensors: from the stream (sender) into the destinations (receivers)
+    tensors = [t for _, t in stream] if role == 0 else [dest[n] for n, _ in stream]
+    result: dict[str, Any] = {}
+    if case["kind"] == "small":
+        result["baseline_s"] = _per_tensor_best(pg, tensors, repeats).seconds
+    else:
+        raw = _raw_best(pg, sum(t.numel() * t.element_size() for _, t in stream), bucket, repeats)
+        per_tensor = _per_tensor_best(pg, tensors, repeats)
+        pack_loop = _pack_loop_best(pg, tensors, bucket, role == 0, repeats)
+        result.update(
+            baseline_s=raw.seconds, raw_cpu_s=raw.cpu_s, per_tensor_s=per_tensor.seconds,
+            per_tensor_cpu_s=per_tensor.cpu_s, pack_loop_s=pack_loop.seconds, pack_loop_cpu_s=pack_loop.cpu_s,
+        )  # fmt: skip
+        if role > 0:  # the peer loops moved the right bytes (then the engine has to do it again)
+            for name, t in dest.items():
+                assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
+                t.zero_()
+
+    engine = _Best()
 
     async def send() -> None:
         async with WeightSender(cfg) as sender:
-            times = []
             for version in range(repeats + 1):
+                t0, c0 = time.perf_counter(), time.process_time()
                 with _RssPeak() as rss:
                     stats = await sender.send_weights(stream, version=version, stable_tensors=True)  # a list: stable
-                times.append(stats.seconds)
+                if version > 0:  # version 0 forms the group
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    if wall < engine.seconds:
+                        engine.seconds, engine.cpu_s = wall, cpu
                 result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
-            result["engine_s"] = min(times[1:])
+            result["engine_s"] = engine.seconds
+            result["engine_cpu_s"] = engine.cpu_s
             result["nbytes"] = stats.nbytes
             result["largest_bytes"] = max(t.numel() * t.element_size() for _, t in stream)
             result["buckets"] = stats.num_buckets
             result["direct_buckets"] = stats.direct_buckets
 
     async def receive() -> None:
-        into = case.get("into", True)
-        # destinations are touched before we measure: their pages are the model's, not the transfer's
-        dest = {n: torch.zeros_like(t) for n, t in stream} if into else {}
-        expected = dict(stream)
         async with WeightReceiver(cfg, identity=f"bench-{role}") as receiver:
             for version in range(repeats + 1):
+                c0 = time.process_time()
                 with _RssPeak() as rss:
                     if into:
                         async for _name, _t in receiver.receive_weights(into=lambda m: dest[m.name]):
@@ -187,11 +278,18 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
                         async for name, t in receiver.receive_weights():
                             if version == 0:  # the untimed warm-up version is checked bitwise
                                 assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
+                cpu = time.process_time() - c0
+                if version > 0 and receiver.last_stats is not None:
+                    wall = receiver.last_stats.seconds
+                    if wall < engine.seconds:
+                        engine.seconds, engine.cpu_s = wall, cpu
                 result["peak_extra_bytes"] = max(result.get("peak_extra_bytes", 0), rss.extra)
-        for name, t in dest.items():  # the benchmark also checks what it moved, bitwise
-            assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
+        result["engine_cpu_s"] = engine.cpu_s
+        if into:  # the benchmark also checks what it moved, bitwise
+            for name, t in dest.items():
+                assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
 
-    pg.broadcast(torch.zeros(1), 0).wait()  # all processes set up before the engine phase
+    _done(pg)  # all processes set up before the engine phase
     asyncio.run(send() if role == 0 else receive())
     return result
 
@@ -229,28 +327,49 @@ def _case(world: int, repeats: int, **case: Any) -> tuple[dict[str, Any], list[d
 
 def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: list[dict[str, Any]]) -> dict[str, Any]:
     nbytes = sender["nbytes"]
+    gib = nbytes / 2**30
     bucket = case["bucket_mb"] * MiB
     largest = sender.get("largest_bytes", 0)
     budget_receiver = 2 * bucket + (0 if case.get("into", True) else largest) + SLACK_BYTES
-    return {
+    engine_s = sender["engine_s"]
+    row = {
         **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction", "direct_min_mb") if k in case},
+        "auth": bool(case.get("auth", False)),
         "receivers": len(receivers),
         "total_mb": nbytes / MiB,
         "buckets": sender["buckets"],
         "direct_buckets": sender["direct_buckets"],
-        "engine_s": sender["engine_s"],
+        "engine_s": engine_s,
         "raw_s": sender["baseline_s"],
-        "engine_s_per_GiB": sender["engine_s"] / (nbytes / 2**30),
-        "raw_s_per_GiB": sender["baseline_s"] / (nbytes / 2**30),
-        "ratio": sender["baseline_s"] / sender["engine_s"],
-        # the same tensors broadcast one by one from where they are into where they go: what gloo itself
-        # does with this layout of bytes, with no engine at all
-        "ratio_vs_per_tensor": sender["per_tensor_s"] / sender["engine_s"] if "per_tensor_s" in sender else None,
+        "engine_s_per_GiB": engine_s / gib,
+        "raw_s_per_GiB": sender["baseline_s"] / gib,
+        "ratio": sender["baseline_s"] / engine_s,
         "sender_extra_mb": sender["peak_extra_bytes"] / MiB,
         "receiver_extra_mb": max(r["peak_extra_bytes"] for r in receivers) / MiB,
         "sender_budget_mb": (2 * bucket + SLACK_BYTES) / MiB,
         "receiver_budget_mb": budget_receiver / MiB,
     }
+    # GB/s of every path, and the CPU seconds per GiB each side spent on it (the busiest receiver)
+    for path, key in (
+        ("engine", "engine"),
+        ("raw", "baseline"),
+        ("per_tensor", "per_tensor"),
+        ("pack_loop", "pack_loop"),
+    ):
+        seconds = sender.get(f"{key}_s")
+        if seconds is None:
+            continue
+        row[f"{path}_GBps"] = nbytes / seconds / 1e9
+        cpu_key = "raw_cpu_s" if path == "raw" else f"{key}_cpu_s"
+        if cpu_key in sender:
+            row[f"{path}_sender_cpu_s_per_GiB"] = sender[cpu_key] / gib
+            row[f"{path}_receiver_cpu_s_per_GiB"] = max(r[cpu_key] for r in receivers) / gib
+    # the engine against each peer loop, measured in the same processes in the same run
+    if "per_tensor_s" in sender:
+        row["ratio_vs_per_tensor"] = sender["per_tensor_s"] / engine_s
+        row["ratio_vs_pack_loop"] = sender["pack_loop_s"] / engine_s
+        row["ratio_vs_best_peer"] = min(sender["per_tensor_s"], sender["pack_loop_s"]) / engine_s
+    return row
 
 
 def run(
@@ -262,7 +381,7 @@ def run(
     fractions: tuple[float, ...] = (0.125, 0.25, 0.5),
     moe_scale: int = 4,
     repeats: int = 3,
-    sections: tuple[str, ...] = ("throughput", "receivers", "growth", "small_tensors"),
+    sections: tuple[str, ...] = ("throughput", "receivers", "auth", "growth", "small_tensors"),
     direct_min_mbs: tuple[float, ...] = (0.0, 0.25, 1.0, 4.0),
 ) -> dict[str, Any]:
     """Every section against a baseline measured in the same run, in the same processes:
@@ -277,6 +396,11 @@ def run(
             for into in (True, False):
                 case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb, "into": into}
                 rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+    if "auth" in sections:  # the cost of CURVE + signing, next to the same case without a token
+        rows = report["auth"] = []
+        for auth in (False, True):
+            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "auth": auth}
+            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
     if "direct_min" in sections:  # how transport.direct_min_mb's default was chosen
         rows = report["direct_min"] = []
         for direct_min_mb in direct_min_mbs:
@@ -312,23 +436,33 @@ def run(
 
 def _print(report: dict[str, Any]) -> None:
     head = (
-        f"{'model':>14} {'scale':>5} {'frac':>5} {'bucket':>6} {'into':>5} {'recv':>4} {'MiB':>6} {'direct':>6} "
-        f"{'engine s/GiB':>12} {'raw s/GiB':>9} {'ratio':>6} {'send +MiB':>9} {'recv +MiB':>9} {'budget s/r':>11}"
+        f"{'model':>14} {'scale':>5} {'frac':>5} {'bucket':>6} {'into':>4} {'auth':>4} {'recv':>4} {'MiB':>5} "
+        f"{'direct':>6} | {'GB/s: engine':>12} {'raw':>5} {'tensor':>6} {'pack':>5} | {'engine/raw':>10} "
+        f"{'/best peer':>10} | {'CPU s/GiB send':>14} {'(raw)':>5} {'recv':>5} {'(raw)':>5} | "
+        f"{'+MiB s/r':>9} {'budget s/r':>10}"
     )
-    for section in ("throughput", "direct_min", "receivers", "growth"):
+    for section in ("throughput", "receivers", "auth", "direct_min", "growth"):
         if section not in report:
             continue
         print(
-            f"== {section} (loopback gloo; ratio = raw gloo broadcast time / engine time, goal {report['goal_ratio']})"
+            f"== {section} (loopback gloo, same processes and run; raw = one reused buffer broadcast in bucket-sized "
+            f"pieces, tensor = one in-place broadcast per tensor, pack = synchronous pack/broadcast/unpack; "
+            f"goal engine/raw >= {report['goal_ratio']})"
         )
         print(head + ("  direct_min_mb" if section == "direct_min" else ""))
         for r in report[section]:
+            best_peer = r.get("ratio_vs_best_peer")
             print(
                 f"{r.get('model', 'qwen3-8b'):>14} {r['scale']:>5} {r.get('fraction', 1.0):>5.3g} "
-                f"{r['bucket_mb']:>6g} {'yes' if r.get('into', True) else 'no':>5} {r['receivers']:>4} "
-                f"{r['total_mb']:>6.0f} {r['direct_buckets']:>6} {r['engine_s_per_GiB']:>12.3f} "
-                f"{r['raw_s_per_GiB']:>9.3f} {r['ratio']:>6.2f} {r['sender_extra_mb']:>9.0f} "
-                f"{r['receiver_extra_mb']:>9.0f} {r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
+                f"{r['bucket_mb']:>6g} {'yes' if r.get('into', True) else 'no':>4} {'yes' if r['auth'] else 'no':>4} "
+                f"{r['receivers']:>4} {r['total_mb']:>5.0f} {r['direct_buckets']:>6} | "
+                f"{r['engine_GBps']:>12.2f} {r['raw_GBps']:>5.2f} {r.get('per_tensor_GBps', 0):>6.2f} "
+                f"{r.get('pack_loop_GBps', 0):>5.2f} | {r['ratio']:>10.2f} "
+                f"{best_peer if best_peer is not None else float('nan'):>10.2f} | "
+                f"{r.get('engine_sender_cpu_s_per_GiB', 0):>14.3f} {r.get('raw_sender_cpu_s_per_GiB', 0):>5.3f} "
+                f"{r.get('engine_receiver_cpu_s_per_GiB', 0):>5.3f} {r.get('raw_receiver_cpu_s_per_GiB', 0):>5.3f} | "
+                f"{r['sender_extra_mb']:>4.0f}/{r['receiver_extra_mb']:<4.0f} "
+                f"{r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
                 + (f"  {r['direct_min_mb']:g}" if "direct_min_mb" in r else "")
             )
     s = report.get("small_tensors")
@@ -352,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sections",
         nargs="+",
-        default=["throughput", "receivers", "growth", "small_tensors"],
-        help="also: direct_min (the transport.direct_min_mb sweep)",
+        default=["throughput", "receivers", "auth", "growth", "small_tensors"],
+        help="throughput receivers auth growth small_tensors; also: direct_min (the transport.direct_min_mb sweep)",
     )
     p.add_argument("--direct-min-mb", type=float, nargs="+", default=[0.0, 0.25, 1.0, 4.0])
     a = p.parse_args(argv)

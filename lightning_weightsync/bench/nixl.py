@@ -120,8 +120,9 @@ def _registration_seconds(sizes_mb: list[int]) -> dict[str, float]:
 
 
 def _engine(role: int, backend: str, port: int, scale: int, bucket_mb: float, versions: int) -> dict[str, Any]:
-    from .. import WeightReceiver, WeightSender
     from ..config import load_config
+    from ..engine.receiver import WeightReceiver
+    from ..engine.sender import WeightSender
     from ..protocol.chunks import as_bytes
 
     cfg = load_config(overrides=[

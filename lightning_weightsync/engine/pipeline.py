@@ -1,9 +1,10 @@
 """The receiver's bucket pipeline: bucket k + 1 is on the wire while the consumer merges bucket k.
 
-    producer: for bucket k: wait until slot k % NUM_SLOTS is free, read its metadata, run its
-              broadcast (executor thread) -> hand (metadata, slot) to the consumer
-    consumer: the chunks of the bucket, read through `backend.view(slot, nbytes)`; the slot is
-              released as soon as its last chunk was copied out
+    producer: for bucket k: read its metadata; unless it lands straight in the consumer's
+              destination, wait for the next slot of the ring to be free; post its broadcast
+              (executor thread) -> hand (metadata, slot) to the consumer
+    consumer: the chunks of the bucket, read through `backend.view(slot, nbytes)` (or the
+              destination itself); the slot is released as soon as its last chunk was copied out
 
 Everything it works with is handed in (control plane, backend, executor, timeout), so it runs the
 same for any receiver and its failure paths can be read here alone. Bucket metadata arrives already
@@ -21,10 +22,13 @@ import torch
 from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.messages import BucketMeta, Plan
-from ..transport.backends import NUM_SLOTS, Backend
+from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
 from ..transport.control import ReceiverControl
 from ..transport.executor import SerialExecutor, forget
 from .stats import ReceiveStats
+
+RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer reached them (no memory: only
+# direct buckets run ahead of the slots, into the consumer's own destinations)
 
 Into = Callable[[TensorMeta], "torch.Tensor | None"]
 BucketItem = tuple[BucketMeta, int, "torch.Tensor | None"]  # metadata, slot, in-place target
@@ -82,6 +86,7 @@ class BucketPipeline:
         self.free = [asyncio.Event() for _ in range(NUM_SLOTS)]
         for event in self.free:
             event.set()
+        self.ahead = asyncio.Semaphore(RECEIVE_AHEAD)  # buckets posted that the consumer has not released
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
         self.finished = False
         self.current: BucketItem | None = None  # bucket being consumed, not yet released
@@ -91,19 +96,26 @@ class BucketPipeline:
         self.tied: dict[str, list[str]] = {}
 
     async def _produce(self) -> None:
-        """Post each bucket's broadcast as soon as its metadata is here and its slot is free; the
-        executor runs them back to back, with no event-loop round trip between two buckets."""
+        """Post each bucket's broadcast as soon as its metadata is here and it has somewhere to land;
+        the executor runs them back to back, with no event-loop round trip between two buckets.
+
+        A bucket received straight into the consumer's destination needs no slot, so a run of large
+        tensors is posted as fast as their metadata arrives (up to `RECEIVE_AHEAD` buckets the consumer
+        has not reached); the others take turns in the slots, as on the sender."""
         try:
-            index = 0
+            index, ring = 0, 0
             while True:
-                slot = index % NUM_SLOTS
-                await self.free[slot].wait()
-                self.free[slot].clear()
+                await self.ahead.acquire()
                 meta = await self.control.next_bucket(self.plan.version, index, self.timeout_s)
                 if index == 0:
                     self.tied = {name: list(aliases) for name, aliases in meta.tied.items()}
                 target = self._direct_target(meta)
-                done = self.executor.submit(self.backend.broadcast, slot, meta.nbytes, index, target)
+                slot = NO_SLOT
+                if target is None:
+                    slot, ring = ring % NUM_SLOTS, ring + 1
+                    await self.free[slot].wait()
+                    self.free[slot].clear()
+                done = self.executor.submit_started(self.backend.start_broadcast, slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done))
                 if meta.is_last:
                     return
@@ -153,9 +165,12 @@ class BucketPipeline:
         return meta, slot, target
 
     def _release(self, meta: BucketMeta, slot: int) -> None:
-        self.backend.fence(slot)
-        self.backend.release(slot, meta.bucket_index)
-        self.free[slot].set()
+        if slot != NO_SLOT:
+            self.backend.fence(slot)
+        self.backend.release(slot, meta.bucket_index)  # shared-slot backends: the sender may reuse its slot
+        if slot != NO_SLOT:
+            self.free[slot].set()
+        self.ahead.release()
 
     async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
         while not self.finished:

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeou
 from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Plan, check_tensor
-from ..transport.backends import NUM_SLOTS, Backend, backend_class, next_slot
+from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
@@ -113,6 +114,7 @@ class WeightSender(Endpoint):
         t = self.cfg.transport
         self.bucket_size = bucket_size_bytes(self.cfg)
         self.direct_min = direct_min_bytes(self.cfg)
+        self.direct_in_flight = int(t.direct_in_flight)
         self.timeout_s = float(t.timeout_s)
         self.session = secrets.token_hex(8)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
@@ -124,6 +126,7 @@ class WeightSender(Endpoint):
         self._generation = 0
         self._last_version: int | None = None
         self._pending: list[asyncio.Future[None] | None] = [None] * NUM_SLOTS  # broadcast per slot
+        self._direct: deque[tuple[asyncio.Future[None], int]] = deque()  # direct broadcasts, oldest first
 
     # -- life cycle -----------------------------------------------------------------------------
     @property
@@ -269,66 +272,81 @@ class WeightSender(Endpoint):
         stable_tensors: bool = False,
         tied: dict[str, list[str]] | None = None,
     ) -> None:
+        """Split, pack, publish, broadcast, swap: the bucket sequence of one version.
+
+        Packed buckets take turns in the two slots (bucket metadata, then its broadcast, then on to the
+        other slot once the broadcast that last read it is complete). A direct bucket (one chunk of a
+        large tensor) needs no slot: its metadata leaves and its broadcast is queued at once, so the
+        metadata runs ahead of the bytes and the data-plane thread issues broadcasts back to back.
+        """
         assert self._backend is not None and self._executor is not None
         backend, executor = self._backend, self._executor
-        pending = self._pending = [None] * NUM_SLOTS
+        pending = self._pending = [None] * NUM_SLOTS  # the last broadcast of each packed slot
+        # Direct broadcasts queued or running, oldest first. Unless the producer's tensors are stable, the
+        # caller may reuse a tensor's memory once it yields the next one, so its broadcasts must be
+        # complete by then; with stable tensors, up to `direct_in_flight` of them may still be moving.
+        direct = self._direct = deque()
+        in_flight_limit = max(1, self.direct_in_flight) if stable_tensors else 0
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
-        direct: torch.Tensor | None = None  # a chunk alone in its bucket, broadcast from the caller's tensor
-        # The last direct broadcast reading the caller's current tensor: unless the producer's tensors
-        # are stable, it must be complete before the next tensor is pulled (the caller may reuse its
-        # memory then). With stable tensors the executor's reference keeps the tensor alive instead.
-        direct_in_flight: tuple[asyncio.Future[None], int] | None = None
 
-        async def publish(is_last: bool) -> None:
-            """The bucket's metadata to every receiver, then its broadcast onto the executor thread."""
-            nonlocal direct, direct_in_flight
-            backend.fence(slot)
+        async def publish(is_last: bool, data: torch.Tensor | None = None) -> None:
+            """The bucket's metadata to every receiver, then its broadcast onto the data-plane thread."""
+            nonlocal bucket_index, fill, entries
             first_tied = tied if bucket_index == 0 and tied else {}
+            backend.fence(slot if data is None else NO_SLOT)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
-            pending[slot] = future = executor.submit(backend.broadcast, slot, fill, bucket_index, direct)
-            if direct is not None:
-                direct_in_flight = (future, bucket_index)
-            direct = None
+            if data is None:
+                pending[slot] = executor.submit_started(backend.start_broadcast, slot, fill, bucket_index, None)
+            else:
+                started = executor.submit_started(backend.start_broadcast, NO_SLOT, fill, bucket_index, data)
+                direct.append((started, bucket_index))
             stats.num_buckets += bool(entries)
+            bucket_index, fill, entries = bucket_index + 1, 0, []
 
         async def swap() -> None:
             """On to the next slot, once the broadcast that last read it is complete."""
-            nonlocal slot, bucket_index, fill, entries
-            slot, bucket_index, fill, entries = next_slot(slot), bucket_index + 1, 0, []
+            nonlocal slot
+            slot = next_slot(slot)
             await self._complete(pending, slot, version, bucket_index - NUM_SLOTS)
+
+        async def settle_direct(keep: int) -> None:
+            while len(direct) > keep:
+                future, index = direct.popleft()
+                await self._broadcast_done(future, version, index)
 
         direct_ok, bucket_size, alone_from = backend.direct_ok, self.bucket_size, self.direct_min
         async for meta, data in split_weight_chunks(source, bucket_size, alone_from=alone_from if direct_ok else None):
             assert meta.offset is not None
-            if meta.offset < fill:  # the split started a new bucket
-                await publish(is_last=False)
-                await swap()
             # A chunk alone in its bucket needs no packing where the backend can send any tensor.
             is_direct = (
                 direct_ok and meta.chunk_size > 0 and data.device == self.device
                 and chunk_goes_alone(meta, bucket_size, alone_from)
             )  # fmt: skip
-            if is_direct:
-                direct = data
-                stats.direct_buckets += 1
-            elif meta.chunk_size:
-                backend.pack(slot, meta.offset, data)
-            entries.append(Entry.from_meta(meta))
-            fill = meta.offset + meta.chunk_size
+            if entries and (is_direct or meta.offset < fill):  # the packed bucket so far is complete
+                await publish(is_last=False)
+                await swap()
+            entry = Entry.from_meta(meta)
             stats.nbytes += meta.chunk_size
             if meta.is_first:
                 stats.num_tensors += 1
                 stats.num_chunked_tensors += not meta.is_last
             if is_direct:
-                await publish(is_last=False)
-                await swap()
-            if meta.is_last and direct_in_flight is not None and not stable_tensors:  # caller may reuse it next
-                await self._broadcast_done(direct_in_flight[0], version, direct_in_flight[1])
-                direct_in_flight = None
+                stats.direct_buckets += 1
+                entries, fill = [entry], meta.chunk_size
+                await publish(is_last=False, data=data)
+                await settle_direct(in_flight_limit)
+            else:
+                if meta.chunk_size:
+                    backend.pack(slot, meta.offset, data)
+                entries.append(entry)
+                fill = meta.offset + meta.chunk_size
+            if meta.is_last and not stable_tensors:  # the caller may reuse this tensor's memory next
+                await settle_direct(0)
         await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
+        await settle_direct(0)
         for age in range(NUM_SLOTS - 1, -1, -1):  # oldest broadcast first
-            await self._complete(pending, (slot - age) % NUM_SLOTS, version, bucket_index - age)
+            await self._complete(pending, (slot - age) % NUM_SLOTS, version, bucket_index - 1 - age)
 
     async def _complete(self, pending: list[asyncio.Future[None] | None], slot: int, version: int, index: int) -> None:
         """Wait until the broadcast that last used `slot` is complete on this rank."""
@@ -362,13 +380,16 @@ class WeightSender(Endpoint):
         logger.warning("version %d abandoned: %s", version, reason)
         if not transport_failed:
             try:
+                while self._direct:
+                    await self._broadcast_done(self._direct.popleft()[0], version, -1)
                 for slot in range(NUM_SLOTS):
                     await self._complete(self._pending, slot, version, -1)
             except (WeightSyncError, asyncio.CancelledError):
                 transport_failed = True
-        for future in self._pending:
+        for future in [*self._pending, *(f for f, _ in self._direct)]:
             forget(future)
         self._pending = [None] * NUM_SLOTS
+        self._direct = deque()
         for peer in peers:
             try:
                 await self._control.send(peer.identity, Abort(version, reason))

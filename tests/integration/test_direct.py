@@ -78,9 +78,10 @@ async def _collect(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
 
 
 async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
-    """Stream [a, b1, b2, c] (b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot:
-    the broadcast of b2 (same slot as `a`) cannot complete until then. Returns whether the sender asked
-    for `c` before the consumer woke up, i.e. while b2's broadcast was still in flight."""
+    """Stream [a, b1, b2, c] (b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot.
+    The consumer gives no destinations, so the receiver takes b1 and b2 into its slots too: b2's (the
+    slot of `a`) cannot complete until the consumer wakes. Returns whether the sender asked for `c`
+    before the consumer woke up, i.e. while b2's broadcast was still in flight."""
     weights = [("a", _tensor(KIB, 0)), ("b1", _tensor(40 * KIB, 1)), ("b2", _tensor(40 * KIB, 2)),
                ("c", _tensor(KIB, 3))]  # fmt: skip
     sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
@@ -94,12 +95,13 @@ async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
             yield name, tensor
 
     async def consume() -> dict[str, torch.Tensor]:
-        dest = {n: torch.zeros_like(t) for n, t in weights}
-        async for name, _ in receiver.receive_weights(into=lambda m: dest[m.name]):
+        got = {}
+        async for name, tensor in receiver.receive_weights():
+            got[name] = tensor.clone()
             if name == "a":
                 await asyncio.sleep(1.0)
                 woke.set()
-        return dest
+        return got
 
     try:
         got, _ = await with_timeout(

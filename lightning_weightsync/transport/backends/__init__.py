@@ -7,6 +7,15 @@ is built, so the registry always lists every name and config validation can read
 from __future__ import annotations
 
 from . import cuda_ipc, gloo, hccl, nccl, nixl, shm  # noqa: F401 - registration
-from .base import BACKENDS, NUM_SLOTS, Backend, backend_class, build_backend, next_slot, register_backend
+from .base import BACKENDS, NO_SLOT, NUM_SLOTS, Backend, backend_class, build_backend, next_slot, register_backend
 
-__all__ = ["BACKENDS", "NUM_SLOTS", "Backend", "backend_class", "build_backend", "next_slot", "register_backend"]
+__all__ = [
+    "BACKENDS",
+    "NO_SLOT",
+    "NUM_SLOTS",
+    "Backend",
+    "backend_class",
+    "build_backend",
+    "next_slot",
+    "register_backend",
+]

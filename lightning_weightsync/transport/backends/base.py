@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NUM_SLOTS = 2  # double buffering: pack / receive one bucket while the other is in flight
+NO_SLOT = -1  # `broadcast(NO_SLOT, ..., buffer)`: a direct transfer from / into `buffer`, no slot involved
 
 
 def next_slot(slot: int) -> int:
@@ -148,10 +149,15 @@ class Backend(ABC):
 
     def fence(self, slot: int) -> None:
         """Record that work queued on the compute stream touches `slot` (the sender's packing copies,
-        a receiver's copies out of it); the backend waits for it before it reads or reuses the slot."""
-        self._fences[slot] = record_event(self.device)
+        a receiver's copies out of it); the backend waits for it before it reads or reuses the slot.
+        `fence(NO_SLOT)` before a direct transfer: backends that order a caller's tensor against the compute
+        stream inside `broadcast` (nccl) need nothing; those that cannot (hccl) synchronize here."""
+        if slot != NO_SLOT:
+            self._fences[slot] = record_event(self.device)
 
     def wait_fence(self, slot: int) -> None:
+        if slot == NO_SLOT:
+            return
         event = self._fences[slot]
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
@@ -161,6 +167,15 @@ class Backend(ABC):
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         """Move `view(slot, nbytes)` (or `buffer`, where `direct_ok`) from rank 0 to every rank;
         returns when complete here."""
+
+    def start_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> Callable[[], None] | None:
+        """`broadcast`, split in two where the backend can: start the transfer and return a function that
+        waits for it (None: already complete). The engine starts the next transfer before waiting for this
+        one, so several are in flight. The default runs the blocking `broadcast`."""
+        self.broadcast(slot, nbytes, bucket_index, buffer)
+        return None
 
     def release(self, slot: int, bucket_index: int) -> None:  # noqa: B027 - optional hook
         """Receiver: the bytes of `slot` were consumed (shared-buffer backends hand it back)."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import import_torch_npu, synchronize
-from .base import register_backend
+from .base import Backend, register_backend
 from .torch_pg import TorchProcessGroupBackend
 
 
@@ -43,6 +43,9 @@ class HcclBackend(TorchProcessGroupBackend):
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         super().broadcast(slot, nbytes, bucket_index, buffer)
         synchronize(self.device)
+
+    # one transfer at a time, each waited for with the device synchronized (the blocking `broadcast`)
+    start_broadcast = Backend.start_broadcast
 
     def close(self) -> None:
         synchronize(self.device)

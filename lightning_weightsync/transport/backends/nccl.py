@@ -15,7 +15,7 @@ import torch
 
 from ...errors import BackendUnavailable, PeerError
 from ...protocol.messages import GroupSpec, NcclJoin
-from .base import Backend, register_backend
+from .base import NO_SLOT, Backend, register_backend
 
 
 def _import_cupy_nccl() -> tuple[Any, Any]:
@@ -79,7 +79,7 @@ class NcclBackend(Backend):
         target = self.buckets[slot][:nbytes] if buffer is None else buffer
         if target.device != self.device or target.numel() != nbytes or not target.is_contiguous():
             raise PeerError(f"nccl broadcast of {nbytes} bytes from a {target.numel()}-byte {target.device} tensor")
-        event = self._fences[slot]
+        event = self._fences[slot] if slot != NO_SLOT else None
         if event is not None:
             self._stream.wait_event(event)  # type: ignore[arg-type]
             self._fences[slot] = None

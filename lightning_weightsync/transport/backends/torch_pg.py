@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -102,11 +103,30 @@ class TorchProcessGroupBackend(Backend):
         self._pg = None
 
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
+        wait = self._start_broadcast(slot, nbytes, bucket_index, buffer)
+        if wait is not None:
+            wait()
+
+    def start_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> Callable[[], None] | None:
+        """An asynchronous collective: the process group's own threads move the bytes; `Work.wait`
+        returns once they are complete here."""
+        return self._start_broadcast(slot, nbytes, bucket_index, buffer)
+
+    def _start_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None
+    ) -> Callable[[], None] | None:
         if nbytes == 0:
-            return
+            return None
         self.wait_fence(slot)
-        self._pg.broadcast(self.buckets[slot][:nbytes] if buffer is None else buffer, 0).wait()
+        work = self._pg.broadcast(self.buckets[slot][:nbytes] if buffer is None else buffer, 0)
+        return lambda: _wait(work)
 
     def close(self) -> None:
         super().close()
         self._store = None
+
+
+def _wait(work: Any) -> None:
+    work.wait()
