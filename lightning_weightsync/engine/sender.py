@@ -289,20 +289,30 @@ class WeightSender(Endpoint):
         in_flight_limit = max(1, self.direct_in_flight) if stable_tensors else 0
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
+        whole = True  # every chunk packed in the bucket so far is a whole tensor
 
-        async def publish(is_last: bool, data: torch.Tensor | None = None) -> None:
-            """The bucket's metadata to every receiver, then its broadcast onto the data-plane thread."""
+        async def publish(is_last: bool) -> None:
+            """The packed bucket's metadata to every receiver, then its broadcast onto the data-plane thread."""
             nonlocal bucket_index, fill, entries
             first_tied = tied if bucket_index == 0 and tied else {}
-            backend.fence(slot if data is None else NO_SLOT)
+            backend.fence(slot)
             await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
-            if data is None:
-                pending[slot] = executor.submit_started(backend.start_broadcast, slot, fill, bucket_index, None)
-            else:
-                started = executor.submit_started(backend.start_broadcast, NO_SLOT, fill, bucket_index, data)
-                direct.append((started, bucket_index))
+            pending[slot] = executor.submit_started(backend.start_broadcast, slot, fill, bucket_index, None)
             stats.num_buckets += bool(entries)
             bucket_index, fill, entries = bucket_index + 1, 0, []
+
+        async def publish_direct(entry: Entry, data: torch.Tensor) -> None:
+            """A direct bucket: its metadata, then its broadcast straight from the caller's tensor."""
+            nonlocal bucket_index
+            first_tied = tied if bucket_index == 0 and tied else {}
+            backend.fence(NO_SLOT)
+            size = entry.chunk_size
+            await self._control.send_all(peers, BucketMeta(version, bucket_index, False, size, [entry], first_tied))
+            direct.append(
+                (executor.submit_started(backend.start_broadcast, NO_SLOT, size, bucket_index, data), bucket_index)
+            )
+            stats.num_buckets += 1
+            bucket_index += 1
 
         async def swap() -> None:
             """On to the next slot, once the broadcast that last read it is complete."""
@@ -323,7 +333,10 @@ class WeightSender(Endpoint):
                 direct_ok and meta.chunk_size > 0 and data.device == self.device
                 and chunk_goes_alone(meta, bucket_size, alone_from)
             )  # fmt: skip
-            if entries and (is_direct or meta.offset < fill):  # the packed bucket so far is complete
+            # The packed bucket so far is complete when the split starts a new one. A direct chunk goes out
+            # around it while it holds whole tensors only; one with a part of a tensor goes out first (a
+            # receiver merges one tensor at a time: no other tensor may come between its chunks).
+            if entries and (not whole if is_direct else meta.offset < fill):
                 await publish(is_last=False)
                 await swap()
             entry = Entry.from_meta(meta)
@@ -331,14 +344,14 @@ class WeightSender(Endpoint):
             if meta.is_first:
                 stats.num_tensors += 1
                 stats.num_chunked_tensors += not meta.is_last
-            if is_direct:
+            if is_direct:  # a bucket of its own, published around the packed one being filled
                 stats.direct_buckets += 1
-                entries, fill = [entry], meta.chunk_size
-                await publish(is_last=False, data=data)
+                await publish_direct(entry, data)
                 await settle_direct(in_flight_limit)
             else:
                 if meta.chunk_size:
                     backend.pack(slot, meta.offset, data)
+                whole = (whole or not entries) and meta.is_first and meta.is_last
                 entries.append(entry)
                 fill = meta.offset + meta.chunk_size
             if meta.is_last and not stable_tensors:  # the caller may reuse this tensor's memory next

@@ -85,9 +85,10 @@ async def split_weight_chunks(
 
     Every tensor yields at least one chunk; an empty tensor yields one chunk of size 0. With
     `alone_from`, every chunk of a tensor of at least that many bytes gets a bucket of its own
-    (offset 0, nothing packed before or after it): a transport can then broadcast it straight from
-    the tensor and receive it straight into its destination, with no pack or merge copy. Only the
-    smaller tensors are packed. `chunk_goes_alone` says which chunks those are.
+    (offset 0, nothing packed with it): a transport can then broadcast it straight from the tensor
+    and receive it straight into its destination, with no pack or merge copy. Only the smaller
+    tensors are packed, back to back across the large ones (the packed bucket is not cut short by a
+    large tensor; the sender publishes it once it is full). `chunk_goes_alone` says which chunks go alone.
     """
     if bucket_size < 1:
         raise ConfigError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
@@ -135,10 +136,10 @@ class _BucketPlan:
         shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
         bucket_size, filled = self.bucket_size, self.filled
         if self.alone_from is not None and nbytes >= self.alone_from:
-            # a bucket per chunk, starting afresh; the next tensor starts afresh too
+            # a bucket per chunk, each at offset 0; the packed bucket around them goes on filling where it
+            # was, so small tensors before and after a large one share a bucket (and a broadcast)
             for chunk_offset in range(0, nbytes, bucket_size):
                 size = min(bucket_size, nbytes - chunk_offset)
-                self.filled = bucket_size
                 yield TensorMeta(name, shape, dtype, chunk_offset, size, 0), data[chunk_offset : chunk_offset + size]
             return
         if filled == bucket_size:

@@ -13,7 +13,7 @@ import asyncio
 import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
-from tests.support.engine import assert_bitwise, engine_cfg, with_timeout
+from tests.support.engine import assert_bitwise, engine_cfg, expected_layout, with_timeout
 
 KIB = 1024
 
@@ -50,9 +50,11 @@ async def test_tensors_over_the_threshold_go_direct_in_buckets_of_their_own() ->
     finally:
         await receiver.close()
         await sender.close()
-    assert_bitwise(got, weights)
+    # the small tensors share one packed bucket across the large ones, which go out first, as produced
+    s0, mid, s1, big, s2 = weights
+    assert_bitwise(got, [mid, big, s0, s1, s2])
     assert stats.direct_buckets == 3  # mid, big[0:64K], big[64K:100K]
-    assert stats.num_buckets == 6  # [s0] [mid] [s1] [big 0] [big 1] [s2]
+    assert stats.num_buckets == 4  # [mid] [big 0] [big 1] [s0 s1 s2]
     assert receiver.last_stats.direct_buckets >= 3
 
 
@@ -73,16 +75,34 @@ async def test_threshold_zero_packs_everything_that_does_not_fill_a_bucket() -> 
     assert stats.direct_buckets == 0 and stats.num_buckets == 1
 
 
+async def test_a_tensor_split_across_packed_buckets_is_not_interleaved_with_a_direct_one() -> None:
+    # 64 KiB buckets, direct from 256 KiB: `p` (150 KiB) is packed, cut [63 KiB after s0 | a whole bucket,
+    # sent alone | 23 KiB]; `d` (260 KiB) goes direct. A packed bucket holding part of a tensor must go out
+    # before the next chunk sent alone, or the receiver would see another chunk in the middle of `p`
+    # (small whole tensors may wait in the packed bucket while direct ones pass).
+    weights = [("s0", _tensor(KIB, 0)), ("p", _tensor(150 * KIB, 1)), ("d", _tensor(260 * KIB, 2)),
+               ("s1", _tensor(KIB, 3))]  # fmt: skip
+    sender, receiver = await _pair(transport__direct_min_mb=256 / 1024)
+    try:
+        got, stats = await with_timeout(asyncio.gather(_collect(receiver), sender.send_weights(weights, version=1)))
+    finally:
+        await receiver.close()
+        await sender.close()
+    assert_bitwise(got, weights)  # [s0 p0] [p1] [p2] [d0]..[d4] [s1]: the producer's order
+    assert stats.direct_buckets == 6
+    assert (stats.num_buckets, stats.num_chunked_tensors) == expected_layout(weights, 64 * KIB, 256 * KIB) == (9, 2)
+
+
 async def _collect(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
     return {name: t.clone() async for name, t in receiver.receive_weights()}
 
 
 async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
-    """Stream [a, b1, b2, c] (b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot.
-    The consumer gives no destinations, so the receiver takes b1 and b2 into its slots too: b2's (the
-    slot of `a`) cannot complete until the consumer wakes. Returns whether the sender asked for `c`
+    """Stream [a, b1, b2, c] (a, b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot.
+    The consumer gives no destinations, so the receiver takes the direct buckets into its slots: b2's
+    (the slot of `a`) cannot complete until the consumer wakes. Returns whether the sender asked for `c`
     before the consumer woke up, i.e. while b2's broadcast was still in flight."""
-    weights = [("a", _tensor(KIB, 0)), ("b1", _tensor(40 * KIB, 1)), ("b2", _tensor(40 * KIB, 2)),
+    weights = [("a", _tensor(40 * KIB, 0)), ("b1", _tensor(40 * KIB, 1)), ("b2", _tensor(40 * KIB, 2)),
                ("c", _tensor(KIB, 3))]  # fmt: skip
     sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
     woke = asyncio.Event()

@@ -48,32 +48,44 @@ async def with_timeout(coro: Any, timeout_s: float = 60) -> Any:
 
 
 def expected_layout(
-    weights: list[tuple[str, torch.Tensor]], bucket_size: int, alone_from: int | None
+    weights: list[tuple[str, torch.Tensor]], bucket_size: int, alone_from: int | None, *, direct_ok: bool | None = None
 ) -> tuple[int, int]:
     """(buckets, chunked tensors) the sender must report, derived from the packing rule by plain
     arithmetic (not by running the splitter it checks): small tensors are packed back to back and cut
-    at bucket boundaries; a tensor of at least `alone_from` bytes gets whole buckets of its own; a
-    chunk that starts below the previous chunk's end starts a new bucket."""
-    buckets, fill, chunked = 1, 0, 0
+    at bucket boundaries, across the large ones; a tensor of at least `alone_from` bytes gets whole
+    buckets of its own; a chunk that starts below the previous packed chunk's end starts a new bucket;
+    a packed bucket holding part of a tensor goes out before the next chunk sent alone.
+    `direct_ok` (default: `alone_from` is given): a chunk that fills a whole bucket is sent alone too."""
+    direct_ok = alone_from is not None if direct_ok is None else direct_ok
+    buckets, chunked = 0, 0
+    plan_fill = 0  # where the split places the next packed chunk
+    open_chunks, open_end, open_whole = 0, 0, True  # the packed bucket being filled
     for _, tensor in weights:
         n = tensor.numel() * tensor.element_size()
-        alone = alone_from is not None and 0 < alone_from <= n
-        if alone:
-            chunks = [(0, min(bucket_size, n - c)) for c in range(0, n, bucket_size)]
-        else:
-            chunks, start, left = [], (0 if fill == bucket_size else fill), n
-            while True:
-                size = min(left, bucket_size - start)
-                chunks.append((start, size))
-                left -= size
-                start = start + size if start + size < bucket_size else 0
-                if left <= 0:
-                    break
+        if alone_from is not None and 0 < alone_from <= n:
+            count = -(-n // bucket_size)
+            if open_chunks and not open_whole:
+                buckets, open_chunks, open_end = buckets + 1, 0, 0
+            buckets += count
+            chunked += count > 1
+            continue
+        chunks, start, left = [], (0 if plan_fill == bucket_size else plan_fill), n
+        while True:
+            size = min(left, bucket_size - start)
+            chunks.append((start, size))
+            left -= size
+            plan_fill = start + size
+            start = start + size if start + size < bucket_size else 0
+            if left <= 0:
+                break
         chunked += len(chunks) > 1
         for offset, size in chunks:
-            if offset < fill:
+            full_alone = direct_ok and offset == 0 and size == bucket_size  # fills a bucket: sent direct, alone
+            if open_chunks and (not open_whole if full_alone else offset < open_end):
+                buckets, open_chunks, open_end = buckets + 1, 0, 0
+            if full_alone:
                 buckets += 1
-            fill = offset + size
-        if alone:
-            fill = bucket_size
-    return buckets, chunked
+            else:
+                open_whole = (open_whole or not open_chunks) and len(chunks) == 1
+                open_chunks, open_end = open_chunks + 1, offset + size
+    return buckets + (open_chunks > 0), chunked

@@ -1,0 +1,272 @@
+"""One version of weights, step by step, on both sides: the policy the transport does not know.
+
+    sender                                              receivers
+    1. Prepare(version)  to every registered receiver   wait_prepare: heartbeat (Register) while idle
+    2. gather Ready      (min_receivers, ready_timeout)  -> Ready(version, group generation)
+    3. Plan(rank, group) to every member                wait_plan (a newer Prepare or an Abort ends it)
+       join the data-plane group (serving the rendezvous) join the group
+    4. BucketMeta*       ahead of each bucket's bytes    next_bucket, in order (progress when it waits)
+    5. collect Ack       (or Abort on failure)           Ack(ok | reason)
+
+The control plane (`transport/control`) moves signed messages and keeps the registry of receivers;
+this module decides what a message means for a version: who is in it, what is stale or superseded,
+who is behind when a broadcast stalls. Both sides' steps live here, next to each other, so the
+protocol can be read in one place and in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
+from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Message, Plan, Prepare, Ready
+from ..transport.control import Peer, ReceiverControl, SenderControl
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
+
+
+class SenderSession:
+    """The sender's steps of every version, over one control plane."""
+
+    def __init__(
+        self,
+        control: SenderControl,
+        *,
+        session: str,
+        min_receivers: int,
+        timeout_s: float,
+        ready_timeout_s: float,
+    ) -> None:
+        self.control, self.session = control, session
+        self.min_receivers, self.timeout_s, self.ready_timeout_s = min_receivers, timeout_s, ready_timeout_s
+        self.members: list[str] = []  # receivers of the version being sent
+
+    # 1-2 -------------------------------------------------------------------------------------
+    async def gather_ready(self, version: int) -> list[Peer]:
+        """Ask every registered receiver to join `version`; return those that answered in time.
+
+        Waits up to `timeout_s` for at least `min_receivers`; a registered receiver that does not
+        answer within `ready_timeout_s` is presumed dead and forgotten (it re-registers if alive).
+        If too few answered, every receiver asked gets an `Abort`, so none waits for a plan.
+        """
+        control, min_receivers = self.control, self.min_receivers
+        deadline = time.monotonic() + self.timeout_s
+        asked: dict[str, float] = {}
+        ready: dict[str, Peer] = {}
+        while True:
+            now = time.monotonic()
+            for identity in list(control.peers):
+                if identity not in asked:
+                    try:
+                        await control.send(identity, Prepare(version, self.session, control.peers[identity].nonce))
+                        asked[identity] = now
+                    except PeerError:
+                        control.forget(identity)
+                elif identity not in ready and now - asked[identity] > self.ready_timeout_s:
+                    logger.warning(
+                        "receiver %s did not answer within transport.ready_timeout_s=%ss; dropping it",
+                        identity,
+                        self.ready_timeout_s,
+                    )
+                    control.forget(identity)
+                    del asked[identity]
+            waiting = [i for i in control.peers if i not in ready]
+            if len(ready) >= min_receivers and not waiting:
+                members = sorted(ready.values(), key=lambda p: p.identity)
+                self.members = [p.identity for p in members]
+                return members
+            if now >= deadline:
+                reason = (
+                    f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready "
+                    f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
+                    f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
+                    "trainer.min_receivers"
+                )
+                for identity in asked:
+                    with contextlib.suppress(PeerError):
+                        await control.send(identity, Abort(version, reason[:1000]))
+                raise WeightSyncTimeout(reason)
+            got = await control.recv(min(0.05 if waiting else 0.5, max(deadline - now, 0.001)))
+            if got is None:
+                continue
+            identity, msg = got
+            if isinstance(msg, Ready) and msg.version == version and identity in control.peers and identity in asked:
+                ready[identity] = control.peers[identity]
+                ready[identity].group_generation = msg.generation
+
+    # 3 ---------------------------------------------------------------------------------------
+    async def send_plans(self, version: int, peers: list[Peer], group: GroupSpec) -> None:
+        """Every member's rank (1..N, in the order of `peers`) and the group to join."""
+        for rank, peer in enumerate(peers, start=1):
+            await self.control.send(peer.identity, Plan(version, rank, group))
+
+    # 4 ---------------------------------------------------------------------------------------
+    async def publish(self, peers: list[Peer], meta: BucketMeta) -> None:
+        """A bucket's metadata to every member, ahead of its bytes."""
+        await self.control.send_all([p.identity for p in peers], meta)
+
+    # 5 ---------------------------------------------------------------------------------------
+    async def collect_acks(self, version: int, peers: list[Peer]) -> dict[str, Ack | None]:
+        """Acks for `version` from `peers`; a missing one is None after `timeout_s`."""
+        acks: dict[str, Ack | None] = {p.identity: None for p in peers}
+        deadline = time.monotonic() + self.timeout_s
+        while any(a is None for a in acks.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got = await self.control.recv(left)
+            if got is None:
+                break
+            identity, msg = got
+            if isinstance(msg, Ack) and msg.version == version and identity in acks:
+                acks[identity] = msg
+        return acks
+
+    async def abort(self, version: int, peers: list[Peer], reason: str) -> None:
+        """Tell every member to drop `version` (each may be gone already)."""
+        for peer in peers:
+            with contextlib.suppress(PeerError):
+                await self.control.send(peer.identity, Abort(version, reason[:1000]))
+
+    async def laggards(self, version: int, wait_s: float = 0.5) -> str:
+        """After a broadcast of `version` failed or timed out: which receivers are behind, from what
+        they reported (per-bucket progress, failure acks) and which connections dropped."""
+        control = self.control
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(WeightSyncError):
+            while (left := deadline - time.monotonic()) > 0:
+                got = await control.recv(left)
+                if got is None:
+                    break
+                identity, msg = got
+                if isinstance(msg, Ack) and msg.version == version and not msg.ok:
+                    failed[identity] = msg.error or "failed"
+        members = self.members
+        if not members:
+            return "no receivers in the group"
+        state: dict[str, str] = {}
+        done: dict[str, int] = {}
+        for identity in members:
+            report = control.progress.get(identity)  # the bucket it reached
+            done[identity] = report.bucket_index if report is not None and report.version == version else -1
+            if identity in failed:
+                state[identity] = f"failed: {failed[identity][:200]}"
+            elif not await control.connected(identity):
+                state[identity] = "disconnected"
+            else:
+                state[identity] = "connected"
+        lowest = min(done.values())
+        behind = [i for i in members if done[i] == lowest or state[i] != "connected"]
+        text = ", ".join(
+            f"{i} ({state[i]}, {'no progress reported' if done[i] < 0 else f'reached bucket {done[i]}'})"
+            for i in behind
+        )
+        ahead = [i for i in members if i not in behind]
+        others = f"; the others ({len(ahead)}) are further" if ahead else ""
+        return f"stalled or dead: {text}{others}"
+
+
+class ReceiverSession:
+    """A receiver's steps of every version, over its control plane."""
+
+    def __init__(self, control: ReceiverControl, identity: str) -> None:
+        self.control, self.identity = control, identity
+
+    # 1-2 -------------------------------------------------------------------------------------
+    async def wait_prepare(self, heartbeat_interval_s: float, wait_s: float | None) -> Prepare:
+        """Block until the sender starts a version; re-register every heartbeat meanwhile."""
+        control = self.control
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            left = heartbeat_interval_s if deadline is None else min(heartbeat_interval_s, deadline - time.monotonic())
+            if left <= 0:
+                why = f"; the sender refuses us: {control.refused}" if control.refused else ""
+                hint = (
+                    " (with transport.auth_token set, a different token on either side fails the handshake silently)"
+                    if control.key and not control.refused
+                    else ""
+                )
+                raise WeightSyncTimeout(
+                    f"no version started by the sender at {control.address} within {wait_s}s{why}{hint}"
+                )
+            msg = await control.recv(left)
+            if msg is None:
+                await control.register()
+            elif isinstance(msg, Prepare):
+                control.refused = None  # the sender took us in
+                return msg
+            else:
+                logger.debug("ignoring %s while idle", type(msg).__name__)
+
+    async def ready(self, prepare: Prepare, generation: int) -> None:
+        await self.control.send(Ready(self.identity, prepare.version, generation))
+
+    # 3 ---------------------------------------------------------------------------------------
+    async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:
+        """After answering `Ready`: the plan for that version (or a newer `Prepare` supersedes it)."""
+        deadline = time.monotonic() + timeout_s
+        awaited = f"version {prepare.version}: the group plan (transport.timeout_s={timeout_s}s)"
+        while True:
+            msg = await self._recv_before(deadline, awaited)
+            if isinstance(msg, Plan) and msg.version == prepare.version and msg.session == prepare.session:
+                return msg
+            if isinstance(msg, Prepare):
+                self.control.stash(msg)
+                raise VersionAborted(f"version {prepare.version} superseded by {msg.version} before it started")
+            if isinstance(msg, Abort) and msg.version == prepare.version:
+                raise VersionAborted(f"version {msg.version} aborted by the sender: {msg.reason}")
+
+    # 4 ---------------------------------------------------------------------------------------
+    async def next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
+        # Progress is reported only when this wait lasts (PROGRESS_AFTER_S): while buckets stream,
+        # their metadata is already here and a message per bucket would only compete with the data
+        # plane for the CPU; when a broadcast stalls, every healthy receiver waits here and reports,
+        # and the stalled one, which cannot, is the one the sender names.
+        report = asyncio.get_running_loop().call_later(
+            PROGRESS_AFTER_S, self.control.send_soon, BucketDone(self.identity, version, bucket_index)
+        )
+        try:
+            return await self._next_bucket(version, bucket_index, timeout_s)
+        finally:
+            report.cancel()
+
+    async def _next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
+        deadline = time.monotonic() + timeout_s
+        awaited = (
+            f"version {version}: bucket {bucket_index} metadata (transport.timeout_s={timeout_s}s; "
+            "trainer dead or stalled?)"
+        )
+        while True:
+            msg = await self._recv_before(deadline, awaited)
+            if isinstance(msg, BucketMeta) and msg.version == version:
+                if msg.bucket_index != bucket_index:
+                    raise ProtocolError(
+                        f"version {version}: got bucket {msg.bucket_index}, expected {bucket_index} (lost or reordered)"
+                    )
+                return msg
+            if isinstance(msg, Abort) and msg.version == version:
+                raise VersionAborted(f"version {version} aborted by the sender: {msg.reason}")
+            if isinstance(msg, Prepare):
+                self.control.stash(msg)
+                raise VersionAborted(f"version {version} abandoned: the sender started version {msg.version}")
+
+    # 5 ---------------------------------------------------------------------------------------
+    async def ack(self, version: int, ok: bool, error: str | None) -> None:
+        await self.control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
+
+    async def _recv_before(self, deadline: float, awaited: str) -> Message:
+        """The next valid message, or `WeightSyncTimeout` naming what was awaited from whom."""
+        left = deadline - time.monotonic()
+        msg = await self.control.recv(left) if left > 0 else None
+        if msg is None:
+            raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.control.address} in time")
+        return msg
+
+
+__all__ = ["PROGRESS_AFTER_S", "ReceiverSession", "SenderSession"]
