@@ -6,9 +6,10 @@
     consumer: the chunks of the bucket, read through `backend.view(slot, nbytes)` (or the
               destination itself); the slot is released as soon as its last chunk was copied out
 
-Everything it works with is handed in (control plane, backend, executor, timeout), so it runs the
-same for any receiver and its failure paths can be read here alone. Bucket metadata arrives already
-validated by the control plane (`decode` with the plan's bucket_size): offsets and sizes are in range.
+Everything it works with is handed in (the session's steps, backend, executor, timeout), so it runs
+the same for any receiver and its failure paths can be read here alone. Bucket metadata arrives
+already validated by the control plane (`decode` with the plan's bucket_size, which the receiver
+hands it): offsets and sizes are in range.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.messages import BucketMeta, Plan
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
-from ..transport.control import ReceiverControl
 from ..transport.executor import SerialExecutor, forget
+from .session import ReceiverSession
 from .stats import ReceiveStats
 
 RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer reached them (no memory: only
@@ -72,7 +73,7 @@ class BucketPipeline:
         self,
         plan: Plan,
         *,
-        control: ReceiverControl,
+        steps: ReceiverSession,
         backend: Backend,
         executor: SerialExecutor,
         timeout_s: float,
@@ -80,7 +81,7 @@ class BucketPipeline:
         on_bucket: Callable[[BucketMeta], None] | None = None,
     ) -> None:
         self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
-        self.control, self.backend, self.executor, self.timeout_s = control, backend, executor, timeout_s
+        self.steps, self.backend, self.executor, self.timeout_s = steps, backend, executor, timeout_s
         self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
         self.ready = asyncio.Queue()
         self.free = [asyncio.Event() for _ in range(NUM_SLOTS)]
@@ -106,7 +107,7 @@ class BucketPipeline:
             index, ring = 0, 0
             while True:
                 await self.ahead.acquire()
-                meta = await self.control.next_bucket(self.plan.version, index, self.timeout_s)
+                meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
                 if index == 0:
                     self.tied = {name: list(aliases) for name, aliases in meta.tied.items()}
                 target = self._direct_target(meta)

@@ -22,13 +22,14 @@ from omegaconf import DictConfig
 from ..config import auth_token, load_config
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import merge_weight_chunks
-from ..protocol.messages import Ack, BucketMeta, Plan, Prepare, Ready
+from ..protocol.messages import BucketMeta, Plan, Prepare
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor
 from .endpoint import Endpoint
 from .pipeline import BucketPipeline, Destinations, Into
+from .session import ReceiverSession
 from .stats import ReceiveStats
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class WeightReceiver(Endpoint):
         self.output_device = torch.device(self.cfg.rollout.device)
         self._key = auth_token(self.cfg)
         self._control = ReceiverControl(t.host, int(t.port), self._key, self.identity, str(self.device))
+        self._steps = ReceiverSession(self._control, self.identity)
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None
         self._session: str | None = None
@@ -89,14 +91,14 @@ class WeightReceiver(Endpoint):
         await self._finish_abandoned()
         t = self.cfg.transport
         while True:
-            prepare = await self._control.wait_prepare(float(t.heartbeat_interval_s), wait_s)
+            prepare = await self._steps.wait_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             if not self._is_new(prepare):
                 logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
                 continue
             generation = self._backend.generation if self._backend is not None else -1
-            await self._control.send(Ready(self.identity, prepare.version, generation))
+            await self._steps.ready(prepare, generation)  # 2
             try:
-                plan = await self._control.wait_plan(prepare, self.timeout_s)
+                plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
             except VersionAborted as exc:
                 logger.info("%s", exc)
                 continue
@@ -182,7 +184,7 @@ class WeightReceiver(Endpoint):
         assert self._backend is not None and self._executor is not None  # wait_version joined the group
         pipeline = self._pipeline = BucketPipeline(
             plan,
-            control=self._control,
+            steps=self._steps,
             backend=self._backend,
             executor=self._executor,
             timeout_s=self.timeout_s,
@@ -237,7 +239,7 @@ class WeightReceiver(Endpoint):
         if self._acked:
             return
         self._acked = True
-        await self._control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
+        await self._steps.ack(version, ok, error)  # 5
 
 
 __all__ = ["ReceiveStats", "WeightReceiver"]

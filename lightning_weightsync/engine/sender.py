@@ -35,12 +35,13 @@ from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_confi
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
-from ..protocol.messages import Abort, BucketMeta, Entry, GroupSpec, Member, Plan, check_tensor
+from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
 from .endpoint import Endpoint
+from .session import SenderSession
 from .stats import SendStats
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,13 @@ class WeightSender(Endpoint):
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
         self._key = auth_token(self.cfg)
         self._control = SenderControl(t.host, int(t.port), self._key, self.bucket_size, session=self.session)
+        self._steps = SenderSession(
+            self._control,
+            session=self.session,
+            min_receivers=int(self.cfg.trainer.min_receivers),
+            timeout_s=self.timeout_s,
+            ready_timeout_s=float(t.ready_timeout_s),
+        )
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None
         self._group: tuple[tuple[str, int], ...] = ()
@@ -204,22 +212,20 @@ class WeightSender(Endpoint):
         start = time.perf_counter()
         peers: list[Peer] = []
         try:
-            peers = await self._control.gather_ready(
-                version,
-                self.session,
-                min_receivers=int(self.cfg.trainer.min_receivers),
-                timeout_s=self.timeout_s,
-                ready_timeout_s=float(self.cfg.transport.ready_timeout_s),
-            )
+            # the policy is read per version (a caller may lower min_receivers after losing a rollout)
+            self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
+            self._steps.ready_timeout_s = float(self.cfg.transport.ready_timeout_s)
+            peers = await self._steps.gather_ready(version)  # 1-2: Prepare -> Ready
             stats.receivers = len(peers)
             if not peers:
                 logger.info("version %d: no receivers registered; nothing sent", version)
                 await source.drain()
                 return stats
-            await self._join(version, peers)
+            await self._join(version, peers)  # 3: Plan, and the data-plane group
             tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
+            # 4: bucket metadata, each ahead of its bytes
             await self._stream(source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names)
-            acks = await self._control.collect_acks(version, peers, self.timeout_s)
+            acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
             await source.drain()
@@ -258,8 +264,7 @@ class WeightSender(Endpoint):
             members=[Member(p.identity, p.pid) for p in peers],
             join=self._backend.join_spec(self._generation),
         )
-        for rank, peer in enumerate(peers, start=1):
-            await self._control.send(peer.identity, Plan(version, rank, group))
+        await self._steps.send_plans(version, peers, group)
         await self._control.serve_while(self._executor.submit(self._backend.join, group, 0, version))
 
     async def _stream(
@@ -296,7 +301,7 @@ class WeightSender(Endpoint):
             nonlocal bucket_index, fill, entries
             first_tied = tied if bucket_index == 0 and tied else {}
             backend.fence(slot)
-            await self._control.send_all(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
+            await self._steps.publish(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
             pending[slot] = executor.submit_started(backend.start_broadcast, slot, fill, bucket_index, None)
             stats.num_buckets += bool(entries)
             bucket_index, fill, entries = bucket_index + 1, 0, []
@@ -307,7 +312,7 @@ class WeightSender(Endpoint):
             first_tied = tied if bucket_index == 0 and tied else {}
             backend.fence(NO_SLOT)
             size = entry.chunk_size
-            await self._control.send_all(peers, BucketMeta(version, bucket_index, False, size, [entry], first_tied))
+            await self._steps.publish(peers, BucketMeta(version, bucket_index, False, size, [entry], first_tied))
             direct.append(
                 (executor.submit_started(backend.start_broadcast, NO_SLOT, size, bucket_index, data), bucket_index)
             )
@@ -372,7 +377,7 @@ class WeightSender(Endpoint):
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
-            who = await self._control.laggards(version)
+            who = await self._steps.laggards(version)
             raise WeightSyncTimeout(
                 f"version {version}: broadcast of bucket {index} not complete within transport.timeout_s="
                 f"{self.timeout_s}s; {who}"
@@ -380,7 +385,7 @@ class WeightSender(Endpoint):
         except WeightSyncError:
             raise
         except Exception as exc:
-            who = await self._control.laggards(version)
+            who = await self._steps.laggards(version)
             raise PeerError(f"version {version}: broadcast of bucket {index} failed ({exc}); {who}") from exc
 
     async def _abandon(self, version: int, peers: list[Peer], exc: BaseException, *, transport_failed: bool) -> None:
@@ -403,11 +408,7 @@ class WeightSender(Endpoint):
             forget(future)
         self._pending = [None] * NUM_SLOTS
         self._direct = deque()
-        for peer in peers:
-            try:
-                await self._control.send(peer.identity, Abort(version, reason))
-            except PeerError:
-                pass
+        await self._steps.abort(version, peers, reason)
         if transport_failed:
             self._fail_group()
 

@@ -177,6 +177,7 @@ class ReceiverSession:
 
     def __init__(self, control: ReceiverControl, identity: str) -> None:
         self.control, self.identity = control, identity
+        control.ends_join = (Abort, Prepare)  # the sender gave the group up: the rendezvous wait ends
 
     # 1-2 -------------------------------------------------------------------------------------
     async def wait_prepare(self, heartbeat_interval_s: float, wait_s: float | None) -> Prepare:

@@ -542,8 +542,8 @@ def test_stats_as_metrics_are_flat_base_units():
     assert received["bytes_per_second"] == 0.0 and "receivers" not in received
 
 
-class _ScriptedControl:
-    """Bucket metadata from a list, as the control plane would hand it over (already validated)."""
+class _ScriptedSteps:
+    """Bucket metadata from a list, as the receiver's session would hand it over (already validated)."""
 
     def __init__(self, metas):
         self.metas = metas
@@ -605,7 +605,7 @@ async def test_bucket_pipeline_runs_on_what_it_is_given(failure):
         wire[1] = RuntimeError("connection reset")
     backend, executor = _loopback_backend(wire), SerialExecutor("test-pipeline")
     plan = Plan(1, 1, GroupSpec("s", 1, "loopback", 16, [Member("r", 1)], StoreJoin("127.0.0.1", 1)))
-    pipeline = BucketPipeline(plan, control=_ScriptedControl(metas), backend=backend, executor=executor, timeout_s=5)
+    pipeline = BucketPipeline(plan, steps=_ScriptedSteps(metas), backend=backend, executor=executor, timeout_s=5)
     stats = ReceiveStats(version=1)
     try:
         merged = merge_weight_chunks(pipeline.chunks(stats), 16)

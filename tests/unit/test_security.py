@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from lightning_weightsync import ConfigError, ProtocolError, WeightSyncError, load_config
 from lightning_weightsync.engine.sender import BlockingWeightSender, WeightSender
+from lightning_weightsync.engine.session import ReceiverSession, SenderSession
 from lightning_weightsync.errors import VersionAborted
 from lightning_weightsync.protocol.messages import (
     MAX_NAME_LEN,
@@ -135,7 +136,7 @@ async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | N
         assert "rollout.identity" in second.refused and "held by a connected receiver" in second.refused
         await _prepare(sender, first, 1)  # the first is not cut off
         with pytest.raises(WeightSyncError, match="refuses us"):
-            await second.wait_prepare(0.2, 0.5)
+            await ReceiverSession(second, "rollout-0").wait_prepare(0.2, 0.5)
         # once the first is gone (no goodbye: its connection just closes), the identity is free again
         assert first._sock is not None
         first._sock.close(linger=0)
@@ -298,13 +299,16 @@ async def test_too_few_ready_receivers_get_an_abort() -> None:
     receiver = await _registered(sender, "rollout-0", None)
     try:
         gather = asyncio.ensure_future(
-            sender.gather_ready(1, sender.session, min_receivers=2, timeout_s=1.5, ready_timeout_s=5)
+            SenderSession(
+                sender, session=sender.session, min_receivers=2, timeout_s=1.5, ready_timeout_s=5
+            ).gather_ready(1)
         )
-        prepare = await receiver.wait_prepare(0.2, 5)
+        steps = ReceiverSession(receiver, "rollout-0")
+        prepare = await steps.wait_prepare(0.2, 5)
         await receiver.send(Ready("rollout-0", prepare.version))
         t0 = time.monotonic()
         with pytest.raises(VersionAborted, match="min_receivers=2"):
-            await receiver.wait_plan(prepare, 30)
+            await steps.wait_plan(prepare, 30)
         # told within the gather's timeout_s=1.5 (plus load), not after its own 30 s wait for a plan
         assert time.monotonic() - t0 < 1.5 + LOAD_SLACK_S
         with pytest.raises(WeightSyncError, match="min_receivers"):

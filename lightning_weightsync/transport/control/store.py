@@ -2,9 +2,10 @@
 the sender and are reached only through the (CURVE-authenticated, signed) ZeroMQ control plane.
 
 A TCPStore listens for anyone: a stranger can list its keys and set the address a rank will connect
-to. With this store there is no such listener; the sender keeps a `HashStore`, and a receiver's
-process group (built on the executor thread) asks the sender for each key through `StoreRequest`.
-gloo's rendezvous only needs `set`, `get` and `wait`; `add` and `check` are there for other process groups.
+to. With this store there is no such listener; the sender keeps a `HashStore` (`StoreServer`), and a
+receiver's process group (built on the executor thread) asks the sender for each key through
+`StoreRequest` (`ControlPlaneStore`). gloo's rendezvous only needs `set`, `get` and `wait`; `add` and
+`check` are there for other process groups.
 """
 
 from __future__ import annotations
@@ -13,14 +14,61 @@ import asyncio
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ..errors import WeightSyncTimeout
+from ...errors import ProtocolError, WeightSyncTimeout
+from ...protocol.messages import StoreReply, StoreRequest
 
-if TYPE_CHECKING:
-    from .control import ReceiverControl
+MAX_STORE_KEYS = 65536  # rendezvous keys a sender session holds at most
+STORE_POLL_S = 0.01
+
+
+class StoreServer:
+    """The sender's side: a `HashStore` that answers `StoreRequest`s inside one session's namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._store: dist.HashStore | None = None
+
+    @property
+    def store(self) -> dist.HashStore:
+        if self._store is None:
+            self._store = dist.HashStore()
+        return self._store
+
+    def serve(self, msg: StoreRequest) -> StoreReply:
+        """The reply to one request; a request outside the namespace, over the key limit or with a
+        non-integer `add` raises `ProtocolError` (dropped and counted by the caller, never answered)."""
+        if not msg.key.startswith(self.namespace):
+            raise ProtocolError(f"store {msg.op} of {msg.key[:80]!r}, outside this session's namespace")
+        store = self.store
+        if msg.op == "set":
+            if store.num_keys() >= MAX_STORE_KEYS:
+                raise ProtocolError(f"store set refused: {MAX_STORE_KEYS} keys already")
+            store.set(msg.key, msg.value)
+            return StoreReply(msg.request_id, True, b"")
+        if msg.op == "add":  # counters (barriers) of process groups other than gloo
+            try:
+                amount = int(msg.value.decode("ascii")) if len(msg.value) <= 20 else None
+            except (UnicodeDecodeError, ValueError):
+                amount = None
+            if amount is None:
+                raise ProtocolError(f"store add of a non-integer {msg.value[:20]!r}")
+            return StoreReply(msg.request_id, True, str(store.add(msg.key, amount)).encode())
+        if store.check([msg.key]):
+            return StoreReply(msg.request_id, True, store.get(msg.key))
+        return StoreReply(msg.request_id, False, b"")
+
+
+class StoreClient(Protocol):
+    """What `ControlPlaneStore` needs of a receiver's control plane (`ReceiverControl`)."""
+
+    async def store_call(self, op: str, key: str, value: bytes, timeout_s: float) -> StoreReply: ...
+
+    async def store_get(self, key: str, timeout_s: float) -> bytes: ...
+
 
 _HOP_SLACK_S = 5.0  # beyond the store timeout, for the thread -> event loop hop itself
 
@@ -31,7 +79,7 @@ class ControlPlaneStore(dist.Store):
     Python store in this torch)."""
 
     def __init__(
-        self, control: ReceiverControl, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float
+        self, control: StoreClient, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float
     ) -> None:
         super().__init__()
         self._control, self._loop, self._prefix, self._timeout_s = control, loop, prefix.rstrip("/") + "/", timeout_s
@@ -75,6 +123,3 @@ class ControlPlaneStore(dist.Store):
 
     def delete_key(self, key: str) -> bool:
         return False  # keys live as long as the sender session; nothing to clean up per group
-
-
-__all__ = ["ControlPlaneStore"]

@@ -1,0 +1,124 @@
+"""The control link: endpoints, socket options, CURVE keys from the shared token, the ZAP check, and the
+bookkeeping of dropped messages that both socket ends share.
+
+Security, with `transport.auth_token` set (docs/security.md has the threat model):
+- CURVE (libsodium, in pyzmq's wheels): both sides derive their key pairs from the token, and the
+  sender's ZAP handler admits only the token-derived client key, so a peer without the token never
+  completes a handshake: it can neither send a message nor receive one.
+- Every message is also signed (HMAC-SHA256) and sealed (`protocol.messages.Seal`): bound to the
+  sender session, with a per-origin sequence number; a copy from another run, another session or
+  an earlier point of this one is rejected and counted (`replayed_messages`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+from ...errors import ConfigError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
+LINK_HEARTBEAT_MS = 1000  # ZMTP pings on every control connection ...
+LINK_TIMEOUT_MS = 6000  # ... and a peer silent this long is disconnected (its identity freed)
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+# -- CURVE keys from the shared token ----------------------------------------------------------------
+@dataclass(frozen=True)
+class CurveKeys:
+    """Z85 key pairs of the two roles, derived from the token (HMAC-SHA256 with a per-role label;
+    every 32-byte string is a valid Curve25519 secret). All receivers share the client pair: CURVE
+    proves "holds the token"; which receiver is which is the control plane's bookkeeping."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def curve_keys(token: bytes) -> CurveKeys:
+    if not zmq.has("curve"):
+        raise ConfigError(
+            "transport.auth_token is set but this pyzmq/libzmq has no CURVE support; "
+            "install the pyzmq wheel (it bundles libsodium) or unset transport.auth_token"
+        )
+
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        secret = z85.encode(hmac.new(token, b"lightning-weightsync curve " + label, hashlib.sha256).digest())
+        return zmq.curve_public(secret), secret
+
+    sp, ss = pair(b"server")
+    cp, cs = pair(b"client")
+    return CurveKeys(sp, ss, cp, cs)
+
+
+class TokenHolders:
+    """ZAP credentials provider: admits exactly the token-derived client key."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+        self.rejected = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = hmac.compare_digest(key, self.client_public)
+        if not ok:
+            self.rejected += 1
+        return ok
+
+
+def link_options(sock: zmq.Socket[Any], host: str) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, LINK_HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, LINK_TIMEOUT_MS)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+def resolve_host(host: str) -> None:
+    """Fail with the knob when `transport.host` names nothing (ZeroMQ would only say 'No such device')."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"transport.host={host!r} does not resolve ({exc}); set transport.host to the sender's address or a "
+            "name this machine can resolve"
+        ) from None
+
+
+class DropLog:
+    """Dropped-message reporting that a flood cannot turn into a log flood: the first drop is a
+    WARNING, later ones are counted and summarised in at most one line every `interval_s`."""
+
+    def __init__(self, what: str, interval_s: float = DROP_LOG_INTERVAL_S) -> None:
+        self.what, self.interval_s = what, interval_s
+        self._last = -math.inf
+        self._unreported = 0
+
+    def note(self, peer: str, reason: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            more = f" (and {self._unreported} more since the last report)" if self._unreported else ""
+            logger.warning("%s from %s: %s%s", self.what, peer, reason, more)
+            self._last, self._unreported = now, 0
+        else:
+            self._unreported += 1
+            logger.debug("%s from %s: %s", self.what, peer, reason)
+
+
+class Replay(ProtocolError):
+    """A correctly signed message that is not fresh (another session, or a seq already seen)."""

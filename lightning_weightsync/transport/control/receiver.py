@@ -1,0 +1,247 @@
+"""A receiver's end of the control plane: one DEALER socket that registers (and re-registers while
+idle), reads and checks what the sender says, and reaches the sender's rendezvous store.
+
+Every received frame goes through `unseal` / `decode` (signature, schema, ranges, and in sealed
+mode: the sender session and its sequence); bad messages are counted and dropped, never acted upon.
+A new sender session is accepted only through a `Prepare` answering one of our recent `Register`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+
+import torch.distributed as dist
+import zmq
+import zmq.asyncio
+
+from ...errors import ProtocolError, VersionAborted, WeightSyncTimeout
+from ...protocol.messages import (
+    Bye,
+    Message,
+    Prepare,
+    Refuse,
+    Register,
+    Seal,
+    StoreReply,
+    StoreRequest,
+    decode,
+    encode,
+    seal,
+    unseal,
+)
+from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
+from .store import STORE_POLL_S, ControlPlaneStore
+
+logger = logging.getLogger(__name__)
+
+
+class ReceiverControl:
+    """The receiver's side: registers, heartbeats while idle, and reads what the sender says."""
+
+    def __init__(self, host: str, port: int, key: bytes | None, identity: str, device: str) -> None:
+        self.host, self.port, self.key, self.identity, self.device = host, port, key, identity, device
+        self.instance = secrets.token_hex(8)  # this process; a reconnect keeps it, a restart does not
+        self.dropped_messages = 0
+        self.replayed_messages = 0
+        self.last_version = -1
+        self.bucket_size: int | None = None
+        self.refused: str | None = None  # the sender's reason, while it refuses our registration
+        self.ends_join: tuple[type[Message], ...] = ()  # kinds that end a rendezvous wait (set by the engine)
+        self.sender_session: str | None = None  # the session whose messages we accept (sealed mode)
+        self._sender_seq = -1
+        self._seq = 0
+        self._nonces: OrderedDict[str, int] = OrderedDict()  # nonce of each recent Register -> its index
+        self._nonce_count = 0
+        self._nonce_floor = -1  # a new session must echo a nonce issued after this index
+        self._request_id = 0
+        self._drops = DropLog("dropped a control message")
+        self._refusals = DropLog("registration refused")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._stash: list[Message] = []
+
+    @property
+    def address(self) -> str:
+        return endpoint(self.host, self.port)
+
+    async def start(self) -> None:
+        resolve_host(self.host)
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)  # no IDENTITY: the sender's ROUTER names the connection
+        link_options(sock, self.host)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self.key:
+            keys = curve_keys(self.key)
+            sock.curve_serverkey = keys.server_public
+            sock.curve_publickey = keys.client_public
+            sock.curve_secretkey = keys.client_secret
+        sock.connect(self.address)
+        self._sock = sock
+        await self.register()
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self.send(Bye(self.identity))
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def register(self) -> None:
+        nonce = secrets.token_hex(8)
+        self._nonces[nonce] = self._nonce_count
+        self._nonce_count += 1
+        while len(self._nonces) > 256:
+            self._nonces.popitem(last=False)
+        msg = Register(
+            self.identity, socket.gethostname(), os.getpid(), self.device, self.last_version,
+            instance=self.instance, nonce=nonce,
+        )  # fmt: skip
+        await self.send(msg)
+
+    def _frames(self, msg: Message) -> list[bytes]:
+        if not self.key:
+            return encode(msg)
+        self._seq += 1
+        return seal(msg, self.key, Seal(self.sender_session or "", self.instance, self._seq, True))
+
+    async def send(self, msg: Message) -> None:
+        assert self._sock is not None, "call start() first"
+        # never block on a missing sender: drop the message if the pipe is full
+        with contextlib.suppress(zmq.Again):
+            await self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
+
+    def send_soon(self, msg: Message) -> None:
+        """Best effort, from a callback (no await): queue `msg` unless the pipe is full or the socket
+        closed (a progress report that does not get through is superseded by the next one)."""
+        if self._sock is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sent = self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
+            if isinstance(sent, asyncio.Future):  # a full pipe (EAGAIN) is fine: best effort
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def stash(self, msg: Message) -> None:
+        """Keep a message for the next `recv` (e.g. a new version's `Prepare` seen mid-version)."""
+        self._stash.append(msg)
+
+    async def recv(self, timeout_s: float) -> Message | None:
+        assert self._sock is not None, "call start() first"
+        if self._stash:
+            return self._stash.pop(0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):
+                return None
+            frames = await self._sock.recv_multipart()
+            if len(frames) == 1 and not frames[0]:
+                continue  # the sender's liveness probe (see `SenderControl.connected`)
+            try:
+                msg = self._open(frames)
+            except ProtocolError as exc:
+                self.dropped_messages += 1
+                if isinstance(exc, Replay):
+                    self.replayed_messages += 1
+                self._drops.note("the sender", exc)
+                continue
+            if isinstance(msg, Refuse):
+                if self.refused is None:
+                    logger.error("the sender at %s refused this receiver: %s", self.address, msg.reason)
+                self.refused = msg.reason
+                self._refusals.note(self.address, msg.reason)
+                continue
+            return msg
+
+    def _open(self, frames: list[bytes]) -> Message:
+        if not self.key:
+            return decode(frames, None, bucket_size=self.bucket_size)
+        msg, envelope = unseal(frames, self.key, to_sender=False, bucket_size=self.bucket_size)
+        if envelope.origin != envelope.session:
+            raise ProtocolError("a sender message whose seal origin is not its session")
+        if getattr(msg, "session", envelope.session) != envelope.session:
+            raise ProtocolError(f"{type(msg).__name__} names session {msg.session!r} but is sealed for another")  # type: ignore[union-attr]
+        if envelope.session == self.sender_session:
+            if envelope.seq <= self._sender_seq:
+                raise Replay(f"{type(msg).__name__} with seq {envelope.seq} <= {self._sender_seq} (a replay)")
+            self._sender_seq = envelope.seq
+            return msg
+        # another session: only a Prepare (or Refuse) answering one of our recent Registers counts
+        nonce = msg.nonce if isinstance(msg, (Prepare, Refuse)) else ""
+        index = self._nonces.get(nonce, -1) if nonce else -1
+        if index <= self._nonce_floor:
+            raise Replay(
+                f"{type(msg).__name__} from sender session {envelope.session[:32]!r}, not the current one, and "
+                "not answering a recent registration (a replay from another run?)"
+            )
+        if isinstance(msg, Prepare):
+            self.sender_session, self._sender_seq, self._nonce_floor = envelope.session, envelope.seq, index
+        return msg
+
+    async def _recv_before(self, deadline: float, awaited: str) -> Message:
+        """The next valid message, or `WeightSyncTimeout` naming what was awaited from whom."""
+        left = deadline - time.monotonic()
+        msg = await self.recv(left) if left > 0 else None
+        if msg is None:
+            raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.address} in time")
+        return msg
+
+    # -- the data-plane rendezvous, through the sender ----------------------------------------------
+    async def store_call(self, op: str, key: str, value: bytes, timeout_s: float) -> StoreReply:
+        """One request to the sender's rendezvous store; other messages that arrive meanwhile are
+        kept for later, except those of the kinds in `ends_join` (the engine's: the sender gave up the group),
+        which end the wait with `VersionAborted`."""
+        self._request_id += 1
+        request_id = self._request_id
+        await self.send(StoreRequest(self.identity, request_id, op, key, value))
+        deadline = time.monotonic() + timeout_s
+        kept: list[Message] = []
+        try:
+            while True:
+                msg = await self._recv_before(deadline, f"the rendezvous store's answer to {op} {key!r}")
+                if isinstance(msg, StoreReply):
+                    if msg.request_id == request_id:
+                        return msg
+                    continue  # an answer to an earlier request we stopped waiting for
+                kept.append(msg)
+                if isinstance(msg, self.ends_join):
+                    raise VersionAborted(f"the sender gave up the group while we joined it ({type(msg).__name__})")
+        finally:
+            self._stash[:0] = kept
+
+    async def store_get(self, key: str, timeout_s: float) -> bytes:
+        """The value of `key` once some rank has set it (polls the sender)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = await self.store_call("get", key, b"", max(deadline - time.monotonic(), 0.001))
+            if reply.found:
+                return reply.value
+            if time.monotonic() >= deadline:
+                raise WeightSyncTimeout(
+                    f"rendezvous key {key!r} not set by the other ranks within transport.timeout_s={timeout_s}s "
+                    "(a receiver died while the group formed?)"
+                )
+            await asyncio.sleep(STORE_POLL_S)
+
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store:
+        """A `dist.Store` for a process group built on another thread (the executor): each call
+        runs `store_call` / `store_get` on this control plane's event loop."""
+        assert self._loop is not None, "call start() first"
+        return ControlPlaneStore(self, self._loop, prefix, timeout_s)
+
+
+def default_identity() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+

@@ -1,0 +1,401 @@
+"""The sender's end of the control plane: one ROUTER socket, the registry of receivers, and the
+rendezvous store served behind it.
+
+One ROUTER socket on the sender, one DEALER per receiver (reliable, per-peer ordered, no
+slow-joiner losses as with PUB/SUB). Receivers register on start and re-register every heartbeat
+interval while idle, so a restarted trainer learns about them again without any action.
+
+Identities are application-level: the ROUTER assigns connection ids (no ROUTER_HANDOVER), the
+sender binds a receiver's identity to the connection that registered it, and refuses (with a
+`Refuse` the receiver logs and reports) a second registration under an identity whose connection
+is still up. "Up" is asked of ZeroMQ itself: an empty probe frame to the old connection, which
+ROUTER_MANDATORY refuses once the connection is gone (ZMQ_ROUTER_NOTIFY is a draft API, absent
+from the wheels); ZMTP heartbeats bound how long a dead link stays up.
+
+Every received frame goes through `unseal` / `decode` (signature, schema, ranges); bad messages are
+counted and dropped, never acted upon, and logged at most once per `DROP_LOG_INTERVAL_S` with a count.
+What a message means for a version of weights is the engine's business (`engine/session.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import zmq
+import zmq.asyncio
+
+from ...errors import ConfigError, PeerError, ProtocolError
+from ...protocol.messages import (
+    BucketDone,
+    Bye,
+    Message,
+    Refuse,
+    Register,
+    Seal,
+    StoreRequest,
+    decode,
+    encode,
+    seal,
+    unseal,
+)
+from .link import DropLog, Replay, TokenHolders, curve_keys, endpoint, link_options, resolve_host
+from .store import StoreServer
+
+logger = logging.getLogger(__name__)
+PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
+MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
+MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
+
+
+@dataclass
+class Peer:
+    identity: str
+    host: str
+    pid: int
+    device: str
+    last_version: int
+    last_seen: float
+    group_generation: int = -1  # as reported in the peer's last `Ready`
+    route: bytes = b""  # the ROUTER's id of the connection that registered this identity
+    instance: str = ""  # the receiver process's random id (a reconnect keeps it)
+    nonce: str = ""  # from its latest `Register`, echoed in `Prepare`
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Same identity but another pid means a restarted receiver: its old group is gone."""
+        return (self.identity, self.pid)
+
+
+class SenderControl:
+    """The sender's side: knows the registered receivers and talks to each of them."""
+
+    def __init__(
+        self, host: str, port: int, key: bytes | None, bucket_size: int, *, session: str | None = None
+    ) -> None:
+        self.host, self.requested_port, self.key, self.bucket_size = host, port, key, bucket_size
+        self.port = port
+        self.session = session or secrets.token_hex(8)
+        self.peers: dict[str, Peer] = {}
+        self._dropped = 0
+        self._failed_handshakes = 0
+        self._monitor: zmq.Socket[Any] | None = None
+        self.replayed_messages = 0
+        self.refused_registrations = 0
+        self.progress: dict[str, BucketDone] = {}  # identity -> its latest progress report
+        self._routes: dict[bytes, str] = {}  # connection -> the identity it registered
+        self._former: dict[str, bytes] = {}  # identity -> its last connection (an Abort may still reach it)
+        self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver instance -> last seq accepted
+        self._seq = 0
+        self._kept: list[tuple[str, Message]] = []  # read by `_pump` while streaming, for the next `recv`
+        self._pumped_at = 0.0
+        self._store = StoreServer(f"lws/{self.session}/")  # the data-plane rendezvous, behind this socket
+        self._drops = DropLog("dropped a control message")
+        self._refusals = DropLog("refused a registration")
+        self._zap: TokenHolders | None = None
+        self._auth: Any = None
+        self._sync_ctx: zmq.Context[Any] | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+
+    @property
+    def address(self) -> str:
+        return endpoint(self.host, self.port)
+
+    @property
+    def rejected_handshakes(self) -> int:
+        """Connections refused before any message: a CURVE handshake that failed (another token, or
+        none) or presented a key other than the token's."""
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                while True:
+                    self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+                    self._failed_handshakes += 1
+        return self._failed_handshakes + (self._zap.rejected if self._zap is not None else 0)
+
+    @property
+    def dropped_messages(self) -> int:
+        """Messages dropped as malformed, unauthenticated or replayed, and refused handshakes."""
+        return self._dropped + self.rejected_handshakes
+
+    async def start(self) -> None:
+        resolve_host(self.host)
+        self._sync_ctx = zmq.Context()
+        # one libzmq context for the socket and the ZAP handler thread (ZAP is per context)
+        self._ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connection never takes over another's id
+        link_options(sock, self.host)
+        if self.key:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            keys = curve_keys(self.key)
+            self._zap = TokenHolders(keys.client_public)
+            self._auth = ThreadAuthenticator(self._sync_ctx, log=logging.getLogger(__name__ + ".zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=self._zap)
+            sock.curve_server = True
+            sock.curve_secretkey = keys.server_secret
+            sock.curve_publickey = keys.server_public
+            failed = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._monitor = zmq.Socket.shadow(monitor.underlying)
+            self._monitor_async = monitor
+        try:
+            if self.requested_port == 0:
+                self.port = sock.bind_to_random_port(endpoint(self.host, 0).rsplit(":", 1)[0])
+            else:
+                sock.bind(endpoint(self.host, self.requested_port))
+        except zmq.ZMQError as exc:
+            sock.close()
+            await self.close()
+            where = endpoint(self.host, self.requested_port)
+            if exc.errno == errno.EADDRINUSE:
+                fix = f"port {self.requested_port} is in use; set transport.port to a free port (0 lets the OS choose)"
+            else:
+                fix = f"set transport.host to an address of this machine (got {self.host!r})"
+            raise ConfigError(f"cannot bind the control socket on {where}: {exc}; {fix}") from None
+        self._sock = sock
+        logger.info(
+            "weight sender control plane listening on %s (%s)", self.address, "CURVE + signed" if self.key else "open"
+        )
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor() if self._sock is not None else None
+            self._monitor_async.close(linger=0)
+            self._monitor = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx = None
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()
+            self._sync_ctx = None
+
+    # -- transport ----------------------------------------------------------------------------
+    def _frames(self, msg: Message) -> list[bytes]:
+        if not self.key:
+            return encode(msg)
+        self._seq += 1
+        return seal(msg, self.key, Seal(self.session, self.session, self._seq, False))
+
+    async def _send_route(self, route: bytes, msg: Message, who: str) -> None:
+        assert self._sock is not None, "call start() first"
+        try:
+            await self._sock.send_multipart([route, *self._frames(msg)])
+        except zmq.ZMQError as exc:
+            raise PeerError(f"receiver {who!r} is unreachable ({exc})") from None
+
+    async def send(self, identity: str, msg: Message) -> None:
+        peer = self.peers.get(identity)
+        route = peer.route if peer is not None else self._former.get(identity)
+        if route is None:
+            raise PeerError(f"receiver {identity!r} is not connected")
+        await self._send_route(route, msg, identity)
+
+    def route_of(self, identity: str) -> bytes:
+        """The connection id a registered receiver talks from (tests inject frames through it)."""
+        return self.peers[identity].route
+
+    async def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+        """One valid message, or None when `timeout_s` passed; bad messages are dropped."""
+        assert self._sock is not None, "call start() first"
+        if self._kept:
+            return self._kept.pop(0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):
+                return None
+            got = await self._read_one()
+            if got is not None:
+                return got
+
+    async def _read_one(self) -> tuple[str, Message] | None:
+        """Read, check and book-keep one message; returns it if the caller should see it."""
+        assert self._sock is not None
+        frames = await self._sock.recv_multipart()
+        route = frames[0]
+        try:
+            msg, envelope = self._open(frames[1:])
+            self._admit(route, msg, envelope)
+        except ProtocolError as exc:
+            self._dropped += 1
+            if isinstance(exc, Replay):
+                self.replayed_messages += 1
+            self._drops.note(self._routes.get(route, f"connection {route.hex()}"), exc)
+            return None
+        if envelope is not None:
+            self._seqs[envelope.origin] = envelope.seq
+            self._seqs.move_to_end(envelope.origin)
+            while len(self._seqs) > MAX_TRACKED_ORIGINS:
+                self._seqs.popitem(last=False)
+        if await self._track(route, msg, envelope):
+            return self._routes[route], msg
+        return None
+
+    async def _pump(self) -> None:
+        """While a version streams nobody calls `recv`: read what arrived (progress reports,
+        registrations) without waiting, so receivers' queues never fill up and drop an Ack; what
+        a caller should see is kept for its next `recv`."""
+        assert self._sock is not None
+        for _ in range(1000):
+            if len(self._kept) >= MAX_KEPT or not await self._sock.poll(0):
+                return
+            got = await self._read_one()
+            if got is not None:
+                self._kept.append(got)
+
+    def _open(self, frames: list[bytes]) -> tuple[Message, Seal | None]:
+        if not self.key:
+            return decode(frames, None, bucket_size=self.bucket_size), None
+        msg, envelope = unseal(frames, self.key, to_sender=True, bucket_size=self.bucket_size)
+        if isinstance(msg, Register):
+            if envelope.origin != msg.instance:
+                raise ProtocolError("a Register whose instance differs from its seal's origin")
+        elif envelope.session != self.session:
+            raise Replay(
+                f"{type(msg).__name__} sealed for sender session {envelope.session[:32]!r}, not this one "
+                f"({self.session}): a replay from another run?"
+            )
+        last = self._seqs.get(envelope.origin, -1)
+        if envelope.seq <= last:
+            raise Replay(f"{type(msg).__name__} with seq {envelope.seq} <= {last} already seen (a replay)")
+        return msg, envelope
+
+    def _admit(self, route: bytes, msg: Message, envelope: Seal | None) -> None:
+        """A connection speaks for the identity it registered, and only after registering."""
+        bound = self._routes.get(route)
+        if isinstance(msg, Register):
+            if bound is not None and bound != msg.identity:
+                raise ProtocolError(f"connection registered as {bound!r} now claims identity {msg.identity!r}")
+            return
+        if bound is None:
+            raise ProtocolError(f"{type(msg).__name__} from a connection that has not registered")
+        claimed = getattr(msg, "identity", bound)
+        if claimed != bound:
+            raise ProtocolError(f"message claims identity {claimed!r} but its connection registered as {bound!r}")
+        if envelope is not None and self.peers.get(bound) and envelope.origin != self.peers[bound].instance:
+            raise ProtocolError(f"message for {bound!r} sealed by another receiver instance")
+
+    async def connected(self, identity: str) -> bool:
+        """Whether the connection that registered `identity` is still up (an empty probe frame,
+        which receivers ignore; ROUTER_MANDATORY refuses it once ZeroMQ dropped the connection)."""
+        peer = self.peers.get(identity)
+        if peer is None or self._sock is None:
+            return False
+        try:
+            await self._sock.send_multipart([peer.route, b""], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # its pipe is full: there, but slow
+        except zmq.ZMQError:
+            self._routes.pop(peer.route, None)
+            del self.peers[identity]
+            logger.info("receiver %s disconnected (host %s, pid %d)", identity, peer.host, peer.pid)
+            return False
+        return True
+
+    async def _track(self, route: bytes, msg: Message, envelope: Seal | None) -> bool:
+        """Registry bookkeeping; returns False for messages fully handled here."""
+        if isinstance(msg, Register):
+            current = self.peers.get(msg.identity)
+            instance = envelope.origin if envelope is not None else msg.instance
+            if current is not None and current.route != route:
+                same = bool(instance) and instance == current.instance  # the same process, reconnected
+                if not same and await self.connected(msg.identity):
+                    await self._refuse(route, msg, current)
+                    return False
+                self._routes.pop(current.route, None)  # its old connection is gone (or superseded)
+            if current is None or current.pid != msg.pid:
+                logger.info("receiver %s registered (host %s, pid %d, %s)", msg.identity, msg.host, msg.pid, msg.device)
+            self.peers[msg.identity] = Peer(
+                msg.identity, msg.host, msg.pid, msg.device, msg.last_version, time.monotonic(),
+                route=route, instance=instance, nonce=msg.nonce,
+            )  # fmt: skip
+            self._routes[route] = self._former_set(msg.identity, route)
+            return False
+        identity = self._routes[route]
+        if isinstance(msg, Bye):
+            self._routes.pop(route, None)
+            if self.peers.pop(identity, None) is not None:
+                logger.info("receiver %s left", identity)
+            return False
+        if identity in self.peers:
+            self.peers[identity].last_seen = time.monotonic()
+        if isinstance(msg, BucketDone):  # where the receiver is (the engine names laggards from it)
+            self.progress[identity] = msg
+            return False
+        if isinstance(msg, StoreRequest):
+            try:
+                reply = self._store.serve(msg)
+            except ProtocolError as exc:
+                self._dropped += 1
+                self._drops.note(identity, exc)
+                return False
+            with contextlib.suppress(PeerError):
+                await self._send_route(route, reply, identity)
+            return False
+        return True
+
+    def _former_set(self, identity: str, route: bytes) -> str:
+        self._former[identity] = route
+        if len(self._former) > MAX_TRACKED_ORIGINS:
+            self._former.pop(next(iter(self._former)))
+        return identity
+
+    async def _refuse(self, route: bytes, msg: Register, current: Peer) -> None:
+        self.refused_registrations += 1
+        reason = (
+            f"identity {msg.identity!r} is held by a connected receiver (host {current.host}, pid {current.pid}); "
+            f"this one (host {msg.host}, pid {msg.pid}) is refused: give every rollout its own rollout.identity "
+            "(null = <hostname>-<pid>)"
+        )
+        self._refusals.note(f"{msg.host} pid {msg.pid}", reason)
+        with contextlib.suppress(PeerError):
+            await self._send_route(route, Refuse(msg.identity, reason, msg.nonce), msg.identity)
+
+    def forget(self, identity: str) -> None:
+        """Drop a receiver from the registry (it re-registers if it is alive)."""
+        peer = self.peers.pop(identity, None)
+        if peer is not None:
+            self._routes.pop(peer.route, None)
+
+    async def send_all(self, identities: list[str], msg: Message) -> None:
+        for identity in identities:
+            await self.send(identity, msg)
+        # called once per bucket while streaming: read what arrived at most every PUMP_EVERY_S (receivers
+        # only write on a stall or to register, so their queues cannot fill in that time)
+        now = time.monotonic()
+        if now - self._pumped_at >= PUMP_EVERY_S:
+            self._pumped_at = now
+            await self._pump()
+
+    # -- the data-plane rendezvous store (replaces an open TCPStore) ----------------------------------
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store:
+        """The sender's view of the rendezvous store: local; receivers reach it via `StoreRequest`."""
+        return dist.PrefixStore(prefix, self._store.store)
+
+    async def serve_while(self, work: asyncio.Future[Any]) -> Any:
+        """Await `work` (e.g. the sender's group join on the executor) while answering the
+        receivers' rendezvous requests; other messages that arrive meanwhile are dropped."""
+        while not work.done():
+            if self._sock is None:
+                break
+            got = await self.recv(0.01)
+            if got is not None:
+                logger.debug("ignoring %s from %s while joining the group", type(got[1]).__name__, got[0])
+        return await work

@@ -1,0 +1,191 @@
+"""The version session's failure paths on the receiver, each with a test that fails when its check alone
+is removed (benchmarks/plant_check.py plants each one), and the layering: the transport knows no
+version policy.
+
+In process: a real sender and receiver on loopback (ZeroMQ, gloo); where a hostile or broken peer is
+needed, the real sender's control plane sends the one message that makes the case.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_weightsync import WeightReceiver, WeightSender
+from lightning_weightsync.engine.pipeline import RECEIVE_AHEAD
+from lightning_weightsync.engine.session import SenderSession
+from lightning_weightsync.errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from lightning_weightsync.protocol.messages import BucketMeta, Entry
+from tests.support.engine import assert_bitwise, engine_cfg, receive_once, with_timeout
+
+KIB = 1024
+BUCKET = 64 * KIB
+
+
+def _tensor(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+async def _pair(**extra):
+    sender = WeightSender(engine_cfg(0, bucket_size_mb=BUCKET / 2**20, **extra))
+    await sender.start()
+    receiver = WeightReceiver(engine_cfg(sender.port, bucket_size_mb=BUCKET / 2**20, **extra), identity="r")
+    await receiver.start()
+    return sender, receiver
+
+
+async def _close(sender: WeightSender, receiver: WeightReceiver) -> None:
+    await receiver.close()
+    await sender.close()
+
+
+async def test_a_stale_prepare_for_the_version_just_received_gets_no_ready() -> None:
+    weights = [("a", _tensor(KIB, 0))]
+    sender, receiver = await _pair()
+    try:
+        await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)))
+        waiting = asyncio.ensure_future(receive_once(receiver))  # the receiver waits for its next version
+        # step 1 of version 1 again, freshly signed by the same session (a replay guard would not stop it):
+        # only the receiver's new-version rule can tell that it holds version 1 already
+        again = SenderSession(
+            sender._control, session=sender.session, min_receivers=1, timeout_s=1.5, ready_timeout_s=1
+        )
+        with pytest.raises(WeightSyncTimeout, match=r"0 of trainer\.min_receivers=1"):
+            await again.gather_ready(1)
+        weights2 = [("a", _tensor(KIB, 1))]
+        got, _ = await with_timeout(asyncio.gather(waiting, sender.send_weights(weights2, version=2)))
+        assert_bitwise(got, weights2)
+        assert receiver.last_complete_version == 2
+    finally:
+        await _close(sender, receiver)
+
+
+async def test_bucket_metadata_larger_than_the_plan_s_bucket_is_dropped() -> None:
+    weights = [("a", _tensor(KIB, 0)), ("b", _tensor(KIB, 1))]
+    sender, receiver = await _pair()
+    publish = sender._steps.publish
+    hostile = []
+
+    async def publish_after_an_oversized_one(peers, meta):
+        if not hostile:  # before bucket 0: a well-formed bucket 0 that declares more than the plan's bucket
+            size = BUCKET + 1
+            hostile.append(BucketMeta(meta.version, 0, False, size, [Entry("x", [size], "uint8", 0, size, 0)], {}))
+            await sender._control.send_all([p.identity for p in peers], hostile[0])
+        await publish(peers, meta)
+
+    sender._steps.publish = publish_after_an_oversized_one
+    try:
+        got, _ = await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)))
+        assert_bitwise(got, weights)
+        assert receiver.dropped_messages == 1  # rejected by the decoder with the plan's bucket_size
+    finally:
+        await _close(sender, receiver)
+
+
+async def test_a_receiver_that_hit_a_protocol_error_rebuilds_its_group() -> None:
+    weights = [("a", _tensor(KIB, 0))]
+    sender, receiver = await _pair(transport__timeout_s=4)
+    try:
+        await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)))
+        assert sender._control.peers["r"].group_generation == -1  # its first Ready: no group yet
+        publish = sender._steps.publish
+
+        async def out_of_order(peers, meta):  # bucket 1's metadata where bucket 0's is due
+            bad = BucketMeta(meta.version, 1, meta.is_last, meta.nbytes, meta.entries, {})
+            await sender._control.send_all([p.identity for p in peers], bad)
+            await publish(peers, meta)
+
+        sender._steps.publish = out_of_order
+        results = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=2), return_exceptions=True)
+        )
+        assert isinstance(results[0], ProtocolError) and "expected 0" in str(results[0])
+        assert isinstance(results[1], WeightSyncError)
+        sender._steps.publish = publish
+        got, _ = await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=3)))
+        assert_bitwise(got, weights)
+        # its Ready for version 3 said it has no group (a group that may be out of step is never reused)
+        assert sender._control.peers["r"].group_generation == -1
+    finally:
+        await _close(sender, receiver)
+
+
+async def test_a_stopped_consumer_s_destinations_are_left_alone() -> None:
+    count = RECEIVE_AHEAD + 12
+    weights = [(f"t{i}", _tensor(40 * KIB, i)) for i in range(count)]  # each goes direct
+    dest = {n: torch.zeros_like(t) for n, t in weights}
+    sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
+
+    async def stop_after_one() -> None:
+        versions = receiver.receive_weights(into=lambda m: dest[m.name])
+        async for _ in versions:
+            break
+        await versions.aclose()  # the receiver takes part in the rest of the version, keeping nothing
+
+    try:
+        results = await with_timeout(
+            asyncio.gather(stop_after_one(), sender.send_weights(weights, version=1), return_exceptions=True)
+        )
+        assert isinstance(results[1], PeerError) and "consumer stopped" in str(results[1])  # the nack
+    finally:
+        await _close(sender, receiver)
+    assert torch.equal(dest["t0"], weights[0][1])
+    # buckets posted before the consumer stopped may land (at most RECEIVE_AHEAD beyond the one it was in);
+    # nothing the sender sent after that reaches the consumer's tensors
+    untouched = [n for n, _ in weights[RECEIVE_AHEAD + 2 :]]
+    assert all(not dest[n].any() for n in untouched), [n for n in untouched if dest[n].any()]
+
+
+async def test_a_direct_destination_of_the_wrong_dtype_is_not_received_into() -> None:
+    weights = [("w", _tensor(32 * KIB, 0).view(torch.bfloat16))]  # goes direct
+    wrong = torch.zeros(weights[0][1].shape, dtype=torch.float16)  # same bytes, another dtype
+    sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
+    try:
+        results = await with_timeout(
+            asyncio.gather(
+                receive_once(receiver, into=lambda m: wrong), sender.send_weights(weights, version=1),
+                return_exceptions=True,
+            )
+        )  # fmt: skip
+        assert isinstance(results[0], ProtocolError) and "torch.float16" in str(results[0])
+        assert isinstance(results[1], PeerError)
+        assert not wrong.any()  # refused before a byte landed in it
+    finally:
+        await _close(sender, receiver)
+
+
+@pytest.mark.parametrize(("nbytes", "direct"), [(16 * KIB, 1), (16 * KIB - 4, 0)], ids=["exactly_direct_min", "below"])
+async def test_a_tensor_of_exactly_direct_min_bytes_goes_direct(nbytes: int, direct: int) -> None:
+    weights = [("s", _tensor(KIB, 0)), ("x", _tensor(nbytes, 1))]
+    sender, receiver = await _pair(transport__direct_min_mb=16 / 1024)
+    try:
+        got, stats = await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)))
+    finally:
+        await _close(sender, receiver)
+    assert stats.direct_buckets == direct
+    assert sorted(got) == ["s", "x"] and torch.equal(got["x"], weights[1][1])
+
+
+# -- layering: the transport moves messages and bytes; the version policy is the engine's -------------
+
+VERSION_STEPS = {"gather_ready", "collect_acks", "laggards", "wait_prepare", "wait_plan", "next_bucket"}
+VERSION_MESSAGES = {"Ack", "Abort", "BucketMeta", "Plan", "Ready"}
+
+
+def test_the_control_plane_knows_no_version_policy() -> None:
+    control = Path(__file__).resolve().parents[2] / "lightning_weightsync" / "transport" / "control"
+    for path in sorted(control.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not defined & VERSION_STEPS, (path.name, defined & VERSION_STEPS)
+        assert not (names | imported) & VERSION_MESSAGES, (path.name, (names | imported) & VERSION_MESSAGES)
+    # ... and each step lives in the engine's session, both sides
+    session = ast.parse((control.parents[1] / "engine" / "session.py").read_text())
+    steps = {n.name for n in ast.walk(session) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert steps >= VERSION_STEPS
