@@ -244,4 +244,3 @@ class ReceiverControl:
 
 def default_identity() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-

@@ -78,9 +78,7 @@ class ControlPlaneStore(dist.Store):
     thread until the sender answered. Keys are namespaced under `prefix` (PrefixStore cannot wrap a
     Python store in this torch)."""
 
-    def __init__(
-        self, control: StoreClient, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float
-    ) -> None:
+    def __init__(self, control: StoreClient, loop: asyncio.AbstractEventLoop, prefix: str, timeout_s: float) -> None:
         super().__init__()
         self._control, self._loop, self._prefix, self._timeout_s = control, loop, prefix.rstrip("/") + "/", timeout_s
 
