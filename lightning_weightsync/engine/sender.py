@@ -375,7 +375,7 @@ class WeightSender(Endpoint):
         if future is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            await self._control.serve_until(future, self.timeout_s)  # answering late rendezvous requests
         except asyncio.TimeoutError:
             who = await self._steps.laggards(version)
             raise WeightSyncTimeout(

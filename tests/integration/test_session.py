@@ -189,3 +189,42 @@ def test_the_control_plane_knows_no_version_policy() -> None:
     session = ast.parse((control.parents[1] / "engine" / "session.py").read_text())
     steps = {n.name for n in ast.walk(session) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     assert steps >= VERSION_STEPS
+
+
+# -- the rendezvous is served until every member joined (issue 24, item 3) ------------------------------
+
+
+async def test_no_version_is_lost_to_the_rendezvous_in_token_mode() -> None:
+    """With a token the receivers' rendezvous goes through the sender's control socket, and the sender's
+    own join returns first: its store must still be answered while it waits for the first transfer, or a
+    receiver's last requests wait behind the broadcast that waits for them (before the fix: 5 of 30
+    versions lost, each after transport.timeout_s). 5 fresh starts x 10 versions, a new group each."""
+    weights = [("a", _tensor(KIB, 0)), ("b", _tensor(40 * KIB, 1))]
+    kw = dict(transport__auth_token="a-test-token-of-some-length", transport__rebuild_group="true",
+              transport__timeout_s=5, trainer__min_receivers=2)  # fmt: skip
+    lost = []
+    for start in range(5):
+        sender = WeightSender(engine_cfg(0, bucket_size_mb=BUCKET / 2**20, **kw))
+        await sender.start()
+        cfg = engine_cfg(sender.port, bucket_size_mb=BUCKET / 2**20, **kw)
+        receivers = [WeightReceiver(cfg, identity=f"r{i}") for i in range(2)]
+        try:
+            for r in receivers:
+                await r.start()
+            for version in range(10):
+                results = await with_timeout(
+                    asyncio.gather(
+                        sender.send_weights(weights, version=version), *(receive_once(r) for r in receivers),
+                        return_exceptions=True,
+                    )
+                )  # fmt: skip
+                if any(isinstance(x, BaseException) for x in results):
+                    lost.append((start, version, [repr(x)[:200] for x in results if isinstance(x, BaseException)]))
+                else:
+                    assert all(list(got) == ["a", "b"] for got in results[1:])
+            assert sender.generation == 10  # a new group for every version: 10 rendezvous a start
+        finally:
+            for r in receivers:
+                await r.close()
+            await sender.close()
+    assert not lost, f"{len(lost)} versions lost to the rendezvous: {lost}"

@@ -399,3 +399,18 @@ class SenderControl:
             if got is not None:
                 logger.debug("ignoring %s from %s while joining the group", type(got[1]).__name__, got[0])
         return await work
+
+    async def serve_until(self, work: asyncio.Future[Any], timeout_s: float) -> Any:
+        """Await `work` (a transfer on the data-plane thread) for at most `timeout_s`, reading the socket
+        meanwhile: a receiver may still be finishing its rendezvous for the group that transfer needs
+        (the sender's own join returns first), and its store requests must be answered, not left
+        waiting behind the transfer that waits for them. Other messages are kept for the next `recv`."""
+        deadline = time.monotonic() + timeout_s
+        while not work.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait({work}, timeout=min(left, PUMP_EVERY_S))
+            if not work.done() and self._sock is not None:
+                await self._pump()
+        return work.result()
