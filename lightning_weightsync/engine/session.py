@@ -28,6 +28,7 @@ from ..transport.control import Peer, ReceiverControl, SenderControl
 logger = logging.getLogger(__name__)
 
 PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
+ACK_LIVENESS_S = 0.5  # while acks are missing, whether their receivers are still connected is asked this often
 
 
 class SenderSession:
@@ -112,19 +113,30 @@ class SenderSession:
 
     # 5 ---------------------------------------------------------------------------------------
     async def collect_acks(self, version: int, peers: list[Peer]) -> dict[str, Ack | None]:
-        """Acks for `version` from `peers`; a missing one is None after `timeout_s`."""
+        """Acks for `version` from `peers`; a missing one is None after `timeout_s`.
+
+        A receiver whose connection is gone will never ack: every `ACK_LIVENESS_S` the members still
+        missing are asked of ZeroMQ, and one that is gone gets a failed ack naming that at once, instead
+        of the trainer waiting out `timeout_s` for a rollout that stopped mid-version."""
+        control = self.control
         acks: dict[str, Ack | None] = {p.identity: None for p in peers}
         deadline = time.monotonic() + self.timeout_s
+        check_at = time.monotonic() + ACK_LIVENESS_S
         while any(a is None for a in acks.values()):
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            got = await self.control.recv(left)
-            if got is None:
-                break
-            identity, msg = got
-            if isinstance(msg, Ack) and msg.version == version and identity in acks:
-                acks[identity] = msg
+            got = await control.recv(min(deadline - now, max(check_at - now, 0.001)))
+            if got is not None:
+                identity, msg = got
+                if isinstance(msg, Ack) and msg.version == version and identity in acks:
+                    acks[identity] = msg
+            if time.monotonic() >= check_at:
+                check_at = time.monotonic() + ACK_LIVENESS_S
+                for identity in [i for i, a in acks.items() if a is None]:
+                    if not await control.connected(identity):
+                        reason = "disconnected before acking (its process stopped or the link is down)"
+                        acks[identity] = Ack(identity, version, False, reason)
         return acks
 
     async def abort(self, version: int, peers: list[Peer], reason: str) -> None:
@@ -270,4 +282,4 @@ class ReceiverSession:
         return msg
 
 
-__all__ = ["PROGRESS_AFTER_S", "ReceiverSession", "SenderSession"]
+__all__ = ["ACK_LIVENESS_S", "PROGRESS_AFTER_S", "ReceiverSession", "SenderSession"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.engine.pipeline import RECEIVE_AHEAD
-from lightning_weightsync.engine.session import SenderSession
+from lightning_weightsync.engine.session import ACK_LIVENESS_S, SenderSession
 from lightning_weightsync.errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from lightning_weightsync.protocol.messages import BucketMeta, Entry
 from tests.support.engine import assert_bitwise, engine_cfg, receive_once, with_timeout
+from tests.support.mp import LOAD_SLACK_S
 
 KIB = 1024
 BUCKET = 64 * KIB
@@ -228,3 +230,28 @@ async def test_no_version_is_lost_to_the_rendezvous_in_token_mode() -> None:
                 await r.close()
             await sender.close()
     assert not lost, f"{len(lost)} versions lost to the rendezvous: {lost}"
+
+
+async def test_a_receiver_gone_before_acking_fails_the_version_at_once() -> None:
+    """Issue 25 item 1: a rollout that stops after receiving but before acking (a daemon stopped while it
+    applies) made the trainer wait the whole transport.timeout_s for the ack."""
+    weights = [("a", _tensor(KIB, 0))]
+    sender, receiver = await _pair(transport__timeout_s=60)  # far above LOAD_SLACK_S
+
+    async def receive_then_vanish() -> None:
+        async for _ in receiver.receive_weights(auto_ack=False):
+            pass
+        receiver._control._sock.close(linger=0)  # the process is gone: no ack, no goodbye
+        receiver._control._sock = None
+
+    try:
+        t0 = time.monotonic()
+        results = await with_timeout(
+            asyncio.gather(sender.send_weights(weights, version=1), receive_then_vanish(), return_exceptions=True), 90
+        )
+        elapsed = time.monotonic() - t0
+    finally:
+        await _close(sender, receiver)
+    assert isinstance(results[0], PeerError), results
+    assert results[0].stats.failed == {"r": "disconnected before acking (its process stopped or the link is down)"}
+    assert elapsed < ACK_LIVENESS_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
