@@ -177,11 +177,13 @@ def _version() -> str:
 
 
 def _import_from_cwd() -> None:
-    """Let `rollout.sink.factory=my_models:build` find `./my_models.py`, as `python -m` would: the
-    console script's sys.path starts with its own bin/ directory, not the current directory."""
+    """Let `rollout.sink.factory=my_models:build` find `./my_models.py`: the console script's sys.path
+    starts with its own bin/ directory, not the current directory. The directory goes *last*, so a stray
+    file there (a `secrets.py`, a `zmq.py`) can never shadow the standard library or an installed
+    package that the daemon imports later."""
     cwd = os.getcwd()
     if "" not in sys.path and cwd not in sys.path:
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -451,3 +453,25 @@ async def test_rendezvous_store_lives_behind_the_control_plane() -> None:
     finally:
         await receiver.close()
         await sender.close()
+
+
+# ------------------------------------------------------------------------ issue 24 item 5: no shadowing
+
+
+def test_the_console_script_never_lets_the_working_directory_shadow_the_standard_library(tmp_path, monkeypatch) -> None:
+    """A `secrets.py` left in the working directory ran inside the daemon and forced constant nonces:
+    the directory was put first on sys.path. It goes last: `./my_models.py` is still found, the
+    standard library's `secrets` (and every installed package) wins over a file of the same name."""
+    import importlib.machinery
+
+    from lightning_weightsync import cli
+
+    (tmp_path / "secrets.py").write_text("raise RuntimeError('shadowed the standard library')\n")
+    (tmp_path / "my_models.py").write_text("def build():\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cli._import_from_cwd()
+    found = importlib.machinery.PathFinder.find_spec("secrets", sys.path)
+    assert found is not None and found.origin is not None and Path(found.origin).parent != tmp_path
+    mine = importlib.machinery.PathFinder.find_spec("my_models", sys.path)
+    assert mine is not None and Path(mine.origin).parent == tmp_path
