@@ -28,6 +28,7 @@ from ..transport.control import Peer, ReceiverControl, SenderControl
 logger = logging.getLogger(__name__)
 
 PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
+WAITING_LOG_EVERY_S = 10.0  # while too few receivers are ready, one line this often naming what is missing
 ACK_LIVENESS_S = 0.5  # while acks are missing, whether their receivers are still connected is asked this often
 
 
@@ -56,11 +57,22 @@ class SenderSession:
         If too few answered, every receiver asked gets an `Abort`, so none waits for a plan.
         """
         control, min_receivers = self.control, self.min_receivers
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        say_at = started + WAITING_LOG_EVERY_S
         asked: dict[str, float] = {}
         ready: dict[str, Peer] = {}
         while True:
             now = time.monotonic()
+            if now >= say_at:  # a long wait says whom it waits for, long before the timeout
+                say_at = now + WAITING_LOG_EVERY_S
+                logger.warning(
+                    "version %d: waiting %.0fs for trainer.min_receivers=%d ready receivers at %s: %d ready, "
+                    "registered %s; gives up in %.0fs (transport.timeout_s); is a rollout daemon pointing at this "
+                    "address (and using the same transport.auth_token)?",
+                    version, now - started, min_receivers, control.address, len(ready), sorted(control.peers),
+                    deadline - now,
+                )  # fmt: skip
             for identity in list(control.peers):
                 if identity not in asked:
                     try:
@@ -282,4 +294,4 @@ class ReceiverSession:
         return msg
 
 
-__all__ = ["ACK_LIVENESS_S", "PROGRESS_AFTER_S", "ReceiverSession", "SenderSession"]
+__all__ = ["ACK_LIVENESS_S", "PROGRESS_AFTER_S", "WAITING_LOG_EVERY_S", "ReceiverSession", "SenderSession"]

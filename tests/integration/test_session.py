@@ -255,3 +255,24 @@ async def test_a_receiver_gone_before_acking_fails_the_version_at_once() -> None
     assert isinstance(results[0], PeerError), results
     assert results[0].stats.failed == {"r": "disconnected before acking (its process stopped or the link is down)"}
     assert elapsed < ACK_LIVENESS_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
+
+
+async def test_a_sender_without_receivers_says_whom_it_waits_for_before_the_timeout(monkeypatch, caplog) -> None:
+    """Issue 25 item 1: with no daemon (or one at the wrong port) the trainer was silent for the whole
+    transport.timeout_s (600 s by default), then failed with a good message."""
+    from lightning_weightsync.engine import session
+
+    monkeypatch.setattr(session, "WAITING_LOG_EVERY_S", 0.5)
+    sender = WeightSender(engine_cfg(0, transport__timeout_s=2.5))
+    await sender.start()
+    try:
+        with (
+            caplog.at_level("WARNING", logger="lightning_weightsync.engine.session"),
+            pytest.raises(WeightSyncTimeout, match=r"0 of trainer\.min_receivers=1"),
+        ):
+            await sender.send_weights([("a", _tensor(KIB, 0))], version=1)
+    finally:
+        await sender.close()
+    waiting = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert len(waiting) >= 2, waiting  # every WAITING_LOG_EVERY_S, not once at the end
+    assert all(sender.address in m and "0 ready" in m and "registered []" in m for m in waiting), waiting
