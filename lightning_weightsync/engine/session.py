@@ -22,7 +22,7 @@ import logging
 import time
 
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
-from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Message, Plan, Prepare, Ready
+from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready
 from ..transport.control import Peer, ReceiverControl, SenderControl
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class ReceiverSession:
         deadline = time.monotonic() + timeout_s
         awaited = f"version {prepare.version}: the group plan (transport.timeout_s={timeout_s}s)"
         while True:
-            msg = await self._recv_before(deadline, awaited)
+            msg = await self.control.recv_before(deadline, awaited)
             if isinstance(msg, Plan) and msg.version == prepare.version and msg.session == prepare.session:
                 return msg
             if isinstance(msg, Prepare):
@@ -268,7 +268,7 @@ class ReceiverSession:
             "trainer dead or stalled?)"
         )
         while True:
-            msg = await self._recv_before(deadline, awaited)
+            msg = await self.control.recv_before(deadline, awaited)
             if isinstance(msg, BucketMeta) and msg.version == version:
                 if msg.bucket_index != bucket_index:
                     raise ProtocolError(
@@ -284,14 +284,6 @@ class ReceiverSession:
     # 5 ---------------------------------------------------------------------------------------
     async def ack(self, version: int, ok: bool, error: str | None) -> None:
         await self.control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
-
-    async def _recv_before(self, deadline: float, awaited: str) -> Message:
-        """The next valid message, or `WeightSyncTimeout` naming what was awaited from whom."""
-        left = deadline - time.monotonic()
-        msg = await self.control.recv(left) if left > 0 else None
-        if msg is None:
-            raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.control.address} in time")
-        return msg
 
 
 __all__ = ["ACK_LIVENESS_S", "PROGRESS_AFTER_S", "WAITING_LOG_EVERY_S", "ReceiverSession", "SenderSession"]

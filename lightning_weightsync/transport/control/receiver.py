@@ -190,7 +190,7 @@ class ReceiverControl:
             self.sender_session, self._sender_seq, self._nonce_floor = envelope.session, envelope.seq, index
         return msg
 
-    async def _recv_before(self, deadline: float, awaited: str) -> Message:
+    async def recv_before(self, deadline: float, awaited: str) -> Message:
         """The next valid message, or `WeightSyncTimeout` naming what was awaited from whom."""
         left = deadline - time.monotonic()
         msg = await self.recv(left) if left > 0 else None
@@ -210,7 +210,7 @@ class ReceiverControl:
         kept: list[Message] = []
         try:
             while True:
-                msg = await self._recv_before(deadline, f"the rendezvous store's answer to {op} {key!r}")
+                msg = await self.recv_before(deadline, f"the rendezvous store's answer to {op} {key!r}")
                 if isinstance(msg, StoreReply):
                     if msg.request_id == request_id:
                         return msg
