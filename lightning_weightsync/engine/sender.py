@@ -296,28 +296,29 @@ class WeightSender(Endpoint):
         entries: list[Entry] = []
         whole = True  # every chunk packed in the bucket so far is a whole tensor
 
+        async def announce(
+            bucket_slot: int, is_last: bool, nbytes: int, bucket_entries: list[Entry], data: torch.Tensor | None
+        ) -> asyncio.Future[None]:
+            """A bucket's metadata to every receiver, then its broadcast onto the data-plane thread (from
+            `bucket_slot`, or from the caller's tensor `data` for a direct bucket)."""
+            nonlocal bucket_index
+            index, bucket_index = bucket_index, bucket_index + 1
+            first_tied = tied if index == 0 and tied else {}
+            backend.fence(bucket_slot)
+            await self._steps.publish(peers, BucketMeta(version, index, is_last, nbytes, bucket_entries, first_tied))
+            stats.num_buckets += bool(bucket_entries)
+            return executor.submit_started(backend.start_broadcast, bucket_slot, nbytes, index, data)
+
         async def publish(is_last: bool) -> None:
-            """The packed bucket's metadata to every receiver, then its broadcast onto the data-plane thread."""
-            nonlocal bucket_index, fill, entries
-            first_tied = tied if bucket_index == 0 and tied else {}
-            backend.fence(slot)
-            await self._steps.publish(peers, BucketMeta(version, bucket_index, is_last, fill, entries, first_tied))
-            pending[slot] = executor.submit_started(backend.start_broadcast, slot, fill, bucket_index, None)
-            stats.num_buckets += bool(entries)
-            bucket_index, fill, entries = bucket_index + 1, 0, []
+            """The packed bucket, from its slot."""
+            nonlocal fill, entries
+            pending[slot] = await announce(slot, is_last, fill, entries, None)
+            fill, entries = 0, []
 
         async def publish_direct(entry: Entry, data: torch.Tensor) -> None:
-            """A direct bucket: its metadata, then its broadcast straight from the caller's tensor."""
-            nonlocal bucket_index
-            first_tied = tied if bucket_index == 0 and tied else {}
-            backend.fence(NO_SLOT)
-            size = entry.chunk_size
-            await self._steps.publish(peers, BucketMeta(version, bucket_index, False, size, [entry], first_tied))
-            direct.append(
-                (executor.submit_started(backend.start_broadcast, NO_SLOT, size, bucket_index, data), bucket_index)
-            )
-            stats.num_buckets += 1
-            bucket_index += 1
+            """A direct bucket, straight from the caller's tensor."""
+            index = bucket_index
+            direct.append((await announce(NO_SLOT, False, entry.chunk_size, [entry], data), index))
 
         async def swap() -> None:
             """On to the next slot, once the broadcast that last read it is complete."""
