@@ -16,23 +16,12 @@ import pytest
 import torch
 
 from lightning_weightsync import PeerError, WeightReceiver, WeightSender, WeightSyncError, WeightSyncTimeout
-from lightning_weightsync.errors import BackendUnavailable
 from lightning_weightsync.examples.inventory import largest, stream_nbytes
 from lightning_weightsync.transport.backends import NUM_SLOTS, build_backend
-from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
+from tests.support.engine import NIXL_MISSING, assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 from tests.support.mp import LOAD_SLACK_S, free_port, run_workers
 
-try:
-    from lightning_weightsync.transport.backends.nixl import import_nixl
-
-    import_nixl()
-    HAS_NIXL = True
-except BackendUnavailable:  # pragma: no cover - CI installs the extra
-    HAS_NIXL = False
-
-pytestmark = pytest.mark.skipif(
-    not HAS_NIXL, reason="needs NIXL: pip install 'lightning-weightsync[nixl]' (./dev setup installs it)"
-)
+pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 
 # -- multi-process: model-shaped streams to 1 and 3 receivers, bitwise, several versions ------------------
 
@@ -145,86 +134,7 @@ async def test_signed_round_trip():
                 assert stats.receivers == 1 and not stats.failed
 
 
-# -- a receiver killed mid-version (os._exit: no goodbye, sockets torn down by the kernel) -----------------
-
-
-def _dying_receiver(port: int) -> None:
-    cfg = engine_cfg(port, backend="nixl", bucket_size_mb=1 / 256)
-
-    async def main() -> None:
-        receiver = WeightReceiver(cfg, identity="doomed")
-        await receiver.start()
-        n = 0
-        async for _name, _t in receiver.receive_weights():
-            n += 1
-            if n == 3:
-                os._exit(1)
-
-    asyncio.run(main())
-
-
-def _surviving_receiver(port: int) -> list:
-    cfg = engine_cfg(port, backend="nixl", bucket_size_mb=1 / 256)
-
-    async def main() -> list:
-        outcomes = []
-        async with WeightReceiver(cfg, identity="survivor") as receiver:
-            while len(outcomes) < 2:
-                try:
-                    got = await with_timeout(receive_once(receiver), 60)
-                    assert_bitwise(got, stream(receiver.version))
-                    outcomes.append(("ok", receiver.version))
-                except WeightSyncError as exc:
-                    outcomes.append((type(exc).__name__, receiver.version))
-        return outcomes
-
-    return asyncio.run(main())
-
-
-def _sender_with_a_dying_receiver(port: int) -> list:
-    # timeout_s far above LOAD_SLACK_S: a death noticed at once is told apart from one noticed by waiting
-    cfg = engine_cfg(port, backend="nixl", bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=60)
-
-    async def main() -> list:
-        results: list = []
-        async with WeightSender(cfg) as sender:
-            t0 = time.monotonic()
-            try:
-                await sender.send_weights(stream(1), version=1)
-                results.append(("ok", ""))
-            except WeightSyncError as exc:
-                results.append((type(exc).__name__, str(exc)))
-            results.append(time.monotonic() - t0)
-            sender.cfg.trainer.min_receivers = 1  # the dead one is gone; carry on with who is left
-            stats = await sender.send_weights(stream(2), version=2)
-            results.append(stats.receivers)
-        return results
-
-    return asyncio.run(main())
-
-
-def _dying_role(role: int, port: int) -> object:
-    if role == 0:
-        return _sender_with_a_dying_receiver(port)
-    if role == 1:
-        return _surviving_receiver(port)
-    _dying_receiver(port)
-    return None
-
-
-def test_receiver_killed_mid_version_fails_the_version_naming_it_then_the_next_works():
-    port = free_port()
-    codes: list[int | None] = []
-    sender, survivor, _ = run_workers(
-        _dying_role, [(r, port) for r in range(3)], timeout_s=100, doomed=[2], exit_codes=codes
-    )
-    assert codes[2] == 1  # it really died
-    (kind, message), elapsed, receivers_v2 = sender
-    assert kind == "PeerError" and "doomed" in message, sender
-    assert elapsed < 60 / 2, sender  # noticed at once (disconnect), not by waiting out transport.timeout_s=60
-    assert receivers_v2 == 1  # the next version reached the survivor
-    assert survivor[0][0] in ("VersionAborted", "PeerError", "WeightSyncTimeout")
-    assert survivor[1] == ("ok", 2)
+# -- a receiver killed mid-version: tests/integration/test_engine.py, parametrized over the backends, nixl too
 
 
 # -- the backend interface directly: slot reuse is safe -------------------------------------------------------

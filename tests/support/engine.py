@@ -89,3 +89,18 @@ def expected_layout(
                 open_whole = (open_whole or not open_chunks) and len(chunks) == 1
                 open_chunks, open_end = open_chunks + 1, offset + size
     return buckets + (open_chunks > 0), chunked
+
+
+def _nixl_missing() -> str | None:
+    """Why the nixl backend cannot run here (None: it can); tests skip with this reason."""
+    from lightning_weightsync.errors import BackendUnavailable
+    from lightning_weightsync.transport.backends.nixl import import_nixl
+
+    try:
+        import_nixl()
+    except BackendUnavailable:  # pragma: no cover - CI installs the extra
+        return "needs NIXL: pip install 'lightning-weightsync[nixl]' (./dev setup installs it)"
+    return None
+
+
+NIXL_MISSING = _nixl_missing()
