@@ -321,25 +321,32 @@ def _run_processes(world: int, case: dict[str, Any], timeout_s: float = 600) -> 
     out = ctx.Queue()
     ports = {"store": free_port(), "control": free_port()}
     procs = [ctx.Process(target=_worker, args=(r, world, ports, case, out), daemon=True) for r in range(world)]
+    results = collect_workers(procs, out, timeout_s, f"benchmark case {case}")
+    return [results[r] for r in range(world)]
+
+
+def collect_workers(procs: list[Any], out: Any, timeout_s: float, what: str, join_s: float = 5) -> dict[int, Any]:
+    """Start `procs`, gather one `(role, ok, value)` from each on `out` within `timeout_s` (a worker's
+    traceback or the timeout raises, naming `what`), and always reap them (killed if still alive)."""
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(results) < world:
+        while len(results) < len(procs):
             try:
                 role, ok, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue_mod.Empty:
-                raise RuntimeError(f"benchmark case {case} timed out after {timeout_s}s") from None
+                raise RuntimeError(f"{what} timed out after {timeout_s}s") from None
             if not ok:
                 raise RuntimeError(f"benchmark worker {role} failed:\n{value}")
             results[role] = value
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
+    return results
 
 
 def _case(world: int, repeats: int, **case: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:

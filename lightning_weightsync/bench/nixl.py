@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..transport.process import free_port
+from .engine import collect_workers
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -200,21 +201,7 @@ def run(
         ctx.Process(target=_worker, args=(0, q10, q01, results, case), daemon=True),
         ctx.Process(target=_worker, args=(1, q01, q10, results, case), daemon=True),
     ]
-    for p in procs:
-        p.start()
-    try:
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < 2:
-            role, ok, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            if not ok:
-                raise RuntimeError(f"benchmark worker {role} failed:\n{value}")
-            got[role] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = collect_workers(procs, results, timeout_s, "the nixl benchmark", join_s=10)
     report = _report(got[0], got[1], total, bucket_mb)
     if json_out:
         print(json.dumps(report, indent=2))
