@@ -118,9 +118,19 @@ PLANTS = [
     Plant("sink: a broken streaming version not marked incomplete", f"{PKG}/rollout/sinks/base.py",
           "        if touched_live:\n            self.state = SinkState.INCOMPLETE",
           "        if False:\n            self.state = SinkState.INCOMPLETE", ("tests/unit/test_sinks.py",)),
-    Plant("daemon: a sink error acked as success", f"{PKG}/rollout/daemon.py",
-          '                    await receiver.ack(ok=False, error=f"SinkError: {exc}")',
-          "                    await receiver.ack(ok=True)", ("tests/integration/test_daemon.py",)),
+    Plant("receive loop: a sink error acked as success", f"{PKG}/rollout/consume.py",
+          '                await receiver.ack(ok=False, error=f"SinkError: {exc}")',
+          "                await receiver.ack(ok=True)",
+          ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
+    Plant("receive loop: the rest of a version not drained after a sink error", f"{PKG}/rollout/consume.py",
+          "                    except SinkError as exc:\n                        v.failed = exc\n"
+          "                del tensor",
+          "                    except SinkError as exc:\n                        v.failed = exc\n"
+          "                        break\n                del tensor",
+          ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
+    Plant("vllm: load_weights run on the receiver's loop thread", f"{PKG}/rollout/vllm/worker.py",
+          "consume_version(receiver, sink, call=call, wait_s=wait_s)",
+          "consume_version(receiver, sink, wait_s=wait_s)", ("tests/unit/test_vllm_engine.py",)),
     Plant("sink: a failed commit still makes its version current", f"{PKG}/rollout/sinks/base.py",
           "            self._in_flight = None\n            self._after_failed_commit(version)",
           "            self._in_flight = None\n            self.version = version\n"

@@ -15,8 +15,9 @@ What keeps it running:
 Anything else (a bug) propagates.
 
 The daemon drives one interface, `Sink` (begin, destination, accept, commit, abort; `snapshot` for a
-dump on exit), whatever the sink. vLLM is not a daemon sink: vLLM workers receive by themselves
-through our weight-transfer engine (`rollout/vllm/`). Metrics, `/healthz`, the progress bar and the
+dump on exit), whatever the sink, through the receive loop every rollout shares (`consume.py`).
+vLLM is not a daemon sink: vLLM workers receive by themselves through our weight-transfer engine
+(`rollout/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
 log line live in `observability.py`.
 """
 
@@ -30,34 +31,22 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from omegaconf import DictConfig
 
 from ..engine.receiver import WeightReceiver
-from ..errors import SinkError, VersionAborted, WeightSyncError, WeightSyncTimeout
-from ..protocol.chunks import TensorMeta
+from ..errors import VersionAborted, WeightSyncError, WeightSyncTimeout
+from .consume import consume_version
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
 from .sinks import Sink, SinkState, build_sink
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class _Version:
-    """Bookkeeping for the version in flight."""
-
-    def __init__(self) -> None:
-        self.version: int | None = None
-        self.began = False
-        self.failed: SinkError | None = None
-        self.num_chunked_tensors = 0
 
 
 class RolloutDaemon:
@@ -222,6 +211,8 @@ class RolloutDaemon:
 
     # --- one version into the sink -------------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Where the shared receive loop runs a sink method: a thread for blocking sinks."""
+        self.metrics.in_flight.set(1)
         sink = self.sink
         if sink is not None and sink.blocking_io:
             return await asyncio.to_thread(fn, *args)
@@ -230,66 +221,11 @@ class RolloutDaemon:
     async def _receive(self) -> VersionRecord:
         sink, receiver = self.sink, self.receiver
         assert sink is not None and receiver is not None  # set up by _setup() before the loop
-        v = _Version()
-
-        def begin() -> None:
-            if not v.began:
-                v.version = int(receiver.version)
-                v.began = True
-                sink.begin(v.version, tied=receiver.tied)  # bucket 0 (with the tied names) is here
-
-        def into(meta: TensorMeta) -> torch.Tensor | None:
-            begin()
-            if meta.chunk_size < meta.nbytes:
-                v.num_chunked_tensors += 1
-            if v.failed is not None:
-                return None  # keep receiving, drop it: the group must stay in step
-            try:
-                return sink.destination(meta)
-            except SinkError as exc:
-                v.failed = exc
-                return None
-
         self.metrics.in_flight.set(0)
         try:
-            async for name, tensor in receiver.receive_weights(into=into, auto_ack=False):
-                self.metrics.in_flight.set(1)
-                if v.failed is not None:
-                    continue
-                try:
-                    await self._call(sink.accept, name, tensor)
-                except SinkError as exc:
-                    v.failed = exc
-            begin()  # a version with no tensors still begins and commits
-            assert v.version is not None
-            if v.failed is not None:
-                raise v.failed
-            commit_start = time.perf_counter()
-            await self._call(sink.commit, v.version)
-            commit_s = time.perf_counter() - commit_start
-        except BaseException as exc:
-            if v.began and sink.in_flight is not None:
-                sink.abort(v.version if v.version is not None else -1, f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, SinkError) and v.version is not None:
-                with contextlib.suppress(WeightSyncError):
-                    await receiver.ack(ok=False, error=f"SinkError: {exc}")
-            raise
+            return await consume_version(receiver, sink, call=self._call)
         finally:
             self.metrics.in_flight.set(0)
-        await receiver.ack(ok=True)
-        stats = receiver.last_stats
-        seconds = float(stats.seconds) + commit_s
-        nbytes = int(stats.nbytes)
-        return VersionRecord(
-            version=v.version,
-            ok=True,
-            nbytes=nbytes,
-            num_tensors=int(stats.num_tensors),
-            num_buckets=int(stats.num_buckets),
-            num_chunked_tensors=v.num_chunked_tensors,
-            seconds=seconds,
-            bytes_per_second=nbytes / seconds if seconds > 0 else 0.0,
-        )
 
 
 def run_daemon(

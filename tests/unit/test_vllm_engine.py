@@ -30,9 +30,12 @@ class Flaky(StandInModel):
     fail_on: str | None = None
     calls: int = 0
     most_at_once: int = 0
+    rollout_threads: set[int]
+    load_threads: set[int]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = list(weights)
+        self.load_threads.add(threading.get_ident())
         self.calls += 1
         self.most_at_once = max(self.most_at_once, len(weights))
         if self.fail_on is not None and any(n == self.fail_on for n, _ in weights):
@@ -47,6 +50,7 @@ def _setup(tmp_path: Path) -> tuple[Any, StandInWorker, Flaky, BlockingWeightSen
     path.write_text(OmegaConf.to_yaml(cfg))
     torch.manual_seed(7)
     model = Flaky(build_model().config)
+    model.rollout_threads, model.load_threads = set(), set()
     engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
                            str(path))  # fmt: skip
     sender = BlockingWeightSender(cfg)
@@ -64,6 +68,7 @@ def _update(worker: StandInWorker, sender: BlockingWeightSender, version: int, a
     errors: list[BaseException] = []
 
     def rollout() -> None:
+        worker.weight_transfer_engine.model.rollout_threads.add(threading.get_ident())
         try:
             worker.update_weights({"version": version if announced is None else announced, "timeout_s": 20})
         except BaseException as exc:
@@ -95,6 +100,8 @@ def test_each_update_receives_one_version_bitwise_tensor_by_tensor(tmp_path: Pat
         engine = worker.weight_transfer_engine
         assert engine.version == 2 and not engine.incomplete
         assert model.most_at_once == 1  # streaming: one full tensor at a time, never the whole version
+        # the receive loop runs on the receiver's loop thread, the model is only touched from vLLM's
+        assert model.load_threads and model.load_threads <= model.rollout_threads, "load_weights off the worker thread"
         assert engine.identity == worker_identity(None, 0) and engine.identity.endswith("-w0")
     finally:
         worker.weight_transfer_engine.shutdown()

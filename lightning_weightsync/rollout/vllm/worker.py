@@ -28,17 +28,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import socket
 import threading
-import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from omegaconf import OmegaConf
 
-from ...errors import ConfigError, SinkError, WeightSyncError
+from ...errors import ConfigError, SinkError
+from ...protocol.chunks import TensorMeta
+from ..consume import Call, consume_version
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,31 @@ class _LoopThread:
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def run_here(self, make: Callable[[Call], Coroutine[Any, Any, T]]) -> T:
+        """Run `make(call)` on the loop; the sink methods it `await call(...)`s run on this thread.
+
+        The receive loop needs the event loop (sockets, heartbeats, the pipeline), while vLLM's model
+        may only be touched from the worker thread that called us: this thread serves those calls
+        until the coroutine is done."""
+        jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = queue.SimpleQueue()
+
+        async def call(fn: Callable[..., Any], *args: Any) -> Any:
+            job: Future[Any] = Future()
+            jobs.put((fn, args, job))
+            return await asyncio.wrap_future(job)
+
+        done = asyncio.run_coroutine_threadsafe(make(call), self.loop)
+        done.add_done_callback(lambda _: jobs.put(None))
+        while (item := jobs.get()) is not None:
+            fn, args, job = item
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                job.set_result(fn(*args))
+            except BaseException as exc:
+                job.set_exception(exc)
+        return done.result()
+
     def cancel_all(self, timeout_s: float = 10.0) -> None:
         async def cancel() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -109,6 +137,39 @@ class _LoopThread:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+class ModelLoadSink:
+    """The shared receive loop's sink for a vLLM worker: each tensor goes to `model.load_weights`
+    (vLLM's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
+    version is whole only when the loop commits, and `touched` says whether a failed one reached
+    the model. `expected`: the version the trainer announced; another one arriving is refused (a
+    stale or foreign sender) and drained."""
+
+    def __init__(self, model: torch.nn.Module, expected: int | None) -> None:
+        self.model = model
+        self.expected = expected
+        self.touched = False
+
+    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
+        if self.expected is not None and version != self.expected:
+            raise SinkError(f"the trainer announced version {self.expected} but version {version} arrived")
+
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        return None  # load_weights copies (and shards) from a whole tensor
+
+    def accept(self, name: str, tensor: torch.Tensor) -> None:
+        self.touched = True
+        try:
+            self.model.load_weights([(name, tensor)])
+        except Exception as exc:
+            raise SinkError(f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}") from exc
+
+    def commit(self, version: int) -> None:
+        """Nothing staged: the tensors are in the model (vLLM's finish_weight_update post-processes)."""
+
+    def abort(self, version: int, reason: str) -> None:
+        """The engine repairs the model on its own thread (`_abandon_layerwise_reload`)."""
 
 
 def worker_rank() -> int:
@@ -186,7 +247,9 @@ class WeightSyncEngineBody:
     def receive_weights(self, update_info: Any) -> None:
         """Receive one version from the trainer and load it tensor by tensor into `self.model`.
 
-        A `load_weights` failure does not stop the receive: the rest of the version is drained so the
+        The rollouts' shared receive loop (`rollout/consume.py`) runs on the receiver's loop thread
+        and hands each tensor back to this thread (vLLM's worker thread owns the model). A
+        `load_weights` failure does not stop the receive: the rest of the version is drained so the
         sender and the other receivers stay in step, the version is nacked with the reason, and the
         error is raised here (vLLM turns it into a failed `update_weights` RPC). The sender sees the
         same reason in its ack, so the trainer's error names it too.
@@ -194,66 +257,35 @@ class WeightSyncEngineBody:
         loop, receiver = self._loop, self._receiver
         if loop is None or receiver is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
-        expected = getattr(update_info, "version", None)
+        sink = ModelLoadSink(self.model, getattr(update_info, "version", None))
         wait_s = getattr(update_info, "timeout_s", None)
-        model = self.model
-        started = time.perf_counter()
-        touched = False
-        load_error: str | None = None
-        nbytes = num_tensors = 0
-        stream = receiver.receive_weights(auto_ack=False, wait_s=wait_s)
         try:
             with self._load_context():
-                while True:
-                    try:
-                        name, tensor = loop.call(stream.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    if expected is not None and receiver.version != expected:
-                        load_error = f"the trainer announced version {expected} but version {receiver.version} arrived"
-                    nbytes += tensor.numel() * tensor.element_size()
-                    num_tensors += 1
-                    if load_error is not None:
-                        continue  # drain: stay in step with the sender
-                    touched = True
-                    try:
-                        model.load_weights([(name, tensor)])
-                    except Exception as exc:
-                        load_error = f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}"
-                    del tensor
-        except WeightSyncError as exc:  # the receive itself failed: timeout, abort, dead or bad peer
-            self.incomplete = self.incomplete or touched
+                record = loop.run_here(lambda call: consume_version(receiver, sink, call=call, wait_s=wait_s))
+        except BaseException as exc:
+            self.incomplete = self.incomplete or sink.touched
             self._abandon_layerwise_reload()
-            self.last_report = {"ok": False, "version": receiver.version, "error": str(exc), "touched": touched}
+            version = receiver.version
+            self.last_report = {"ok": False, "version": version, "error": str(exc), "touched": sink.touched}
+            if isinstance(exc, SinkError):
+                raise SinkError(f"{self.identity}: version {version}: {exc}") from None
             raise
-        except BaseException:
-            self.incomplete = self.incomplete or touched
-            self._abandon_layerwise_reload()
-            loop.call(stream.aclose())
-            raise
-        version = int(receiver.version)
-        if load_error is not None:
-            loop.call(receiver.ack(ok=False, error=load_error))
-            self.incomplete = self.incomplete or touched
-            self._abandon_layerwise_reload()
-            self.last_report = {"ok": False, "version": version, "error": load_error, "touched": touched}
-            raise SinkError(f"{self.identity}: version {version}: {load_error}")
-        loop.call(receiver.ack(ok=True))
-        self.version, self.incomplete = version, False
+        assert record.version is not None
+        self.version, self.incomplete = record.version, False
         self.last_report = {
             "ok": True,
-            "version": version,
-            "nbytes": nbytes,
-            "num_tensors": num_tensors,
-            "seconds": time.perf_counter() - started,
+            "version": record.version,
+            "nbytes": record.nbytes,
+            "num_tensors": record.num_tensors,
+            "seconds": record.seconds,
         }
         logger.info(
             "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
             self.identity,
-            version,
-            num_tensors,
-            nbytes / 1e6,
-            self.last_report["seconds"],
+            record.version,
+            record.num_tensors,
+            record.nbytes / 1e6,
+            record.seconds,
         )
 
     def finish_weight_update(self) -> None:

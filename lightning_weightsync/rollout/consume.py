@@ -1,0 +1,147 @@
+"""One version from the receiver into a sink: the receive loop every rollout runs, written once.
+
+    begin(version, tied) -> (destination(meta), accept(name, tensor))* -> commit(version) -> ack(ok)
+
+- A sink that cannot take a tensor (`SinkError` from begin, destination, accept or commit) does not
+  stop the receive: the rest of the version is received and dropped so the sender and the other
+  receivers stay in step, then the version is aborted, nacked with the reason (the trainer's error
+  names it) and the `SinkError` raised.
+- A receive that fails (timeout, abort, a dead or bad peer: `WeightSyncError`) aborts the sink's
+  version and propagates; the receiver has nacked it already.
+- Cancellation (a daemon stopping) aborts the version and propagates; the receiver drops the rest.
+
+The rollout daemon runs it with its `Sink` (`daemon.py`), vLLM's engine with a sink that loads into
+the model on vLLM's worker thread (`vllm/worker.py`). Where a sink method runs is the caller's
+`call`: inline, in a thread for blocking sinks, or handed to the thread that owns the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..engine.receiver import WeightReceiver
+from ..errors import SinkError, WeightSyncError
+from ..protocol.chunks import TensorMeta
+from .observability import VersionRecord
+
+Call = Callable[..., Awaitable[Any]]
+"""`await call(fn, *args)` runs the sink method `fn(*args)` where it must run and returns its result."""
+
+
+class VersionSink(Protocol):
+    """What `consume_version` drives: the daemon's `Sink` is one; a rollout engine brings its own."""
+
+    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None: ...
+
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None: ...
+
+    def accept(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def commit(self, version: int) -> None: ...
+
+    def abort(self, version: int, reason: str) -> None: ...
+
+
+async def call_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """The `call` for sinks whose methods are quick and may run on the event loop."""
+    return fn(*args)
+
+
+class _Version:
+    """Bookkeeping for the version in flight."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.began = False
+        self.failed: SinkError | None = None
+        self.num_chunked_tensors = 0
+
+
+async def consume_version(
+    receiver: WeightReceiver,
+    sink: VersionSink,
+    *,
+    call: Call = call_inline,
+    wait_s: float | None = None,
+) -> VersionRecord:
+    """Receive the next version into `sink` and ack it; returns its record (raises on failure).
+
+    `wait_s` bounds the wait for the version to start (None: `transport.timeout_s`).
+    """
+    v = _Version()
+
+    def begin() -> None:
+        if v.began:
+            return
+        v.version = int(receiver.version)
+        v.began = True
+        try:
+            sink.begin(v.version, tied=receiver.tied)  # bucket 0 (with the tied names) is here
+        except SinkError as exc:
+            v.failed = exc
+
+    def into(meta: TensorMeta) -> torch.Tensor | None:
+        begin()
+        if meta.chunk_size < meta.nbytes:
+            v.num_chunked_tensors += 1
+        if v.failed is not None:
+            return None  # keep receiving, drop it: the group must stay in step
+        try:
+            return sink.destination(meta)
+        except SinkError as exc:
+            v.failed = exc
+            return None
+
+    stream = receiver.receive_weights(into=into, auto_ack=False, wait_s=wait_s)
+    try:
+        try:
+            async for name, tensor in stream:
+                if v.failed is None:
+                    try:
+                        await call(sink.accept, name, tensor)
+                    except SinkError as exc:
+                        v.failed = exc
+                del tensor  # the consumer's reference: memory is bounded by what the receiver holds
+        except (WeightSyncError, asyncio.CancelledError):
+            raise
+        except BaseException:
+            await stream.aclose()  # a bug in the consumer: take part in the rest, then propagate
+            raise
+        begin()  # a version with no tensors still begins and commits
+        assert v.version is not None
+        if v.failed is not None:
+            raise v.failed
+        commit_start = time.perf_counter()
+        await call(sink.commit, v.version)
+        commit_s = time.perf_counter() - commit_start
+    except BaseException as exc:
+        if v.began and v.version is not None:
+            sink.abort(v.version, f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, SinkError) and v.version is not None:
+            with contextlib.suppress(WeightSyncError):
+                await receiver.ack(ok=False, error=f"SinkError: {exc}")
+        raise
+    await receiver.ack(ok=True)
+    stats = receiver.last_stats
+    assert stats is not None  # set by the complete receive above
+    seconds = float(stats.seconds) + commit_s
+    nbytes = int(stats.nbytes)
+    return VersionRecord(
+        version=v.version,
+        ok=True,
+        nbytes=nbytes,
+        num_tensors=int(stats.num_tensors),
+        num_buckets=int(stats.num_buckets),
+        num_chunked_tensors=v.num_chunked_tensors,
+        seconds=seconds,
+        bytes_per_second=nbytes / seconds if seconds > 0 else 0.0,
+    )
+
+
+__all__ = ["Call", "VersionSink", "call_inline", "consume_version"]
