@@ -52,6 +52,7 @@ from .store import StoreServer
 
 logger = logging.getLogger(__name__)
 PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
+POLL_CAP_MS = 1000  # a socket poll raced against other work is renewed at least this often
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
 MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
 
@@ -392,12 +393,19 @@ class SenderControl:
     async def serve_while(self, work: asyncio.Future[Any]) -> Any:
         """Await `work` (e.g. the sender's group join on the executor) while answering the
         receivers' rendezvous requests; other messages that arrive meanwhile are dropped."""
-        while not work.done():
-            if self._sock is None:
-                break
-            got = await self.recv(0.01)
-            if got is not None:
-                logger.debug("ignoring %s from %s while joining the group", type(got[1]).__name__, got[0])
+        while not work.done() and self._sock is not None:
+            # wake on whichever comes first: a fixed poll interval here cost every version that much
+            # after the join was done (10 ms a version with a reused group)
+            readable = asyncio.ensure_future(self._sock.poll(POLL_CAP_MS))
+            try:
+                await asyncio.wait({work, readable}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not readable.done():
+                    readable.cancel()
+            if readable.done() and not readable.cancelled() and readable.result():
+                got = await self._read_one()
+                if got is not None:
+                    logger.debug("ignoring %s from %s while joining the group", type(got[1]).__name__, got[0])
         return await work
 
     async def serve_until(self, work: asyncio.Future[Any], timeout_s: float) -> Any:
