@@ -56,7 +56,7 @@ class RolloutClient(Protocol):
     def start_weight_update(self) -> None: ...
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
     def finish_weight_update(self, weight_version: str | None) -> None: ...
-    def reset_prefix_cache(self) -> bool: ...
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
     def resume(self) -> None: ...
 
 
@@ -117,8 +117,9 @@ class HTTPRolloutClient:
     def finish_weight_update(self, weight_version: str | None) -> None:
         self._post("/finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
 
-    def reset_prefix_cache(self) -> bool:
-        answer = self._post("/reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        query = {"reset_running_requests": "true"} if reset_running_requests else None
+        answer = self._post("/reset_prefix_cache", query=query)
         return bool(answer.get("success")) if isinstance(answer, dict) else False
 
     def resume(self) -> None:
@@ -177,8 +178,8 @@ class EngineRolloutClient:
     def finish_weight_update(self, weight_version: str | None) -> None:
         self._call("finish_weight_update", weight_version=weight_version)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._call("reset_prefix_cache"))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
 
     def resume(self) -> None:
         if hasattr(self.engine, "resume_generation"):
@@ -314,15 +315,22 @@ class RolloutControl:
         return self._on_all(clients, "finish_weight_update", lambda c: c.finish_weight_update(weight_version))[1]
 
     def _reset_prefix_cache(self, version: int) -> None:
-        futures = [(c, self._pool.submit(c.reset_prefix_cache)) for c in self.clients]
+        """Drop KV computed with the previous weights. Under `keep` the paused requests still hold
+        their blocks, and vLLM resets only when no running request holds any (scheduler.py
+        `reset_prefix_cache`): they are preempted (`reset_running_requests`) and re-prefilled with the
+        new weights, which costs their prefill again but is the only way their next tokens are on-policy.
+        Under `abort` and `wait` nothing runs at this point and a plain reset suffices."""
+        running = self.pause_mode is PauseMode.keep
+        futures = [(c, self._pool.submit(c.reset_prefix_cache, running)) for c in self.clients]
         for client, future in futures:
             try:
                 if not future.result(self.timeout_s):
                     logger.warning(
-                        "vLLM rollout %s: the prefix cache was not reset after version %d (running requests hold "
-                        "blocks, pause_mode=keep); cached prefixes may reuse KV computed with the previous weights",
+                        "vLLM rollout %s: the prefix cache was not reset after version %d (blocks still held, "
+                        "pause_mode=%s); cached prefixes may reuse KV computed with the previous weights",
                         client.name,
                         version,
+                        self.pause_mode,
                     )
             except Exception as exc:  # cache hygiene is not worth failing a delivered version
                 logger.warning("vLLM rollout %s: resetting the prefix cache failed: %s", client.name, exc)

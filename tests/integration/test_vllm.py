@@ -63,10 +63,12 @@ def test_trainer_drives_two_vllm_rollouts_that_generate_between_versions(tmp_pat
          spawned(standin_server_main, http[1], str(cfg), str(dirs[1])):  # fmt: skip
         _wait_ready(dirs)
         urls = ",".join(f"http://127.0.0.1:{p}" for p in http)
-        _train(
+        out = _train(
             tmp_path, f"transport.port={port}", f"vllm.urls=[{urls}]", "trainer.min_receivers=2",
             f"recipe.steps={steps}", "recipe.strategy=ddp", f"recipe.save_final={tmp_path / 'final.safetensors'}",
         )  # fmt: skip
+    # pause_mode=keep (the default): the kept requests' KV is dropped with the cache, not left stale
+    assert "prefix cache was not reset" not in out, out[-3000:]
     final = load_file(str(tmp_path / "final.safetensors"))
     rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
     send_s = sum(float(r["weightsync/seconds"]) for r in rows if r.get("weightsync/seconds"))

@@ -211,6 +211,7 @@ class StandInServer:
                 raise ValueError(f"Invalid pause mode: {mode}")
             with self.core_lock:
                 self.paused = True
+                self.pause_mode = mode
                 self._paused_at = time.perf_counter()
                 if self.first_pause is None:
                     self.first_pause = self._paused_at
@@ -241,7 +242,10 @@ class StandInServer:
                 self.dump()
                 return {"message": "Weight update finished"}
             if path == "/reset_prefix_cache":
-                return {"success": True}
+                # as vLLM's scheduler: requests kept by pause(mode=keep) hold KV blocks, so the reset
+                # fails unless they are preempted (reset_running_requests=true)
+                held = self.paused and getattr(self, "pause_mode", "abort") == "keep"
+                return {"success": not held or query.get("reset_running_requests") == "true"}
         raise KeyError(path)
 
     def dump(self) -> None:

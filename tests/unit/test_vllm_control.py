@@ -102,6 +102,8 @@ def test_one_version_calls_vllm_routes_in_order_with_their_real_parameters(serve
         assert calls["/pause"][0] == {"mode": "keep"}
         assert calls["/update_weights"][1] == {"update_info": {"version": 7, "timeout_s": 30.0}}
         assert calls["/finish_weight_update"][1] == {"weight_version": "7"}  # vLLM's weight_version is a str
+        # kept requests hold their KV blocks: vLLM resets only if they are preempted and re-prefilled
+        assert calls["/reset_prefix_cache"][0] == {"reset_running_requests": "true"}
         for path, query, body in r.calls:  # only parameters vLLM 0.33.0's routes declare
             assert set(query) <= set(ROUTES[path]["query"]) and set(body) <= set(ROUTES[path]["body"]), path
     assert ctl.last_timings is not None and ctl.last_timings.paused_s >= ctl.last_timings.update_s
@@ -184,7 +186,7 @@ class FakeAsyncLLM:
         self.calls.append(("finish_weight_update", weight_version))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        self.calls.append(("reset_prefix_cache", None))
+        self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True
 
 
@@ -197,6 +199,6 @@ def test_in_process_async_engine_is_driven_through_its_methods() -> None:
         ("start_weight_update", None),
         ("update_weights", {"version": 5}),
         ("finish_weight_update", "5"),
-        ("reset_prefix_cache", None),
+        ("reset_prefix_cache", False),  # pause_mode=wait: nothing runs, a plain reset
         ("resume_generation", None),
     ]
