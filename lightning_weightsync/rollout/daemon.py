@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 
 from ..engine.receiver import WeightReceiver
 from ..errors import VersionAborted, WeightSyncError, WeightSyncTimeout
+from ..transport.device import handoff
 from .consume import consume_version
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
 from .sinks import Sink, SinkState, build_sink
@@ -215,7 +216,7 @@ class RolloutDaemon:
         self.metrics.in_flight.set(1)
         sink = self.sink
         if sink is not None and sink.blocking_io:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(_adopted, handoff(args), fn, *args)
         return fn(*args)
 
     async def _receive(self) -> VersionRecord:
@@ -226,6 +227,12 @@ class RolloutDaemon:
             return await consume_version(receiver, sink, call=self._call)
         finally:
             self.metrics.in_flight.set(0)
+
+
+def _adopted(adopt: Callable[[], None], fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread, once the accelerator tensors among `args` are ready on its stream."""
+    adopt()
+    return fn(*args)
 
 
 def run_daemon(

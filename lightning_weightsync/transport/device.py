@@ -5,6 +5,7 @@ The sender and receiver call these helpers and never branch on the device kind t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,3 +73,36 @@ def empty_bucket(nbytes: int, device: torch.device) -> torch.Tensor:
     if device.type == "cpu" and torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _nothing() -> None:
+    return None
+
+
+def handoff(args: tuple[Any, ...]) -> Callable[[], None]:
+    """Hand the accelerator tensors among `args`, made on this thread's current stream, to another
+    thread; returns `adopt`, which the consuming thread calls before it touches them.
+
+    Each thread has its own current stream, and a consumer on another one (vLLM's worker after CUDA-graph
+    capture) could otherwise read a merged tensor before the copies that fill it ran, or the caching
+    allocator could give its memory to the next merge while the consumer still reads it. `adopt` makes
+    the consumer's stream wait for an event recorded here and marks each tensor as used on that stream
+    (`record_stream`). A no-op on CPU and when both threads use the same stream."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.device.type in ("cuda", "npu")]
+    if not tensors:
+        return _nothing
+    device = tensors[0].device
+    module: Any = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    producer = module.current_stream(device)
+    event = module.Event()
+    event.record(producer)
+
+    def adopt() -> None:
+        consumer = module.current_stream(device)
+        if consumer == producer:
+            return
+        consumer.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(consumer)
+
+    return adopt

@@ -41,6 +41,7 @@ from omegaconf import OmegaConf
 
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
+from ...transport.device import handoff
 from ..consume import Call, consume_version
 
 logger = logging.getLogger(__name__)
@@ -101,20 +102,22 @@ class _LoopThread:
         The receive loop needs the event loop (sockets, heartbeats, the pipeline), while vLLM's model
         may only be touched from the worker thread that called us: this thread serves those calls
         until the coroutine is done."""
-        jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = queue.SimpleQueue()
+        Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[], None], Future[Any]]
+        jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
 
         async def call(fn: Callable[..., Any], *args: Any) -> Any:
             job: Future[Any] = Future()
-            jobs.put((fn, args, job))
+            jobs.put((fn, args, handoff(args), job))  # the tensors are ready on vLLM's stream before use
             return await asyncio.wrap_future(job)
 
         done = asyncio.run_coroutine_threadsafe(make(call), self.loop)
         done.add_done_callback(lambda _: jobs.put(None))
         while (item := jobs.get()) is not None:
-            fn, args, job = item
+            fn, args, adopt, job = item
             if not job.set_running_or_notify_cancel():
                 continue
             try:
+                adopt()
                 job.set_result(fn(*args))
             except BaseException as exc:
                 job.set_exception(exc)
