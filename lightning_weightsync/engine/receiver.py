@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 from omegaconf import DictConfig
 
-from ..config import auth_token, load_config
+from ..config import auth_token, bucket_size_bytes, load_config
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import merge_weight_chunks
 from ..protocol.messages import BucketMeta, Plan, Prepare
@@ -43,7 +43,9 @@ class WeightReceiver(Endpoint):
             (where merged tensors are allocated when no `into` destination is given).
     """
 
-    def __init__(self, cfg: DictConfig | None = None, *, identity: str | None = None) -> None:
+    def __init__(
+        self, cfg: DictConfig | None = None, *, identity: str | None = None, preallocate: bool = False
+    ) -> None:
         self.cfg = cfg if cfg is not None else load_config()
         t = self.cfg.transport
         self.identity = identity or self.cfg.rollout.identity or default_identity()
@@ -62,10 +64,22 @@ class WeightReceiver(Endpoint):
         self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
         self._acked = True
         self._pipeline: BucketPipeline | None = None
+        self.preallocate = preallocate
+        self.preallocated_bytes = 0
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         self._executor = SerialExecutor(self._executor_name)
+        if self.preallocate and self._backend is None:
+            # the slots now, at transport.bucket_size_mb, where the backend owns them: memory a rollout
+            # engine measures after start-up (vLLM's KV-cache profiling) already counts them
+            t = self.cfg.transport
+            backend = self._new_backend(
+                str(t.backend), bucket_size=bucket_size_bytes(self.cfg), is_sender=False, session="",
+                identity=self.identity,
+            )  # fmt: skip
+            self.preallocated_bytes = backend.preallocate()
+            self._backend = backend
         await self._control.start()
 
     async def __aenter__(self) -> WeightReceiver:

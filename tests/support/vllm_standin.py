@@ -46,8 +46,13 @@ class StandInModel(TinyLM):
         for name, tensor in weights:
             if name not in targets:
                 raise KeyError(f"no parameter named {name!r}")
-            with torch.no_grad():
-                targets[name].copy_(tensor)  # vLLM's default_weight_loader: param.data.copy_(loaded_weight)
+            param = targets[name]
+            loader = getattr(param, "weight_loader", None)  # as vLLM's models: the layerwise reload wraps it
+            if loader is not None:
+                loader(param, tensor)
+            else:
+                with torch.no_grad():
+                    param.copy_(tensor)  # vLLM's default_weight_loader: param.data.copy_(loaded_weight)
             loaded.add(name)
         return loaded
 

@@ -147,3 +147,24 @@ def test_without_a_config_the_engine_says_which_variable_to_set(monkeypatch: pyt
     engine = StandInEngine(StandInWeightTransferConfig(), None, torch.device("cpu"), build_model(), "")
     with pytest.raises(ConfigError, match=r"LIGHTNING_WEIGHTSYNC_CONFIG"):
         engine.start_weight_update()
+
+
+def test_the_slots_are_taken_when_the_engine_is_built_and_used_by_every_version(tmp_path: Path) -> None:
+    """vLLM sizes its KV cache from the memory free after the engine is built: the receiver's two
+    slots must exist by then (not appear at the first sync) and be the ones every version uses."""
+    from lightning_weightsync.config import bucket_size_bytes
+
+    cfg, worker, _, sender = _setup(tmp_path)
+    try:
+        receiver = worker.weight_transfer_engine._receiver
+        backend = receiver._backend
+        assert backend is not None, "no slots before the first version"
+        slots = [b.data_ptr() for b in backend.buckets]
+        assert len(slots) == 2 and receiver.preallocated_bytes == 2 * bucket_size_bytes(cfg)
+        for v in (1, 2):
+            _, errors = _update(worker, sender, v)
+            assert not errors
+        assert receiver._backend is backend and [b.data_ptr() for b in backend.buckets] == slots
+    finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()

@@ -65,9 +65,12 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
     torch.manual_seed(3)
     model = StandInModel(build_model().config)
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    record_metadata_for_reloading(model)  # as vLLM's model loader does for every model it builds
     vllm_config = SimpleNamespace(  # only the attributes the base __init__ and our engine read
         parallel_config=SimpleNamespace(),
-        model_config=SimpleNamespace(quantization=None, enable_sleep_mode=False),
+        model_config=SimpleNamespace(quantization=None, enable_sleep_mode=False, dtype=torch.float32),
         speculative_config=None,
         offload_config=None,
     )
@@ -102,6 +105,10 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         state = model.state_dict()
         assert all(torch.equal(state[k], v) for k, v in expected.items())
         assert engine.version == 1
+        # an unquantized model goes through vLLM's layerwise reload too, as vLLM's own engines do it, and
+        # the reload ended: no parameter is left on the meta device
+        assert engine._needs_layerwise_reload() and not engine._reload_active
+        assert not any(p.is_meta for p in model.parameters())
     finally:
         engine.shutdown()
         sender.close()

@@ -86,11 +86,16 @@ class LightningWeightSyncEngine(
                 "lightning_weightsync engine: speculative decoding is on; only the target model is updated "
                 "(draft updates are refused), so the drafter's acceptance rate drops as the policy moves"
             )
-        uva = getattr(getattr(self.vllm_config, "offload_config", None), "uva", None)
-        if self._needs_layerwise_reload() and getattr(uva, "cpu_offload_gb", 0):
-            raise ConfigError(
-                "lightning_weightsync engine: a quantized model with --cpu-offload-gb; vLLM's layerwise reload "
-                "does not compose with CPU offloading (vllm/model_executor/model_loader/reload); remove it"
+        if self._cpu_offloaded():
+            if getattr(self.model_config, "quantization", None) is not None:
+                raise ConfigError(
+                    "lightning_weightsync engine: a quantized model with --cpu-offload-gb; vLLM's layerwise reload "
+                    "does not compose with CPU offloading (vllm/model_executor/model_loader/reload); remove it"
+                )
+            logger.warning(
+                "lightning_weightsync engine: --cpu-offload-gb is set, and vLLM's layerwise reload does not compose "
+                "with CPU offloading: weights load in place, so layers that derive weights after loading (MLA's "
+                "W_UK/W_UV, FlashInfer/CUTLASS MoE layouts, CPU/ROCm repacking) keep their old derived values"
             )
 
     def _check_awake(self) -> None:
@@ -110,11 +115,18 @@ class LightningWeightSyncEngine(
                 "(POST /wake_up?tags=weights), then update"
             )
 
+    def _cpu_offloaded(self) -> bool:
+        uva = getattr(getattr(self.vllm_config, "offload_config", None), "uva", None)
+        return bool(getattr(uva, "cpu_offload_gb", 0))
+
     def _needs_layerwise_reload(self) -> bool:
-        # Quantized models post-process their weights after loading (FP8 scales, repacked MoE / MLA
-        # layouts): loading raw checkpoint tensors into them in place would be wrong. vLLM's layerwise
-        # reload (what its NCCL engine uses) re-creates each layer, loads and re-processes it.
-        return getattr(self.model_config, "quantization", None) is not None
+        # Every model, as vLLM's own checkpoint-format engines do (distributed/weight_transfer/nccl_engine.py
+        # start/finish_weight_update, ipc_engine.py likewise, in 0.33.0): not only quantized layers derive
+        # weights after loading (FP8 scales) but unquantized ones too (MLA's W_UK/W_UV from kv_b_proj,
+        # unquantized MoE on the FlashInfer TRTLLM/CUTLASS paths, CPU/ROCm repacking); loading raw
+        # checkpoint tensors in place would leave those stale. The reload re-creates each layer, loads and
+        # re-processes it. The one exception is CPU offload, which the reload does not compose with.
+        return not self._cpu_offloaded()
 
     def _begin_layerwise_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -17,7 +17,8 @@ heartbeats alive while the worker is busy; `receive_weights` runs exactly one ve
 merged tensors from that loop and handing them to `model.load_weights` one at a time on the
 worker's thread (vLLM's own name mapping, fusing and tensor-parallel sharding apply). On GPU the
 buckets are on the worker's device (`transport.device` = the engine's `device`), so nothing makes
-a host hop. Memory beyond the model: two buckets plus one merged tensor.
+a host hop. Memory beyond the model: two buckets, taken when the engine is built (before vLLM sizes
+its KV cache), plus one merged tensor at a time during a version.
 
 The trainer drives a version (`trainer/rollout_control.py`): pause -> start_weight_update ->
 update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version) -> resume.
@@ -238,8 +239,8 @@ class WeightSyncEngineBody:
         self._start_receiver(overrides)
 
     def start_weight_update(self) -> None:
-        """Check that the model can take weights now; begin vLLM's layerwise reload when the model
-        post-processes its weights after loading (quantized: FP8, some MoE / MLA layouts)."""
+        """Check that the model can take weights now; begin vLLM's layerwise reload (every model, as
+        vLLM's own engines: layers that derive weights after loading are re-processed)."""
         self._check_awake()
         if self._receiver is None:
             self._start_receiver([])
@@ -320,7 +321,7 @@ class WeightSyncEngineBody:
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
         loop = _LoopThread(device)
-        receiver = WeightReceiver(cfg)
+        receiver = WeightReceiver(cfg, preallocate=True)  # the slots before vLLM sizes its KV cache
         try:
             loop.call(receiver.start(), timeout_s=float(cfg.transport.timeout_s))
         except BaseException:
@@ -328,12 +329,14 @@ class WeightSyncEngineBody:
             raise
         self._loop, self._receiver = loop, receiver
         logger.info(
-            "lightning_weightsync engine: worker %d receives as %s from %s:%d on %s",
+            "lightning_weightsync engine: worker %d receives as %s from %s:%d on %s (%.0f MiB of slots taken "
+            "now; a version adds one merged tensor at a time)",
             self.rank,
             self.identity,
             cfg.transport.host,
             cfg.transport.port,
             device,
+            receiver.preallocated_bytes / 2**20,
         )
 
     def _stop_receiver(self) -> None:

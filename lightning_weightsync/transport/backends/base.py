@@ -58,6 +58,9 @@ class Backend(ABC):
     direct_ok: bool = False
     # The `Join` kind this backend puts into (sender) and reads from (receivers) a group spec.
     join_type: type[Join]
+    # True where a receiver's slots are plain memory of its own (not the sender's shared or registered
+    # slots): they outlive a sender's restart and can be allocated before the first plan (`preallocate`).
+    own_receiver_slots: bool = False
 
     def __init__(
         self,
@@ -92,6 +95,16 @@ class Backend(ABC):
         """Sender only, once: create whatever receivers will attach to."""
         self.buckets = [empty_bucket(self.bucket_size, self.device) for _ in range(NUM_SLOTS)]
 
+    def preallocate(self) -> int:
+        """Receiver: allocate the slots now, at the configured bucket size, where they are this process's
+        own memory; returns the bytes taken (0 where the slots come from the sender at the first join).
+        A vLLM worker does this when its engine is built, before vLLM measures free memory for the KV
+        cache, so the cache is sized around the slots instead of the first sync running out of memory."""
+        if self.is_sender or not self.own_receiver_slots:
+            return 0
+        self.buckets = [empty_bucket(self.bucket_size, self.device) for _ in range(NUM_SLOTS)]
+        return NUM_SLOTS * self.bucket_size
+
     @abstractmethod
     def join_spec(self, generation: int) -> Join:
         """Sender only: what receivers need to join the group of `generation` (goes into its `GroupSpec`)."""
@@ -106,7 +119,15 @@ class Backend(ABC):
             )
         stale = len(self.buckets) != NUM_SLOTS or self.bucket_size != group.bucket_size
         # shared-memory slots belong to one sender session: a restarted sender has new ones
-        if not self.is_sender and (stale or group.session != self.session):
+        if not self.is_sender and (stale or (group.session != self.session and not self.own_receiver_slots)):
+            if self.buckets and self.bucket_size != group.bucket_size:
+                logger.warning(
+                    "the sender's buckets are %d bytes, this receiver's transport.bucket_size_mb gives %d: "
+                    "the slots are allocated again at the sender's size (set the same bucket_size_mb on both "
+                    "sides so memory sized at start-up stays right)",
+                    group.bucket_size,
+                    self.bucket_size,
+                )
             self.bucket_size = group.bucket_size
             self.buckets = self._receiver_buckets(group)
         # a restarted sender (new session) numbers its generations afresh: never reuse a group across sessions

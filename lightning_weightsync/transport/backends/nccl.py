@@ -40,6 +40,7 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
 class NcclBackend(Backend):
     join_type = NcclJoin
     direct_ok = True  # any contiguous CUDA tensor on `device` can be sent / received in place
+    own_receiver_slots = True  # a receiver broadcasts into its own two device tensors
 
     def __init__(self, **kwargs: Any) -> None:
         self._cupy, self._nccl = _import_cupy_nccl()

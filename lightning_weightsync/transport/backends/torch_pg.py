@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 class TorchProcessGroupBackend(Backend):
     join_type = StoreJoin
+    own_receiver_slots = True  # a receiver broadcasts into its own two tensors
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
