@@ -128,6 +128,13 @@ PLANTS = [
           "                    except SinkError as exc:\n                        v.failed = exc\n"
           "                        break\n                del tensor",
           ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
+    Plant("vllm: min_receivers not checked against the servers' workers", f"{PKG}/trainer/rollout_control.py",
+          "        if total > self.min_receivers:", "        if total > 10**9:", ("tests/unit/test_vllm_control.py",)),
+    Plant("vllm: the prefix cache reset without preempting kept requests", f"{PKG}/trainer/rollout_control.py",
+          "        running = self.pause_mode is PauseMode.keep", "        running = False",
+          ("tests/unit/test_vllm_control.py",)),
+    Plant("vllm: receiver slots allocated at the first version", f"{PKG}/rollout/vllm/worker.py",
+          "WeightReceiver(cfg, preallocate=True)", "WeightReceiver(cfg)", ("tests/unit/test_vllm_engine.py",)),
     Plant("vllm: load_weights run on the receiver's loop thread", f"{PKG}/rollout/vllm/worker.py",
           "consume_version(receiver, sink, call=call, wait_s=wait_s)",
           "consume_version(receiver, sink, wait_s=wait_s)", ("tests/unit/test_vllm_engine.py",)),

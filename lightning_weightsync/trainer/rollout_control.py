@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -40,7 +40,7 @@ from typing import Any, Protocol, TypeVar
 from omegaconf import DictConfig
 
 from ..config import PauseMode
-from ..errors import PeerError, WeightSyncTimeout
+from ..errors import ConfigError, PeerError, WeightSyncTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,21 @@ class RolloutClient(Protocol):
     def finish_weight_update(self, weight_version: str | None) -> None: ...
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
     def resume(self) -> None: ...
+    def workers(self) -> int | None: ...
+
+
+def server_workers(parallel: Mapping[str, Any]) -> int:
+    """The weight receivers one vLLM server runs: every worker process, TP x PCP x PP (vLLM's
+    `ParallelConfig.world_size`) per data-parallel rank (vllm/config/parallel.py, 0.33.0); under
+    the external launcher `world_size` already counts DP."""
+    world = parallel.get("world_size") or (
+        int(parallel.get("tensor_parallel_size") or 1)
+        * int(parallel.get("pipeline_parallel_size") or 1)
+        * int(parallel.get("prefill_context_parallel_size") or 1)
+    )
+    if parallel.get("distributed_executor_backend") == "external_launcher":
+        return int(world)
+    return int(world) * int(parallel.get("data_parallel_size") or 1)
 
 
 class HTTPRolloutClient:
@@ -73,10 +88,12 @@ class HTTPRolloutClient:
         self.name = self.url
         self.timeout_s = timeout_s
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, query: dict[str, str] | None = None) -> Any:
+    def _post(
+        self, path: str, body: dict[str, Any] | None = None, query: dict[str, str] | None = None, method: str = "POST"
+    ) -> Any:
         target = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(target, data=data, method="POST")
+        request = urllib.request.Request(target, data=data, method=method)
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
@@ -124,6 +141,15 @@ class HTTPRolloutClient:
 
     def resume(self) -> None:
         self._post("/resume")
+
+    def workers(self) -> int | None:
+        """How many workers (each one receiver) the server runs, from its `GET /server_info` (a dev-mode
+        route, as the weight-update routes are); None when it does not say."""
+        answer = self._post("/server_info", query={"config_format": "json"}, method="GET")
+        try:
+            return server_workers(answer["vllm_config"]["parallel_config"])
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass
@@ -185,6 +211,14 @@ class EngineRolloutClient:
         if hasattr(self.engine, "resume_generation"):
             self._call("resume_generation")
 
+    def workers(self) -> int | None:
+        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
+        if parallel is None:
+            return None
+        names = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+                 "data_parallel_size", "distributed_executor_backend")  # fmt: skip
+        return server_workers({n: getattr(parallel, n, None) for n in names})
+
 
 @dataclass
 class RolloutTimings:
@@ -207,6 +241,8 @@ class RolloutControl:
             after the send returned.
         receive_timeout_s: how long a worker waits for the version to start (`update_info.timeout_s`;
             `transport.timeout_s` from config), so a send that never starts cannot hold a worker.
+        min_receivers: `trainer.min_receivers`; checked before the first version against the workers the
+            servers report, so that a version is never applied by some workers of a server and not others.
     """
 
     def __init__(
@@ -217,8 +253,11 @@ class RolloutControl:
         reset_prefix_cache: bool = True,
         timeout_s: float = 600.0,
         receive_timeout_s: float | None = None,
+        min_receivers: int | None = None,
     ) -> None:
         self.clients = list(clients)
+        self.min_receivers = min_receivers
+        self.workers: dict[str, int] | None = None  # per server, once asked
         self.receive_timeout_s = receive_timeout_s
         self.pause_mode = PauseMode(pause_mode)
         self.reset_prefix_cache = reset_prefix_cache
@@ -239,6 +278,7 @@ class RolloutControl:
             reset_prefix_cache=bool(v.reset_prefix_cache),
             timeout_s=timeout_s,
             receive_timeout_s=float(cfg.transport.timeout_s),
+            min_receivers=int(cfg.trainer.min_receivers),
         )
 
     def close(self) -> None:
@@ -263,6 +303,7 @@ class RolloutControl:
         """Pause and open an update on every rollout, run `send()` while they receive, finish with
         `weight_version=str(version)`, resume. Raises `PeerError` naming each failed rollout; `send`
         is not called when a rollout could not be paused or started (the caller drains its stream)."""
+        self._check_receivers()
         timings = RolloutTimings(version)
         self.last_timings = timings
         start = time.perf_counter()
@@ -308,6 +349,32 @@ class RolloutControl:
             timings.paused_s = time.perf_counter() - start
             for error in resume_errors:  # never masks the version's own error; loud, generation is stuck
                 logger.error("%s (generation stays paused there until /resume succeeds)", error)
+
+    def _check_receivers(self) -> None:
+        """Every worker of every server must be in every version: with fewer than all of them required
+        (`trainer.min_receivers`), a late worker is left out and its server serves tensor-parallel shards
+        of two versions at once. The servers say how many workers they run; asked once."""
+        if self.workers is not None or self.min_receivers is None:
+            return
+        workers: dict[str, int] = {}
+        for client in self.clients:
+            try:
+                n = client.workers()
+            except Exception as exc:  # an older server, or dev routes off: say so, do not guess
+                logger.warning("vLLM rollout %s: cannot tell how many workers it runs (%s)", client.name, exc)
+                n = None
+            if n is not None:
+                workers[client.name] = n
+        self.workers = workers
+        total = sum(workers.values())
+        if total > self.min_receivers:
+            each = ", ".join(f"{name}: {n}" for name, n in workers.items())
+            raise ConfigError(
+                f"trainer.min_receivers={self.min_receivers}, but the vLLM servers run {total} workers ({each}), "
+                f"and every worker receives: a version sent to fewer would leave a server with shards of two "
+                f"versions; set trainer.min_receivers={total} (tensor x pipeline x data parallel size, summed "
+                f"over the servers, plus any other rollouts)"
+            )
 
     def _finish(self, clients: list[RolloutClient], weight_version: str | None) -> list[str]:
         if not clients:
