@@ -291,8 +291,9 @@ class RolloutControl:
         futures = [(c, self._pool.submit(call, c)) for c in clients]
         ok: list[RolloutClient] = []
         errors: list[str] = []
+        deadline = time.monotonic() + self.timeout_s  # one bound for all: they run at once
         for client, future in futures:
-            error = _outcome(future, self.timeout_s, client, what)
+            error = _outcome(future, deadline, self.timeout_s, client, what)
             if error is None:
                 ok.append(client)
             else:
@@ -325,12 +326,16 @@ class RolloutControl:
             try:
                 result = send()
             except BaseException:
-                for client, future in updates:  # the workers fail their receive too; collect, then raise
-                    _outcome(future, self.timeout_s, client, "update_weights")
+                # the workers fail their receive too; collect, then raise: one bound for all servers, not
+                # vllm.request_timeout_s for each in turn
+                deadline = time.monotonic() + self.timeout_s
+                for client, future in updates:
+                    _outcome(future, deadline, self.timeout_s, client, "update_weights")
                 raise
             updated = []
+            deadline = time.monotonic() + self.timeout_s
             for client, future in updates:
-                error = _outcome(future, self.timeout_s, client, "update_weights")
+                error = _outcome(future, deadline, self.timeout_s, client, "update_weights")
                 if error is None:
                     updated.append(client)
                 else:
@@ -403,13 +408,13 @@ class RolloutControl:
                 logger.warning("vLLM rollout %s: resetting the prefix cache failed: %s", client.name, exc)
 
 
-def _outcome(future: Future[Any], timeout_s: float, client: RolloutClient, what: str) -> str | None:
-    """None when `future` succeeded, else one line naming the rollout and the call."""
+def _outcome(future: Future[Any], deadline: float, limit_s: float, client: RolloutClient, what: str) -> str | None:
+    """None when `future` succeeded by `deadline` (monotonic), else one line naming the rollout and the call."""
     try:
-        future.result(timeout_s)
+        future.result(max(deadline - time.monotonic(), 0.0))
         return None
     except FutureTimeout:
-        return f"vLLM rollout {client.name}: {what} not done within vllm.request_timeout_s={timeout_s}s"
+        return f"vLLM rollout {client.name}: {what} not done within vllm.request_timeout_s={limit_s}s"
     except Exception as exc:
         text = str(exc)
         if client.name in text:  # the HTTP client names its URL already

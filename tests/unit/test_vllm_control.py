@@ -254,3 +254,24 @@ def test_workers_per_server_follow_vllms_world_size() -> None:
     assert server_workers({**TP2_PP2, "data_parallel_size": 3}) == 12
     assert server_workers({**TP2_PP2, "world_size": 8, "distributed_executor_backend": "external_launcher"}) == 8
     assert server_workers({"tensor_parallel_size": 4, "prefill_context_parallel_size": 2}) == 8
+
+
+def test_after_a_failed_send_the_servers_updates_are_awaited_together_not_in_turn(servers) -> None:
+    """A failed send leaves every server's update_weights hanging until its worker gives up; the
+    trainer waits for all of them within one vllm.request_timeout_s, not that bound once per server."""
+    import time
+
+    never = threading.Event()
+    rollouts = [servers(block_update=never) for _ in range(3)]
+    ctl = RolloutControl([HTTPRolloutClient(r.url, 10) for r in rollouts], timeout_s=1.5, receive_timeout_s=30)
+
+    def send() -> None:
+        raise PeerError("the send failed (injected)")
+
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="injected"):
+        ctl.run_version(1, send)
+    elapsed = time.monotonic() - t0
+    never.set()
+    ctl.close()
+    assert elapsed < 3.0, f"waited {elapsed:.1f}s: the 1.5 s bound was applied per server (3 servers)"
