@@ -5,6 +5,8 @@ version lands (the group stays usable); a version other than the announced one i
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,6 +105,10 @@ def test_each_update_receives_one_version_bitwise_tensor_by_tensor(tmp_path: Pat
         # the receive loop runs on the receiver's loop thread, the model is only touched from vLLM's
         assert model.load_threads and model.load_threads <= model.rollout_threads, "load_weights off the worker thread"
         assert engine.identity == worker_identity(None, 0) and engine.identity.endswith("-w0")
+        # two servers started from one YAML with one rollout.identity: their rank-0 workers still differ
+        code = "from lightning_weightsync.rollout.vllm.worker import worker_identity as w; print(w('rollout', 0))"
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+        assert other.strip().startswith("rollout-") and other.strip() != worker_identity("rollout", 0)
     finally:
         worker.weight_transfer_engine.shutdown()
         sender.close()

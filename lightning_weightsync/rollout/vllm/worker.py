@@ -186,9 +186,10 @@ def worker_rank() -> int:
 
 
 def worker_identity(base: str | None, rank: int) -> str:
-    """`<rollout.identity or hostname-pid>-w<rank>`: unique per worker process, also across servers
-    on one host (the pid is the worker's own), so two daemons never collide."""
-    return f"{base or f'{socket.gethostname()}-{os.getpid()}'}-w{rank}"
+    """`<rollout.identity or hostname>-<pid>-w<rank>`: unique per worker process, also across servers
+    on one host and across servers started from one YAML with one `rollout.identity` (the pid is the
+    worker's own), so two workers never register under one name."""
+    return f"{base or socket.gethostname()}-{os.getpid()}-w{rank}"
 
 
 class WeightSyncEngineBody:
