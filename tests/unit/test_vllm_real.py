@@ -140,3 +140,20 @@ def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path
     assert got["env"]["VLLM_SERVER_DEV_MODE"] == "1"
     assert OmegaConf.load(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"]).transport.port == 29777
     os.unlink(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"])
+
+
+def test_vllms_own_plugin_discovery_registers_our_engine() -> None:
+    """Through the entry point vLLM itself loads in every process (`load_general_plugins` reads the
+    `vllm.general_plugins` group of the installed distributions), not a direct `plugin.register()`."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
+        "load_general_plugins()\n"
+        "print('lightning_weightsync' in F._registry)\n"
+    )  # a fresh interpreter: nothing of ours imported before vLLM's discovery runs
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout[-2000:]
