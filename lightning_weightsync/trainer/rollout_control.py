@@ -89,15 +89,22 @@ class HTTPRolloutClient:
         self.timeout_s = timeout_s
 
     def _post(
-        self, path: str, body: dict[str, Any] | None = None, query: dict[str, str] | None = None, method: str = "POST"
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        query: dict[str, str] | None = None,
+        method: str = "POST",
+        uncapped: bool = False,
     ) -> Any:
+        """One request, bounded by `vllm.request_timeout_s` unless `uncapped` (see `update_weights`)."""
+        timeout = None if uncapped else self.timeout_s
         target = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(target, data=data, method=method)
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500].decode(errors="replace")
@@ -129,7 +136,10 @@ class HTTPRolloutClient:
         self._post("/start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._post("/update_weights", {"update_info": update_info})
+        # vLLM answers when every worker received the whole version: the request lasts the transfer, which
+        # vllm.request_timeout_s must not cap. Bounded elsewhere: each worker's receive by transport.timeout_s
+        # (update_info.timeout_s), the trainer's wait by RolloutControl (request_timeout_s after the send).
+        self._post("/update_weights", {"update_info": update_info}, uncapped=True)
 
     def finish_weight_update(self, weight_version: str | None) -> None:
         self._post("/finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)

@@ -275,3 +275,21 @@ def test_after_a_failed_send_the_servers_updates_are_awaited_together_not_in_tur
     never.set()
     ctl.close()
     assert elapsed < 3.0, f"waited {elapsed:.1f}s: the 1.5 s bound was applied per server (3 servers)"
+
+
+def test_a_transfer_longer_than_the_request_timeout_is_not_cut_off(servers) -> None:
+    """/update_weights answers when the version is in: the request lasts the whole transfer, which
+    vllm.request_timeout_s (a bound on each control call) must not cap."""
+    import time
+
+    a = servers(block_update=threading.Event())
+    ctl = RolloutControl([HTTPRolloutClient(a.url, 1.0)], timeout_s=1.0, receive_timeout_s=30)
+
+    def send() -> str:
+        time.sleep(2.0)  # a transfer twice as long as the request timeout
+        a.block_update.set()
+        return "sent"
+
+    assert ctl.run_version(1, send) == "sent"
+    assert a.paths()[-1] == "/resume"
+    ctl.close()
