@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -59,20 +59,6 @@ class RolloutClient(Protocol):
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
     def resume(self) -> None: ...
     def workers(self) -> int | None: ...
-
-
-def server_workers(parallel: Mapping[str, Any]) -> int:
-    """The weight receivers one vLLM server runs: every worker process, TP x PCP x PP (vLLM's
-    `ParallelConfig.world_size`) per data-parallel rank (vllm/config/parallel.py, 0.33.0); under
-    the external launcher `world_size` already counts DP."""
-    world = parallel.get("world_size") or (
-        int(parallel.get("tensor_parallel_size") or 1)
-        * int(parallel.get("pipeline_parallel_size") or 1)
-        * int(parallel.get("prefill_context_parallel_size") or 1)
-    )
-    if parallel.get("distributed_executor_backend") == "external_launcher":
-        return int(world)
-    return int(world) * int(parallel.get("data_parallel_size") or 1)
 
 
 class HTTPRolloutClient:
@@ -153,13 +139,12 @@ class HTTPRolloutClient:
         self._post("/resume")
 
     def workers(self) -> int | None:
-        """How many workers (each one receiver) the server runs, from its `GET /server_info` (a dev-mode
-        route, as the weight-update routes are); None when it does not say."""
-        answer = self._post("/server_info", query={"config_format": "json"}, method="GET")
-        try:
-            return server_workers(answer["vllm_config"]["parallel_config"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        """How many workers (each one receiver) the server runs: vLLM's `GET /get_world_size`
+        (TP x PP x PCP x DP with `include_dp`, an RL route like the weight-update ones); None when it
+        does not say."""
+        answer = self._post("/get_world_size", query={"include_dp": "true"}, method="GET")
+        size = answer.get("world_size") if isinstance(answer, dict) else None
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 @dataclass
@@ -222,12 +207,10 @@ class EngineRolloutClient:
             self._call("resume_generation")
 
     def workers(self) -> int | None:
+        # what vLLM's /get_world_size answers: ParallelConfig.world_size_across_dp
         parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
-        if parallel is None:
-            return None
-        names = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
-                 "data_parallel_size", "distributed_executor_backend")  # fmt: skip
-        return server_workers({n: getattr(parallel, n, None) for n in names})
+        size = getattr(parallel, "world_size_across_dp", None)
+        return int(size) if isinstance(size, int) else None
 
 
 @dataclass

@@ -61,13 +61,9 @@ METHODS: list[tuple[str, str, list[str]]] = [
         ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"],
     ),
 ]
-ROUTE_FILES = [
-    "entrypoints/rl/online/api_router.py",
-    "entrypoints/serve/dev/cache/api_router.py",
-    "entrypoints/serve/dev/server_info/api_router.py",
-]
+ROUTE_FILES = ["entrypoints/rl/online/api_router.py", "entrypoints/serve/dev/cache/api_router.py"]
 ROUTES = [
-    "/server_info",
+    "/get_world_size",
     "/pause",
     "/resume",
     "/init_weight_transfer_engine",

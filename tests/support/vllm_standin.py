@@ -177,7 +177,7 @@ class StandInServer:
         "/update_weights": ([], ["update_info"]),
         "/finish_weight_update": ([], ["weight_version"]),
         "/reset_prefix_cache": (["reset_running_requests", "reset_external"], []),
-        "/server_info": (["config_format"], []),  # GET
+        "/get_world_size": (["include_dp"], []),  # GET
     }
 
     def __init__(self, worker: StandInWorker, model: StandInModel, out_dir: Path) -> None:
@@ -281,14 +281,10 @@ class StandInServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 url = urllib.parse.urlparse(self.path)
-                if url.path != "/server_info":
+                if url.path != "/get_world_size":
                     self._answer(404 if url.path not in StandInServer.ROUTES else 405, {"detail": "Not Found"})
                     return
-                # vLLM's dev route dumps the whole VllmConfig; what we read of it: one worker, no parallelism
-                parallel = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
-                            "prefill_context_parallel_size": 1, "world_size": 1,
-                            "distributed_executor_backend": None}  # fmt: skip
-                self._answer(200, {"vllm_config": {"parallel_config": parallel}, "vllm_env": {}, "system_env": {}})
+                self._answer(200, {"world_size": 1})  # one worker: TP x PP x DP = 1
 
             def do_POST(self) -> None:
                 url = urllib.parse.urlparse(self.path)

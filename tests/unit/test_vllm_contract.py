@@ -52,7 +52,7 @@ def test_stand_ins_have_vllms_signatures(ours: type, theirs: str) -> None:
 def test_stand_in_server_has_vllms_routes_and_parameters() -> None:
     routes = {r["path"]: (r["query"], r["body"]) for r in API["routes"]}
     assert {p: (q, b) for p, (q, b) in StandInServer.ROUTES.items()} == routes
-    assert all(r["method"] == ("GET" if r["path"] == "/server_info" else "POST") for r in API["routes"])
+    assert all(r["method"] == ("GET" if r["path"] == "/get_world_size" else "POST") for r in API["routes"])
 
 
 def test_our_engine_overrides_vllms_abstract_methods_with_their_signatures() -> None:

@@ -19,7 +19,6 @@ from lightning_weightsync.trainer.rollout_control import (
     EngineRolloutClient,
     HTTPRolloutClient,
     RolloutControl,
-    server_workers,
 )
 from tests.support.mp import free_port
 
@@ -34,18 +33,18 @@ class Recorder:
         self,
         fail: str | None = None,
         block_update: threading.Event | None = None,
-        parallel: dict[str, Any] | None = None,
+        world_size: int | None = None,
     ) -> None:
         self.calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.fail, self.block_update = fail, block_update
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # vLLM's dev route /server_info?config_format=json
+            def do_GET(self) -> None:  # vLLM's RL route /get_world_size?include_dp=true
                 url = urllib.parse.urlparse(self.path)
                 recorder.calls.append((url.path, dict(urllib.parse.parse_qsl(url.query)), {}))
-                code = 200 if url.path == "/server_info" and parallel is not None else 404
-                payload = json.dumps({"vllm_config": {"parallel_config": parallel}}).encode()
+                code = 200 if url.path == "/get_world_size" and world_size is not None else 404
+                payload = json.dumps({"world_size": world_size}).encode()
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -220,40 +219,30 @@ def test_in_process_async_engine_is_driven_through_its_methods() -> None:
     ]
 
 
-TP2_PP2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "prefill_context_parallel_size": 1,
-           "world_size": 4, "data_parallel_size": 1, "distributed_executor_backend": "mp"}  # fmt: skip
-
-
 def test_min_receivers_below_the_servers_workers_stops_before_anything_is_paused(servers) -> None:
     """Each vLLM worker receives: with fewer receivers required than workers exist, a late worker is
     left out and its server holds tensor-parallel shards of two versions. Checked against what the
-    servers report (vLLM's /server_info), before the first version, naming the number to set."""
-    a, b = servers(parallel=TP2_PP2), servers(parallel={**TP2_PP2, "data_parallel_size": 2})
+    servers report (vLLM's /get_world_size with DP), before the first version, naming the number to set."""
+    a, b = servers(world_size=4), servers(world_size=8)  # TP2 x PP2; TP2 x PP2 x DP2
     ctl = control(a, b, min_receivers=4)
     with pytest.raises(ConfigError, match=r"trainer\.min_receivers=4.* run 12 workers.*set trainer\.min_receivers=12"):
         ctl.run_version(1, lambda: None)
-    assert a.paths() == ["/server_info"] and b.paths() == ["/server_info"]  # nothing paused, nothing sent
+    assert a.paths() == ["/get_world_size"] and b.paths() == ["/get_world_size"]  # nothing paused, nothing sent
+    assert a.calls[0][1] == {"include_dp": "true"}
     ctl.close()
     ok = control(a, b, min_receivers=12)
     ok.run_version(1, lambda: None)
     ok.run_version(2, lambda: None)
-    assert a.paths().count("/server_info") == 2 and a.paths()[-1] == "/resume"  # asked once per control
+    assert a.paths().count("/get_world_size") == 2 and a.paths()[-1] == "/resume"  # asked once per control
     ok.close()
 
 
 def test_a_server_that_does_not_say_is_not_guessed(servers) -> None:
-    a = servers()  # no /server_info (an older vLLM, or dev routes off): a warning, the version runs
+    a = servers()  # no /get_world_size (an older vLLM, or dev routes off): a warning, the version runs
     ctl = control(a, min_receivers=1)
     ctl.run_version(1, lambda: None)
     assert a.paths()[-1] == "/resume"
     ctl.close()
-
-
-def test_workers_per_server_follow_vllms_world_size() -> None:
-    assert server_workers(TP2_PP2) == 4
-    assert server_workers({**TP2_PP2, "data_parallel_size": 3}) == 12
-    assert server_workers({**TP2_PP2, "world_size": 8, "distributed_executor_backend": "external_launcher"}) == 8
-    assert server_workers({"tensor_parallel_size": 4, "prefill_context_parallel_size": 2}) == 8
 
 
 def test_after_a_failed_send_the_servers_updates_are_awaited_together_not_in_turn(servers) -> None:
