@@ -90,6 +90,11 @@ WHEELS: list[tuple[str, str]] = [
     ("packaging", "packaging"),
     ("typing_extensions", "typing_extensions"),
 ]
+# NIXL for the nixl_stream step, which no GPU image has: the CUDA-13 build (the GPU machine's torch is CUDA 13) of
+# the release this environment's nixl-cu12 is (what the CPU tests ran; NIXL_VERSION without one), cut down to what
+# the nixl backend loads by benchmarks/nixl_wheel.py: the full wheel (59 MiB) would not fit beside the rest of
+# what the device tool carries (64 MiB in all).
+NIXL_GPU_DIST, NIXL_GPU_MODULE, NIXL_VERSION = "nixl-cu13", "nixl_cu13", "1.5.1"
 PLATFORM_ARGS = [
     "--only-binary=:all:",
     "--python-version",
@@ -144,10 +149,47 @@ def prepare(wheel_dir: Path = WHEEL_DIR) -> int:
         entry["file"] = next((f for f in files if _normalize(f.split("-")[0]) == stem), None)
         if entry["file"] is None:
             raise SystemExit(f"no wheel downloaded for {entry['dist']}")
+    entries.append(_prepare_nixl(wheel_dir))
+    files = sorted(p.name for p in wheel_dir.glob("*.whl"))
     (wheel_dir / MANIFEST).write_text(json.dumps({"python": "3.12", "wheels": entries}, indent=2))
     total = sum(p.stat().st_size for p in wheel_dir.iterdir())
-    print(f"{len(files)} wheels, {total / MiB:.1f} MiB in {wheel_dir} (carry it: it is git-ignored)")
+    print(
+        f"{len(files)} wheels, {total / MiB:.1f} MiB in {wheel_dir} (carry it: it is git-ignored; the device tool "
+        "carries 64 MiB of working tree in all)"
+    )
     return 0
+
+
+def _prepare_nixl(wheel_dir: Path) -> dict[str, Any]:
+    """Download the GPU machine's NIXL wheel and write its cut-down copy into `wheel_dir`; its manifest entry."""
+    from importlib import metadata
+
+    from benchmarks.nixl_wheel import strip_nixl_wheel
+
+    try:
+        version = metadata.version("nixl-cu12")
+    except metadata.PackageNotFoundError:
+        version = NIXL_VERSION
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", tmp]
+        cmd.append(f"{NIXL_GPU_DIST}=={version}")
+        print("$ " + " ".join(cmd))
+        subprocess.run(cmd, check=True, timeout=600)
+        (source,) = Path(tmp).glob("*.whl")
+        report = strip_nixl_wheel(source, wheel_dir)
+    print(
+        f"  {report.source} ({report.source_bytes / MiB:.1f} MiB) -> {report.output} ({report.output_bytes / MiB:.1f}"
+        f" MiB): the UCX plug-in, UCX and its {report.notes['ucx_modules']} modules kept, {len(report.dropped)} "
+        "files dropped (benchmarks/nixl_wheel.py says which and why)"
+    )
+    return {
+        "dist": NIXL_GPU_DIST,
+        "version": version,
+        "module": NIXL_GPU_MODULE,
+        "file": report.output,
+        "cut_from": report.source,
+        "cut_from_bytes": report.source_bytes,
+    }
 
 
 def _normalize(name: str) -> str:
@@ -215,6 +257,7 @@ STEPS = [  # quick ones first: a step that hangs to its timeout costs the later 
     Step("pack_merge", 60, 30, "split+pack and merge into= on the GPU vs device memcpy"),
     Step("event_fence", 45, 20, "CUDA-event buffer reuse in NcclBackend.broadcast, with a negative control"),
     Step("cuda_ipc_stream", 200, 60, "cuda_ipc, 2 processes on 1 GPU, Qwen3-8B-shaped bf16 stream, bitwise + ratio"),
+    Step("nixl_stream", 120, 60, "nixl, VRAM to VRAM, 2 processes on 1 GPU, vs raw NIXL READ of the same bytes"),
     Step("lightning_fsdp", 150, 60, "1-GPU Lightning FSDP2 + WeightSyncCallback -> cuda_ipc receiver, bitwise"),
     Step("nccl", 120, 45, "NCCL between cuda:0 and cuda:1 (needs 2 GPUs)"),
 ]
@@ -243,6 +286,22 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
             "scale": 1,
             "rounds": [[512.0, 3], [32.0, 2]],
             "workers_timeout_s": 190,
+        }
+    if name == "nixl_stream":
+        if dry:
+            return {
+                "backend": "nixl",
+                "devices": ["cpu", "cpu"],
+                "scale": 64,
+                "rounds": [[0.5, 2]],
+                "workers_timeout_s": 50,
+            }
+        return {  # Qwen3-8B / 2 (3.8 GiB): room left in the kit's budget should UCX find only a slow path
+            "backend": "nixl",
+            "devices": ["cuda:0", "cuda:0"],
+            "scale": 2,
+            "rounds": [[256.0, 3]],
+            "workers_timeout_s": 110,
         }
     if name == "nccl":
         if dry:
@@ -364,6 +423,8 @@ def step_env(params: dict[str, Any], dry: bool) -> dict[str, Any]:
         "accelerate",
         "cupy-cuda13x",
         "cupy-cuda12x",
+        "nixl-cu13",
+        "nixl-cu12",
         "safetensors",
         "pyzmq",
         "omegaconf",
@@ -585,6 +646,10 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
         torch.cuda.empty_cache()
     baseline_s = min(times)
     progress(f"sender: baseline copy {nbytes / baseline_s / 1e9:.1f} GB/s")
+    if params.get("raw_nixl"):  # the nixl step: raw NIXL between these same two processes first
+        from benchmarks.device_nixl import raw_nixl_sender
+
+        raw_nixl_sender(params, to_recv, to_send, device)
     rounds = []
     for bucket_mb, versions in params["rounds"]:
         cfg = _cfg(0, params["backend"], bucket_mb, str(device), identity="device-check-trainer")
@@ -654,6 +719,11 @@ def stream_receiver(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[
         torch.cuda.set_device(device)
     specs = stream_specs(params["scale"])
     dests = {n: torch.empty(s, dtype=d, device=device) for n, s, d in specs}
+    raw = None
+    if params.get("raw_nixl"):  # the nixl step: raw NIXL of the stream's byte count first
+        from benchmarks.device_nixl import raw_nixl_receiver
+
+        raw = raw_nixl_receiver(params, to_recv, to_send, device, sum(t.nbytes for t in dests.values()))
     rounds = []
     for bucket_mb, versions in params["rounds"]:
         _, port = _get(to_recv, 150, "sender port")
@@ -692,7 +762,7 @@ def stream_receiver(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[
 
         asyncio.run(receive_round())
         rounds.append({"bucket_mb": bucket_mb, "versions": per_version})
-    return {"device": str(device), "rounds": rounds}
+    return {"device": str(device), "rounds": rounds, **({"raw_nixl": raw} if raw is not None else {})}
 
 
 def run_processes(targets: list[tuple[Callable[..., Any], tuple[Any, ...]]], timeout_s: float) -> list[Any]:
@@ -769,6 +839,8 @@ def _stream_pair(params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             "ratio_vs_copy": rounds[0]["ratio_vs_copy"] if rounds else None,
         }
     )
+    if "raw_nixl" in got:
+        out["raw_nixl"] = got["raw_nixl"]
     out.update(_checks({"bitwise": out["bitwise"]}))
     return out
 
@@ -784,6 +856,12 @@ def step_cuda_ipc(params: dict[str, Any], dry: bool) -> dict[str, Any]:
         "the engine copies every byte twice (pack, merge), so 0.5 is its ceiling"
     )
     return out
+
+
+def step_nixl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
+    from benchmarks.device_nixl import step_nixl as run
+
+    return run(params, dry)
 
 
 def step_nccl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
@@ -1076,6 +1154,7 @@ _STEP_FUNCS: dict[str, Callable[[dict[str, Any], bool], dict[str, Any]]] = {
     "env": step_env,
     "pytest_gpu": step_pytest,
     "cuda_ipc_stream": step_cuda_ipc,
+    "nixl_stream": step_nixl,
     "pack_merge": step_pack_merge,
     "event_fence": step_event_fence,
     "lightning_fsdp": step_lightning,
@@ -1188,6 +1267,18 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
             return (
                 f"bitwise {str(r['bitwise']).lower()}; {r['num_tensors']} tensors, {_size(r['nbytes'])}, "
                 f"{r['backend']}; copy baseline {r['baseline_copy_gbps']:.3g} GB/s; {rounds}"
+            )
+        if name == "nixl_stream":
+            raw = r["raw_nixl"]
+            rounds = ", ".join(
+                f"{x['bucket_mb']:g} MiB buckets {x['best_gbps']:.3g} GB/s (ratio {x['ratio_vs_raw_nixl']:.3f} of raw "
+                f"NIXL, {x['ratio_vs_copy']:.3f} of copy)"
+                for x in r["rounds"]
+            )
+            return (
+                f"bitwise {str(r['bitwise']).lower()}; {r['num_tensors']} tensors, {_size(r['nbytes'])}, "
+                f"{raw['mem_type']}; raw NIXL READ {raw['read_gbps']:.3g} GB/s "
+                f"(bitwise {str(raw['bitwise']).lower()}); {rounds}"
             )
         if name == "pack_merge":
             return (

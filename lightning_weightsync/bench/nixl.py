@@ -68,13 +68,14 @@ def _wait(agent: Any, handle: Any) -> None:
 
 
 def _pieces(agent: Any, op: str, local: list[torch.Tensor], remote: list[tuple[int, int]], peer: str, total: int,
-            bucket: int) -> float:  # fmt: skip
-    """Seconds to move `total` bytes in `bucket`-byte pieces, alternating the two slots (one request per piece)."""
+            bucket: int, mem_type: str = "DRAM", device_id: int = 0) -> float:  # fmt: skip
+    """Seconds to move `total` bytes in `bucket`-byte pieces, alternating the two slots (one request per piece).
+    Both sides' slots are `mem_type` on `device_id` (the GPU kit runs this VRAM to VRAM on one GPU)."""
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, total, bucket)):
         n = min(bucket, total - start)
-        here = agent.get_xfer_descs([(local[i % 2].data_ptr(), n, 0)], "DRAM")
-        there = agent.get_xfer_descs([(remote[i % 2][0], n, 0)], "DRAM")
+        here = agent.get_xfer_descs([(local[i % 2].data_ptr(), n, device_id)], mem_type)
+        there = agent.get_xfer_descs([(remote[i % 2][0], n, device_id)], mem_type)
         handle = agent.initialize_xfer(op, here, there, peer)
         _wait(agent, handle)
         handle.release()
