@@ -14,6 +14,10 @@ writes a JSON + text report to $OUT (else ./out/device_check/):
   event_fence      CUDA-event buffer reuse: NcclBackend.broadcast waits for the packing event before its
                    stream reads the bucket, and returns only when that stream finished (so the double-buffered
                    bucket is never repacked while a broadcast still reads it); with a negative control
+  nixl_stream      two processes on one GPU, transport.backend=nixl: VRAM to VRAM through UCX, a Qwen3-8B / 2
+                   stream after raw NIXL READs of the same bytes between the same processes (the baseline):
+                   bitwise, GB/s, ratio to raw NIXL (benchmarks/device_nixl.py; NIXL travels as a cut-down
+                   nixl-cu13, benchmarks/nixl_wheel.py)
   lightning_fsdp   a 1-GPU Lightning FSDP2 (ModelParallelStrategy) run with WeightSyncCallback into a cuda_ipc
                    receiver in another process (the GPU gather path), final weights compared bitwise
   nccl             the same stream as cuda_ipc_stream over NCCL between cuda:0 and cuda:1; skipped with the
@@ -21,8 +25,8 @@ writes a JSON + text report to $OUT (else ./out/device_check/):
 
 Every step runs in its own subprocess (own process group) with its own timeout, inside one overall
 budget; a step that fails, hangs or crashes records its traceback / log tail and the others still run.
-`--dry-run` runs the same steps on CPU with tiny sizes (shm stands in for cuda_ipc, gloo for nccl, the
-FSDP run uses gloo) so CI keeps the kit from rotting (tests/integration/test_device_check.py).
+`--dry-run` runs the same steps on CPU with tiny sizes (shm stands in for cuda_ipc, gloo for nccl, nixl
+moves host memory, the FSDP run uses gloo) so CI keeps the kit from rotting (tests/integration/test_device_check.py).
 
     python -m benchmarks.device_check [--dry-run] [--out DIR] [--budget-s 450] [--only a,b]
     python -m benchmarks.device_check --prepare   # here (PyPI access): wheels for the GPU machine

@@ -170,6 +170,19 @@ PLANTS = [
           "            if not keep and name.endswith('bias') and isinstance(tensor, DTensor):\n"
           "                continue\n",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp2")),
+    # -- the GPU kit's nixl step and the cut-down NIXL wheel it carries (issue 21)
+    Plant("nixl wheel: the UCX plug-in left out of the cut", "benchmarks/nixl_wheel.py",
+          '        roots += [f"{meson_libs}plugins/libplugin_{p}.so" for p in KEPT_PLUGINS]\n', "",
+          ("tests/unit/test_nixl_wheel.py",)),
+    Plant("nixl wheel: the libraries a kept one links not followed", "benchmarks/nixl_wheel.py",
+          "                    todo += by_basename[needed]", "                    pass",
+          ("tests/unit/test_nixl_wheel.py", "-k", "installs_imports")),
+    Plant("nixl wheel: the cut's own check removed", "benchmarks/nixl_wheel.py",
+          "    if absent:\n        raise WheelStripError", "    if False:\n        raise WheelStripError",
+          ("tests/unit/test_nixl_wheel.py", "-k", "refused")),
+    Plant("device check: the raw NIXL READs not made", "benchmarks/device_nixl.py",
+          'times.append(_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
+          "times.append(1.0)", ("tests/integration/test_device_check.py", "-k", "complete_report")),
 ]  # fmt: skip
 
 

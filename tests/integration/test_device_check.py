@@ -1,6 +1,6 @@
 """The GPU validation kit (`./dev device-check`, benchmarks/device_check.py) kept from rotting on CPU:
 its `--dry-run` runs every step with tiny sizes and CPU stand-ins (shm for cuda_ipc, gloo for nccl,
-a 1-process FSDP2 Lightning run over gloo) and must write a complete report; a broken step is
+host memory for nixl, a 1-process FSDP2 Lightning run over gloo) and must write a complete report; a broken step is
 recorded with its traceback while the others still run."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
+from tests.support.engine import NIXL_MISSING
 from tests.support.mp import PYTHON, output_of, popen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,18 @@ def test_dry_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert len(steps["cuda_ipc_stream"]["rounds"]) == 2  # two bucket sizes
     for row in steps["pack_merge"]["results"]:
         assert row["split_pack_ratio"] > 0 and row["merge_into_ratio"] > 0
+    # the nixl step: our backend between two processes (host memory here), raw NIXL of the same bytes beside it
+    nixl = steps["nixl_stream"]
+    if NIXL_MISSING is None:
+        assert nixl["status"] == "ok", (nixl.get("error"), nixl.get("failed_checks"), nixl.get("log_tail"))
+        assert nixl["backend"] == "nixl" and nixl["bitwise"] is True and nixl["num_tensors"] == 399 + 4
+        raw = nixl["raw_nixl"]
+        assert raw["mem_type"] == "DRAM" and raw["bitwise"] is True and raw["read_gbps"] > 0 and raw["pieces"] > 2
+        assert nixl["ratio_vs_raw_nixl"] > 0 and nixl["failed_checks"] == []
+        for rnd in nixl["rounds"]:
+            assert rnd["bitwise"] is True and rnd["ratio_vs_raw_nixl"] > 0 and len(rnd["versions"]) == 2
+    else:
+        assert nixl["status"] == "skipped" and "NIXL" in nixl["reason"]
     fsdp = steps["lightning_fsdp"]
     assert fsdp["bitwise"] is True and fsdp["versions"] == [0, 1, 2] and fsdp["failed_checks"] == []
     # no GPU here: the CUDA-event check says why it did not run
