@@ -16,9 +16,8 @@ k+1's READ while bucket k's is still moving (both of the sender's slots in fligh
 lightning_weightsync.bench.nixl --bucket-mb 16` (244 MiB stream, 2-core machine under a load of 5-7), four
 interleaved runs each: 0.98-1.58 s/GiB with each READ waited before the next was posted, 0.54-0.81 s/GiB
 posted ahead (ratio to raw NIXL READ 0.07-0.14 -> 0.13-0.37; gloo in the same runs 1.3-2.4 s/GiB both times).
-Receivers do not move in lockstep: each one reads at its own
-pace, and a slow one holds the others back by at most the slots (the sender cannot repack slot k % 2
-before the slowest receiver read bucket k).
+Receivers do not move in lockstep: each one reads at its own pace, and a slow one holds the others back by
+at most the slots (the sender cannot repack slot k % 2 before the slowest receiver read bucket k).
 
 Why READ and not WRITE (the sender pushing into every receiver's slot): measured, the two are the same
 speed (DRAM to DRAM between two processes over UCX, 2-core CI machine, `python -m
