@@ -40,4 +40,5 @@ class SinkError(WeightSyncError):
 
 
 class BackendUnavailable(WeightSyncError, ImportError):
-    """An optional backend's dependency or hardware is missing; names the extra to install."""
+    """An optional dependency (of a backend, an integration such as Lightning, or vLLM) or the hardware is
+    missing; names the extra to install."""

@@ -157,7 +157,7 @@ class RolloutDaemon:
 
     def _dump(self) -> None:
         """Write what the sink serves to `dump_path` (for sinks that can say: `Sink.snapshot`)."""
-        from safetensors.torch import save_file
+        from .sinks.safetensors import write_safetensors
 
         sink, path = self.sink, self.dump_path
         snapshot = sink.snapshot() if sink is not None and sink.version is not None else None
@@ -166,7 +166,7 @@ class RolloutDaemon:
             return
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         meta = {"version": str(sink.version), "state": sink.state.value}
-        save_file({k: v.cpu().contiguous() for k, v in snapshot.items()}, str(tmp), metadata=meta)
+        write_safetensors(snapshot, tmp, meta)
         os.replace(tmp, path)
         logger.info("wrote the sink's version %d to %s", sink.version, path)
 

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import load_config
-from ..errors import WeightSyncError
+from ..errors import BackendUnavailable, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
 from .names import served_child
@@ -25,7 +25,14 @@ from .names import served_child
 try:
     import lightning.pytorch as pl
 except ImportError:  # pragma: no cover - the standalone `pytorch_lightning` package
-    import pytorch_lightning as pl  # type: ignore[no-redef]
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError:
+        raise BackendUnavailable(
+            "WeightSyncCallback needs Lightning: pip install 'lightning_weightsync[lightning]' (lightning>=2.2; "
+            "the standalone pytorch_lightning package works too). Accelerate users: AccelerateWeightSync needs "
+            "neither"
+        ) from None
 
 logger = logging.getLogger(__name__)
 

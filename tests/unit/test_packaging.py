@@ -5,7 +5,9 @@ import of an undeclared package (PyYAML was one)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -58,3 +60,63 @@ def test_runtime_dependencies_are_exactly_what_the_library_imports() -> None:
     undeclared = {d: f for d, f in imported.items() if d not in required | extras | optional_import_names}
     assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"
     assert "pyyaml" in required  # config.py imports yaml
+
+
+# Issue 25 items 5-6: what a fresh `pip install lightning_weightsync` on CPU torch lacks. torch's CPU wheels
+# do not depend on numpy, and lightning is an extra; this venv has both, so a child interpreter makes them
+# unimportable (a meta-path finder that says "no such module", as a fresh venv would) and runs a real
+# safetensors-sink version, the daemon's dump file and the top-level lazy import of the Lightning callback.
+WITHOUT_EXTRAS = r"""
+import sys
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numpy", "lightning", "pytorch_lightning"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, NotInstalled())
+import warnings
+
+warnings.simplefilter("ignore")  # torch warns once that it runs without numpy
+import torch
+from safetensors.torch import load_file
+
+from lightning_weightsync import BackendUnavailable, load_config
+from lightning_weightsync.protocol.chunks import TensorMeta
+from lightning_weightsync.rollout.sinks import build_sink
+from lightning_weightsync.rollout.sinks.safetensors import write_safetensors
+
+out = sys.argv[1]
+sink = build_sink(load_config(overrides=["rollout.sink.type=safetensors", f"rollout.sink.dir={out}"]))
+weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
+sink.begin(1)
+for name, tensor in weights.items():
+    sink.destination(TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, tensor.nbytes))
+    sink.accept(name, tensor)
+sink.commit(1)
+got = load_file(str(sink.latest_path))
+assert all(torch.equal(got[n], t) for n, t in weights.items()), got
+write_safetensors(weights, f"{out}/dump.safetensors", {"version": "1"})  # the daemon's --dump
+got = load_file(f"{out}/dump.safetensors")
+assert all(torch.equal(got[n], t) for n, t in weights.items()), got
+try:
+    from lightning_weightsync import WeightSyncCallback  # noqa: F401
+except BackendUnavailable as exc:
+    print("ERROR:", exc)
+assert "numpy" not in sys.modules
+"""
+
+
+def test_a_fresh_install_without_numpy_or_lightning(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRAS, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the safetensors sink wrote a version without numpy; the missing extra is named, not 'pytorch_lightning'
+    assert "pip install 'lightning_weightsync[lightning]'" in proc.stdout, proc.stdout

@@ -45,6 +45,7 @@ The aliases are recorded in the header's `__metadata__["tied"]` (JSON) for anyon
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -104,6 +105,36 @@ for _name, _code in (
 
 def step_path(directory: str | os.PathLike[str], version: int) -> Path:
     return Path(directory) / f"step_{version}.safetensors"
+
+
+def _buffer(data: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor as a zero-copy buffer, without numpy (`Tensor.numpy()`
+    needs it, and CPU torch does not depend on it: a fresh install's daemon died on its first version).
+    Valid while `data` is alive."""
+    return memoryview((ctypes.c_uint8 * data.numel()).from_address(data.data_ptr())).cast("B")
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str]) -> None:
+    """A whole safetensors file in one go (the daemon's dump on exit), by hand like the sink: the format's
+    own `save_file` needs numpy, which a CPU torch install may lack."""
+    entries: dict[str, object] = {"__metadata__": metadata}
+    datas, offset = [], 0
+    for name, tensor in tensors.items():
+        code = SAFETENSORS_DTYPES.get(tensor.dtype)
+        if code is None:
+            raise SinkError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        data = as_bytes(tensor.detach().cpu())
+        entries[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.numel()]}
+        datas.append(data)
+        offset += data.numel()
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header = header.ljust((len(header) + 7) // 8 * 8, b" ")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for data in datas:
+            if data.numel():
+                f.write(_buffer(data))
 
 
 def _fsync_file(path: Path) -> None:
@@ -212,7 +243,7 @@ class SafetensorsSink(Sink):
         data = as_bytes(tensor.detach().cpu())
         nbytes = data.numel()
         if nbytes:
-            self._file.write(memoryview(data.numpy()))
+            self._file.write(_buffer(data))
         self._entries[name] = {
             "dtype": code,
             "shape": list(tensor.shape),
