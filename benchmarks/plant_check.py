@@ -74,9 +74,9 @@ PLANTS = [
           "        if envelope.seq <= last:", "        if envelope.seq < last:",
           ("tests/unit/test_security.py", "-k", "replays")),
     Plant("receiver: a failed version counted as complete", f"{PKG}/engine/receiver.py",
-          '            await self._send_ack(plan.version, False, f"{type(exc).__name__}: {exc}")',
+          "            await self._send_ack(plan.version, False, explain(exc))",
           "            self.last_complete_version = plan.version\n"
-          '            await self._send_ack(plan.version, False, f"{type(exc).__name__}: {exc}")',
+          "            await self._send_ack(plan.version, False, explain(exc))",
           ("tests/integration/test_engine.py", "-k", "destination_that_raises")),
     # -- the receiver's failure paths (issue 18: each passed the whole suite when planted)
     Plant("receiver: a stale Prepare for the version just received answered", f"{PKG}/engine/receiver.py",
@@ -187,6 +187,24 @@ PLANTS = [
     Plant("device check: the raw NIXL READs not made", "benchmarks/device_nixl.py",
           'times.append(_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
           "times.append(1.0)", ("tests/integration/test_device_check.py", "-k", "complete_report")),
+    # -- issue 25 item 8: failure paths that passed the whole suite when planted
+    Plant("gather: FSDP1's freed views treated as stable", f"{PKG}/trainer/gather.py",
+          "    return not _fsdp1_units(module)", "    return True",
+          ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp1")),
+    Plant("driver: the gather not joined when the send never started", f"{PKG}/trainer/driver.py",
+          "                for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' "
+          "gathers\n                    pass\n", "                pass\n",
+          ("tests/integration/test_driver.py", "-k", "never_started")),
+    Plant("driver: every error treated as recoverable", f"{PKG}/trainer/driver.py",
+          "RECOVERABLE if isinstance(error, WeightSyncError) else FATAL", "RECOVERABLE",
+          ("tests/integration/test_driver.py", "-k", "bug_is_not")),
+    Plant("rollout control: sessions left open when another rollout's start failed",
+          f"{PKG}/trainer/rollout_control.py",
+          "                self._finish(started, None)  # close the sessions that did open\n", "",
+          ("tests/unit/test_vllm_control.py", "-k", "start_failed")),
+    Plant("config: transport.direct_min_mb=0 (documented) rejected", f"{PKG}/config.py",
+          "0 <= direct <= MAX_BUCKET_SIZE_MB", "0 < direct <= MAX_BUCKET_SIZE_MB",
+          ("tests/unit/test_config.py", "-k", "direct_min_mb_zero")),
 ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
     lightning-weightsync rollout --config recipe.yaml key=value ...
     lightning-weightsync config show [--config recipe.yaml] [key=value ...]
     lightning-weightsync demo
-    lightning-weightsync bench [--json]
+    lightning-weightsync bench [--json] [--size small|default] [--only NAME]
 
 Config and connection problems end the command with one line saying what is wrong and one saying
 how to fix it (exit code 2), never a traceback: they are the user's to fix, not bugs.
@@ -91,6 +91,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("chunking", "engine", "latency", "nixl", "stall")  # modules of lightning_weightsync/bench/
+SINK_HELP = f"""sinks (rollout.sink.type=...; docs/configuration.md has every knob):
+  module       (the default) load each version into a torch module built by your function:
+               rollout.sink.factory=package.module:function [rollout.sink.options={{...}}]
+  safetensors  write <dir>/step_<version>.safetensors (or checkpoint directories):
+               rollout.sink.dir=DIR [rollout.sink.keep_last=3] [rollout.sink.template_dir=HF_DIR]
+  callable     hand each version to your function: rollout.sink.target=package.module:function
+  vllm         exec `vllm serve` that receives every version: rollout.sink.target=MODEL
+
+example: {PROG} rollout --config recipe.yaml rollout.sink.type=safetensors rollout.sink.dir=/tmp/versions
+"""  # config.SinkType's members, each with what it needs (a test keeps the two in step)
+BENCH_SIZES = ("small", "default")  # bench.BENCH_SIZES (not imported here: `--help` stays instant)
 
 
 def _find_benchmark(name: str) -> ModuleType | None:
@@ -104,7 +115,11 @@ def _find_benchmark(name: str) -> ModuleType | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run each benchmark's `run(json_out)`; with --json, print one JSON object keyed by benchmark."""
+    """Run each benchmark's `run(json_out, **SIZES[size])`; with --json, print one JSON object keyed by
+    benchmark. What runs, for about how long, goes to stderr first (the engine benchmark alone takes
+    minutes at the default size)."""
+    from .bench import duration
+
     names = args.only or list(BENCHMARKS)
     missing: list[str] = []
     results: dict[str, object] = {}
@@ -116,12 +131,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"{PROG}: {message}", file=sys.stderr if args.json else sys.stdout)
             missing.append(name)
             continue
+        kwargs = getattr(module, "SIZES", {}).get(args.size, {})
+        estimate = getattr(module, "ESTIMATE_S", {}).get(args.size)
+        about = f", about {duration(estimate)} on a 2-core machine" if estimate else ""
+        print(f"== {name} (--size {args.size}{about})", file=sys.stderr, flush=True)
         if args.json:  # the benchmarks' own tables go nowhere; their returned results become one document
             with contextlib.redirect_stdout(io.StringIO()):
-                results[name] = module.run(json_out=False)
+                results[name] = module.run(json_out=False, **kwargs)
         else:
-            print(f"== {name}")
-            module.run(json_out=False)
+            module.run(json_out=False, **kwargs)
     if args.json:
         print(json.dumps({"results": results, "missing": missing}, indent=2, default=str))
     return 1 if missing else 0
@@ -140,7 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{rollout,config,demo,bench}")
 
-    p = sub.add_parser("rollout", help="run the rollout daemon: receive every version into the configured sink")
+    p = sub.add_parser(
+        "rollout",
+        help="run the rollout daemon: receive every version into the configured sink",
+        description="Receive every version the trainer sends into the configured sink, until SIGTERM / SIGINT.",
+        epilog=SINK_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_config_args(p)
     p.add_argument("--stats-jsonl", metavar="FILE", help="append one JSON line per version outcome")
     p.add_argument("--dump-on-exit", metavar="FILE.safetensors", help="module sink: write what it holds on exit")
@@ -162,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the benchmarks and print their ratios to same-run baselines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
+    p.add_argument(
+        "--size",
+        choices=BENCH_SIZES,
+        default="default",
+        help="small: every benchmark scaled down (about a minute or two in all, noisier ratios); default: the "
+        "documented figures (the engine benchmark alone takes minutes)",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 

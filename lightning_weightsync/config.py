@@ -6,6 +6,8 @@ instead of hours later in the middle of a training run.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import enum
 import math
 import os
@@ -17,7 +19,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import ConfigError
 from .transport.backends import BACKENDS
@@ -255,7 +257,7 @@ def load_config(
             try:
                 loaded = OmegaConf.load(p)
             except yaml.YAMLError as exc:
-                raise ConfigError(f"config file {p} is not valid YAML: {_first_line(exc)}") from None
+                raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {p} must hold a mapping at top level")
             cfg = OmegaConf.merge(cfg, loaded)
@@ -279,6 +281,9 @@ def load_config(
         raise ConfigError(f"{_wrong_type_key(cfg, base, path)}: wrong type ({exc})") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        unknown = _unknown_keys(base, path, overrides)
+        if len(unknown) > 1:  # every unknown key at once, not one per attempt
+            raise ConfigError(f"invalid config keys {', '.join(unknown)}: not fields of the config") from None
         choice = _BAD_CHOICE.match(_first_line(exc))
         if choice:  # an Enum field: say it the way every other bad value is said
             raise ConfigError(f"{key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}") from None
@@ -286,6 +291,67 @@ def load_config(
     assert isinstance(cfg, DictConfig)
     validate_config(cfg)
     return cfg
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the YAML parser objects to and where (1-based line and column), on one line."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem or _first_line(exc)}" + (f" ({context})" if context else "")
+
+
+def _unknown_keys(base: Any, path: Any, overrides: Sequence[str]) -> list[str]:
+    """Every key of `base`, the file at `path` and the overrides that is not a field of the structured
+    config (each followed by `(did you mean ...?)` when a field is spelled alike), in the order given."""
+    defaults = default_config()
+    trees: list[Any] = [base]
+    with contextlib.suppress(Exception):  # a file that does not load was reported already
+        trees.append(OmegaConf.load(Path(path)) if path is not None else None)
+    for override in overrides:
+        with contextlib.suppress(Exception):
+            trees.append(OmegaConf.from_dotlist([override]))
+    found: list[str] = []
+    for tree in trees:
+        if tree is None:
+            continue
+        container = OmegaConf.to_container(OmegaConf.create(tree), resolve=False)
+        if isinstance(container, dict):
+            found += [k for k in _unknown_in(defaults, "", container) if k not in found]
+    fields = _walk_keys(defaults)
+    out = []
+    for key in found:
+        section, _, name = key.rpartition(".")
+        siblings = [f.rpartition(".")[2] for f in fields if f.rpartition(".")[0] == section]
+        alike = difflib.get_close_matches(name, siblings, n=1)
+        out.append(f"{key} (did you mean {section + '.' if section else ''}{alike[0]}?)" if alike else key)
+    return out
+
+
+def _unknown_in(cfg: Any, prefix: str, tree: dict[Any, Any]) -> list[str]:
+    out: list[str] = []
+    for k, value in tree.items():
+        key = f"{prefix}{k}"
+        try:
+            OmegaConf.merge(cfg, _nested(key, {} if isinstance(value, dict) else value))
+        except ConfigKeyError:
+            out.append(key)
+            continue
+        except (OmegaConfBaseException, TypeError):
+            continue  # a wrong type or value: reported by its own check
+        if isinstance(value, dict):
+            out += _unknown_in(cfg, key + ".", value)
+    return out
+
+
+def _walk_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a config, sections included (a misspelt section is matched too)."""
+    out: list[str] = []
+    if isinstance(node, DictConfig):
+        for k in node:
+            out.append(f"{prefix}{k}")
+            out += _walk_keys(node[k], f"{prefix}{k}.")
+    return out
 
 
 def _expected(cfg: Any, key: str) -> str:

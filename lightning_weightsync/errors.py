@@ -42,3 +42,21 @@ class SinkError(WeightSyncError):
 class BackendUnavailable(WeightSyncError, ImportError):
     """An optional dependency (of a backend, an integration such as Lightning, or vLLM) or the hardware is
     missing; names the extra to install."""
+
+
+_UNSAID = {
+    "CancelledError": "cancelled: the process is stopping, or the caller gave up on it",
+    "TimeoutError": "a wait expired",
+    "KeyboardInterrupt": "interrupted (SIGINT)",
+}
+
+
+def explain(exc: BaseException) -> str:
+    """`Type: message` for logs, acks and abort reasons. Some exceptions carry no message (a cancellation,
+    a bare timeout), and a reason that reads `CancelledError: ` tells an operator nothing: those say
+    what they mean instead."""
+    text = str(exc).strip()
+    name = type(exc).__name__
+    if text:
+        return f"{name}: {text}"
+    return f"{name} ({_UNSAID.get(name, 'no message')})"

@@ -38,6 +38,10 @@ DEFAULT_BUCKET_SIZE = 32 * MiB
 DEFAULT_TOTAL_BYTES = 256 * MiB
 GOAL_RATIO = 0.8
 GOAL_MIN_TENSOR_SIZE = 4 * MiB
+SIZES: dict[str, dict[str, Any]] = {"small": {"total_bytes": 64 * MiB, "repeats": 2}, "default": {}}
+"""`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
+ESTIMATE_S = {"small": 10.0, "default": 140.0}
+"""Seconds each size took on the 2-core development machine (printed before the run starts)."""
 
 
 def _fmt_size(nbytes: int) -> str:

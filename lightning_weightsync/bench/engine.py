@@ -40,11 +40,20 @@ import torch
 import torch.distributed as dist
 
 from ..transport.process import free_port
+from . import CaseProgress
 
 MiB = 1024 * 1024
 GOAL_THROUGHPUT = 0.9
 GOAL_SMALL_SPEEDUP = 3.0
 SLACK_BYTES = 16 * MiB  # interpreter, sockets, allocator rounding: not data
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {"scale": 16, "moe_scale": 16, "bucket_mbs": (64,), "receivers": (1, 2), "fractions": (0.5,),
+              "repeats": 1},
+    "default": {},
+}  # fmt: skip
+"""`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
+ESTIMATE_S = {"small": 71.0, "default": 900.0}
+"""Seconds each size took on the 2-core development machine (printed before the run starts)."""
 
 
 class _RssPeak:
@@ -422,41 +431,49 @@ def run(
     growth (seconds per GiB as the model grows, and for the fused-expert MoE shape), small tensors
     (the engine vs one broadcast per tensor, on loopback: see `bench.latency` for a real link)."""
     report: dict[str, Any] = {"goal_ratio": GOAL_THROUGHPUT, "goal_small_speedup": GOAL_SMALL_SPEEDUP}
+    plan: list[tuple[str, int, dict[str, Any]]] = []  # (section, processes, case), in the order they run
     if "throughput" in sections:
-        rows = report["throughput"] = []
-        for bucket_mb in bucket_mbs:
-            for into in (True, False):
-                case = {"kind": "model", "scale": scale, "bucket_mb": bucket_mb, "into": into}
-                rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+        plan += [
+            ("throughput", 2, {"kind": "model", "scale": scale, "bucket_mb": bucket_mb, "into": into})
+            for bucket_mb in bucket_mbs
+            for into in (True, False)
+        ]
     if "auth" in sections:  # the cost of CURVE + signing, next to the same case without a token
-        rows = report["auth"] = []
-        for auth in (False, True):
-            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "auth": auth}
-            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+        plan += [
+            ("auth", 2, {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "auth": auth})
+            for auth in (False, True)
+        ]
     if "direct_min" in sections:  # how transport.direct_min_mb's default was chosen
-        rows = report["direct_min"] = []
-        for direct_min_mb in direct_min_mbs:
-            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "direct_min_mb": direct_min_mb}
-            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+        plan += [
+            ("direct_min", 2, {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True, "direct_min_mb": mb})
+            for mb in direct_min_mbs
+        ]
     if "receivers" in sections:
-        rows = report["receivers"] = []
-        for n in receivers:
-            case = {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True}
-            rows.append(_throughput_row(case, *_case(n + 1, repeats, **case)))
+        plan += [
+            ("receivers", n + 1, {"kind": "model", "scale": scale, "bucket_mb": 64, "into": True}) for n in receivers
+        ]
     if "growth" in sections:
-        rows = report["growth"] = []
         shapes = [("qwen3-8b", scale, f) for f in (*fractions, 1.0)] + [("qwen3-30b-a3b", moe_scale, 1.0)]
-        for model, model_scale, fraction in shapes:
-            case = {"kind": "model", "model": model, "scale": model_scale, "fraction": fraction, "bucket_mb": 64}
-            rows.append(_throughput_row(case, *_case(2, repeats, **case)))
+        plan += [
+            ("growth", 2, {"kind": "model", "model": model, "scale": s, "fraction": f, "bucket_mb": 64})
+            for model, s, f in shapes
+        ]
     if "small_tensors" in sections:
-        small, _ = _case(2, repeats, kind="small", scale=64, bucket_mb=64)
+        plan.append(("small_tensors", 2, {"kind": "small", "scale": 64, "bucket_mb": 64}))
+    progress = CaseProgress("engine", len(plan))
+    for section, world, case in plan:
+        label = f"{section}: " + ", ".join(f"{k}={v}" for k, v in case.items() if k != "kind")
+        with progress.case(f"{label}, {world - 1} receiver(s)"):
+            sender, receivers_out = _case(world, repeats, **case)
+        if section != "small_tensors":
+            report.setdefault(section, []).append(_throughput_row(case, sender, receivers_out))
+            continue
         report["small_tensors"] = {
             "tensors": len(_model_stream(64)),
-            "total_mb": small["nbytes"] / MiB,
-            "engine_s": small["engine_s"],
-            "per_tensor_broadcast_s": small["baseline_s"],
-            "speedup": small["baseline_s"] / small["engine_s"],
+            "total_mb": sender["nbytes"] / MiB,
+            "engine_s": sender["engine_s"],
+            "per_tensor_broadcast_s": sender["baseline_s"],
+            "speedup": sender["baseline_s"] / sender["engine_s"],
             "link": "loopback (no latency: see `python -m lightning_weightsync.bench.latency` for a real link)",
         }
     if json_out:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -34,6 +33,10 @@ import torch.distributed as dist
 from .netem import EmulatedLink, NamespacesUnavailable
 
 GOAL_SPEEDUP = 3.0
+SIZES: dict[str, dict[str, Any]] = {"small": {"runs": 1, "repeats": 1, "scale": 128}, "default": {}}
+"""`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
+ESTIMATE_S = {"small": 8.0, "default": 9.0}
+"""Seconds each size took on the 2-core development machine (printed before the run starts)."""
 
 
 # --- the two roles, each in its namespace ------------------------------------------------------------
@@ -41,6 +44,21 @@ def _stream(scale: int) -> list[tuple[str, torch.Tensor]]:
     from ..examples.inventory import model_stream
 
     return list(model_stream("qwen3-8b", scale=scale, extras=False))
+
+
+def _rtt_ms(pg: Any, rounds: int = 20) -> float:
+    """The link's round trip as the data plane sees it: median of `rounds` ping-pongs of one float over the
+    gloo group (a broadcast from each side in turn). Measured in the benchmark's own processes: the
+    namespaces need no `ping` binary (without one the report said "RTT None")."""
+    one = torch.zeros(1)
+    pg.broadcast(one, 0).wait()  # both sides are here
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        pg.broadcast(one, 0).wait()
+        pg.broadcast(one, 1).wait()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def _per_tensor_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]]) -> float:
@@ -73,7 +91,7 @@ def role_main(role: str, host: str, ports: tuple[int, int, int], scale: int, run
             "trainer.min_receivers=1",
         ]
     )
-    out: dict[str, Any] = {"runs": []}
+    out: dict[str, Any] = {"runs": [], "rtt_ms": _rtt_ms(pg)}
 
     async def engine_versions(count: int) -> list[float]:
         if rank == 0:
@@ -102,19 +120,6 @@ def role_main(role: str, host: str, ports: tuple[int, int, int], scale: int, run
     return out
 
 
-def _rtt_ms(link: EmulatedLink) -> float | None:
-    """The link's measured round trip (median of 10 pings), or None without `ping`."""
-    try:
-        out = subprocess.run(
-            [*link.exec_args(0), "ping", "-c", "10", "-i", "0.05", "-q", link.ip[1]],
-            capture_output=True, text=True, timeout=30,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"= [\d.]+/([\d.]+)/", out)
-    return float(match.group(1)) if match else None
-
-
 def run(
     json_out: bool = False, *, delay_us: int = 100, runs: int = 3, scale: int = 64, repeats: int = 3
 ) -> dict[str, Any]:
@@ -127,7 +132,6 @@ def run(
         print(json.dumps(report) if json_out else f"latency benchmark skipped: {exc}")
         return report
     try:
-        rtt_ms = _rtt_ms(link)
         ports = (free_port(), free_port(), free_port())  # the namespaces have their own port spaces
         with contextlib.ExitStack() as stack:
             procs = []
@@ -148,10 +152,11 @@ def run(
     finally:
         link.__exit__()
     sender = outputs[0]
+    rtt_ms = sender["rtt_ms"]
     speedups = [r["speedup"] for r in sender["runs"]]
     report = {
         "link": f"two network namespaces, user-space link with {delay_us} us added each way",
-        "measured_rtt_ms": rtt_ms,
+        "measured_rtt_ms": rtt_ms,  # gloo ping-pong over the link, median
         "tensors": sender["tensors"],
         "total_mb": sender["nbytes"] / 2**20,
         "runs": sender["runs"],
@@ -162,7 +167,7 @@ def run(
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"packed vs per-tensor broadcast over {report['link']} (measured RTT {rtt_ms} ms): "
+            f"packed vs per-tensor broadcast over {report['link']} (measured RTT {rtt_ms:.2f} ms): "
             f"{report['tensors']} tensors, {report['total_mb']:.1f} MiB (goal >= {GOAL_SPEEDUP}x in every run)"
         )
         for i, r in enumerate(report["runs"], 1):

@@ -31,6 +31,13 @@ from .engine import collect_workers
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {"scale": 32, "versions": 2, "repeats": 1, "registration_mb": (1, 16)},
+    "default": {},
+}
+"""`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
+ESTIMATE_S = {"small": 6.0, "default": 14.0}
+"""Seconds each size took on the 2-core development machine (printed before the run starts)."""
 
 
 def _stream(scale: int, version: int) -> list[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, load_config
-from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import merge_weight_chunks
 from ..protocol.messages import BucketMeta, Plan, Prepare
 from ..transport.backends import BACKENDS, Backend, backend_class
@@ -231,7 +231,7 @@ class WeightReceiver(Endpoint):
             raise
         except Exception as exc:
             # local failure (merge found a corrupt stream, the consumer's sink raised): stay in step
-            await self._send_ack(plan.version, False, f"{type(exc).__name__}: {exc}")
+            await self._send_ack(plan.version, False, explain(exc))
             await self._finish_abandoned()
             raise
         self._pipeline = None

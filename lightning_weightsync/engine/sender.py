@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
-from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor
@@ -395,7 +395,7 @@ class WeightSender(Endpoint):
         If the caller's iterable failed, the group is healthy: let the broadcasts in flight finish
         (receivers are inside them) and keep the group. If the transport failed, forget the group.
         """
-        reason = f"{type(exc).__name__}: {exc}"[:1000]
+        reason = explain(exc)[:1000]
         logger.warning("version %d abandoned: %s", version, reason)
         if not transport_failed:
             try:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from ..engine.receiver import WeightReceiver
-from ..errors import SinkError, WeightSyncError
+from ..errors import SinkError, WeightSyncError, explain
 from ..protocol.chunks import TensorMeta
 from .observability import VersionRecord
 
@@ -122,7 +122,7 @@ async def consume_version(
         commit_s = time.perf_counter() - commit_start
     except BaseException as exc:
         if v.began and v.version is not None:
-            sink.abort(v.version, f"{type(exc).__name__}: {exc}")
+            sink.abort(v.version, explain(exc))
         if isinstance(exc, SinkError) and v.version is not None:
             with contextlib.suppress(WeightSyncError):
                 await receiver.ack(ok=False, error=f"SinkError: {exc}")

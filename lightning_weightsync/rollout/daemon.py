@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig
 
 from ..engine.receiver import WeightReceiver
-from ..errors import VersionAborted, WeightSyncError, WeightSyncTimeout
+from ..errors import VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..transport.device import handoff
 from .consume import consume_version
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
@@ -198,7 +198,7 @@ class RolloutDaemon:
             outcome = "aborted"
         else:
             outcome = "failed"
-        return VersionRecord(version=version, ok=False, error=f"{type(exc).__name__}: {exc}", outcome=outcome)
+        return VersionRecord(version=version, ok=False, error=explain(exc), outcome=outcome)
 
     def _report(self, rec: VersionRecord) -> None:
         sink = self.sink

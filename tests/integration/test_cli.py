@@ -222,6 +222,12 @@ def test_bad_factory_path_in_a_real_daemon_process(tmp_path: Path) -> None:
         (["rollout", f"rollout.sink.factory={TINY}.build_tiny"], r"not of the form package\.module:function"),
         (["rollout", "rollout.sink.type=callable", f"rollout.sink.target={TINY}:BUCKET"], r"not a callable"),
         (["rollout", "rollout.sink.type=safetensors"], r"rollout\.sink\.dir is not set"),
+        # issue 25 item 9: a bare `rollout` says what the default sink needs and where the others are listed
+        (["rollout"], r"rollout\.sink\.type=module \(the default\) needs rollout\.sink\.factory=.*rollout --help"),
+        (
+            ["config", "show", "transport.prot=1", "rollout.nope=2"],
+            r"invalid config keys transport\.prot \(did you mean transport\.port\?\), rollout\.nope: not fields",
+        ),
         # the launcher execs `vllm serve`; without vLLM it names the extra
         (["rollout", "rollout.sink.type=vllm", "vllm.model=m"], r"no `vllm` executable.*lightning_weightsync\[vllm\]"),
     ],
@@ -229,6 +235,20 @@ def test_bad_factory_path_in_a_real_daemon_process(tmp_path: Path) -> None:
 def test_config_errors_are_one_line_with_a_fix(argv: list[str], pattern: str, capsys: pytest.CaptureFixture) -> None:
     rc = cli.main(argv)
     assert_one_line_error(rc, capsys.readouterr().err, pattern)
+
+
+def test_rollout_help_lists_every_sink_type_with_what_it_needs(capsys: pytest.CaptureFixture) -> None:
+    """Issue 25 item 9: `rollout --help` named no sink type, so a new user could not find the knobs."""
+    from lightning_weightsync.config import SinkType
+
+    with pytest.raises(SystemExit):
+        cli.main(["rollout", "--help"])
+    text = capsys.readouterr().out
+    sinks = text.split("sinks (rollout.sink.type", 1)[-1].split("\nexample")[0].splitlines()[1:]
+    listed = {line.split()[0] for line in sinks if line.strip() and line[2:3] != " "}  # one line starts each
+    assert listed == {t.value for t in SinkType}, text
+    for knob in ("rollout.sink.factory=", "rollout.sink.dir=", "rollout.sink.target="):
+        assert knob in text, knob
 
 
 def test_metrics_port_in_use_is_one_line(capsys: pytest.CaptureFixture) -> None:

@@ -20,6 +20,7 @@ from lightning_weightsync.trainer.gather import (
     named_full_state_dict,
     resolve_dtype,
     strip_wrapper_prefixes,
+    yields_stable_tensors,
 )
 from tests.support.collectives import Lockstep
 from tests.support.mp import free_port, run_workers
@@ -246,6 +247,9 @@ def _gather_checks(rank: int, kind: str, store: dist.Store) -> dict[str, object]
     want = expected_state(net)
     param_names = {n for n, _ in net.named_parameters()}
     model = _wrap(net, kind)
+    # FSDP1 yields views of the unit summoned now, freed when the next unit is summoned: a sender must not
+    # keep reading one while the next is gathered (issue 25 item 8: a planted "always stable" passed)
+    assert yields_stable_tensors(model) is not kind.startswith("fsdp1"), kind
     issued: list[list[str]] = []
 
     def gathered(tag: str, **kwargs: object) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ a source checkout has, and the child could not unpickle it)."""
 
 from __future__ import annotations
 
+import inspect
 import pickle
 
 from lightning_weightsync import cli
@@ -24,3 +25,34 @@ def test_engine_worker_pickles_by_reference_to_the_package() -> None:
     restored = pickle.loads(pickle.dumps(engine._worker))  # what spawn does with a Process target
     assert restored is engine._worker
     assert b"lightning_weightsync.bench.engine" in pickle.dumps(engine._worker)
+
+
+def test_every_benchmark_has_a_small_size_and_an_estimate() -> None:
+    """Issue 25 item 7: `bench` sat for minutes with no size option and no idea of how long it takes."""
+    from lightning_weightsync.bench import BENCH_SIZES
+
+    assert cli.BENCH_SIZES == BENCH_SIZES
+    for name in BENCHMARKS:
+        module = cli._find_benchmark(name)
+        assert set(module.SIZES) == set(BENCH_SIZES), name
+        params = set(inspect.signature(module.run).parameters)
+        assert set(module.SIZES["small"]) <= params, (name, set(module.SIZES["small"]) - params)
+        assert all(module.ESTIMATE_S[size] > 0 for size in BENCH_SIZES), name
+
+
+def test_engine_benchmark_reports_every_case_with_what_is_left(monkeypatch, capsys) -> None:
+    from lightning_weightsync.bench import engine
+
+    ran = []
+
+    def fake_case(world, repeats, **case):
+        ran.append(case)
+        sender = {"nbytes": 2**20, "buckets": 1, "direct_buckets": 0, "engine_s": 1.0, "baseline_s": 1.0,
+                  "peak_extra_bytes": 0}  # fmt: skip
+        return sender, [{"peak_extra_bytes": 0}] * (world - 1)
+
+    monkeypatch.setattr(engine, "_case", fake_case)
+    engine.run(json_out=True, **engine.SIZES["small"])
+    err = capsys.readouterr().err
+    assert f"[engine {len(ran)}/{len(ran)}] done" in err and "left" in err, err
+    assert err.count("done in") == len(ran) > 5

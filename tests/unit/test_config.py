@@ -19,6 +19,7 @@ from lightning_weightsync.config import (
     auth_token,
     bucket_size_bytes,
     default_config,
+    direct_min_bytes,
 )
 
 # the allowed values, as users type them
@@ -249,6 +250,28 @@ def test_file_with_invalid_yaml(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_invalid_yaml_says_where(tmp_path: Path) -> None:
+    """Issue 25 item 9: the message said what the parser was doing ("while parsing a flow sequence"),
+    not where; on one line (the CLI prints one), with the 1-based line and column."""
+    path = write(tmp_path, "transport:\n  host: 127.0.0.1\n  port: [5\nrollout: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "line 4, column 8" in message and "expected ',' or ']'" in message, message
+    assert "\n" not in message
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path: Path) -> None:
+    """Issue 25 item 9: only the first was, so each typo cost a run."""
+    path = write(tmp_path, "transport:\n  port: 5\n  bakend: gloo\nrollout:\n  nope: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.names.excludes=[a]", "transport.port=6", "colour=blue"])
+    message = str(info.value)
+    for key in ("transport.bakend (did you mean transport.backend?)", "rollout.nope", "colour",
+                "trainer.names.excludes (did you mean trainer.names.exclude?)"):  # fmt: skip
+        assert key in message, message
+
+
 def test_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=re.escape(str(missing))):
@@ -400,3 +423,11 @@ def test_backend_names_come_from_the_registry() -> None:
     assert set(BACKENDS) == set(REGISTERED)
     for name, cls in REGISTERED.items():
         assert cls.name == name
+
+
+def test_direct_min_mb_zero_is_accepted_as_documented() -> None:
+    """Issue 25 item 8: `0 = only chunks that fill a whole bucket go direct` is documented; a check that
+    rejected it passed the suite."""
+    cfg = load_config(overrides=["transport.direct_min_mb=0"])
+    assert direct_min_bytes(cfg) is None
+    _fails(["transport.direct_min_mb=-1"], r"transport\.direct_min_mb=-1")

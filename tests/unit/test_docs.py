@@ -90,3 +90,46 @@ def test_cli_commands_in_docs_exist(page: str) -> None:
     commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     for command in re.findall(r"lightning-weightsync ([a-z-]+)", (DOCS / page).read_text()):
         assert command in commands, f"{page} uses `lightning-weightsync {command}`, which does not exist"
+
+
+# -- what the docs quote from the code (issue 25 item 7: each of these had drifted) --------------------
+
+
+@pytest.mark.parametrize("page", (*PAGES, "../README.md"))
+def test_test_paths_in_docs_exist(page: str) -> None:
+    text = (DOCS / page).read_text()
+    for path in set(re.findall(r"\b(tests/[\w/]+\.py)\b", text)):
+        assert (DOCS.parent / path).is_file(), f"{page} names {path}, which does not exist"
+
+
+def _as_pattern(fmt: str) -> re.Pattern[str]:
+    """The daemon's %-format as a regex of what it renders: numbers for %d/%f, and for %s a size as
+    `human_bytes` writes it (`195 KiB`, not `0.20 MB`: the quickstart had the units of an older format)."""
+    pattern = ""
+    for literal, conversion in re.findall(r"([^%]*)(%[-.\d]*[dsf]|$)", fmt):
+        pattern += re.escape(literal) + {"": "", "s": r"[\d.]+ (?:B|[KMGT]iB)"}.get(conversion[-1:], r"[-\d.]+")
+    return re.compile(pattern + "$")
+
+
+def test_the_quickstart_quotes_the_daemon_s_log_line() -> None:
+    import inspect
+
+    from lightning_weightsync.rollout import observability
+
+    source = inspect.getsource(observability.log_version)
+    fmt = re.search(r'"(version %d applied: [^"]+)"', source)
+    assert fmt, "log_version's format string moved: update this test"
+    quoted = re.search(r"`(version \d+ applied: [^`]+)`", (DOCS / "quickstart.md").read_text())
+    matches = bool(quoted) and _as_pattern(fmt[1]).match(quoted[1]) is not None
+    assert matches, f"docs/quickstart.md quotes {quoted and quoted[1]!r}; the daemon logs {fmt[1]!r}"
+
+
+def test_the_default_identity_is_documented_as_it_is_built() -> None:
+    import os
+    import socket
+
+    from lightning_weightsync.transport.control import default_identity
+
+    assert default_identity() == f"{socket.gethostname()}-{os.getpid()}"
+    for path in (DOCS.parent / "configs" / "default.yaml", PACKAGE / "config.py"):
+        assert "<hostname>-<pid>" in path.read_text(), path

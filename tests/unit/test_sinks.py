@@ -294,7 +294,7 @@ def test_module_sink_factory_errors_are_one_line() -> None:
         with pytest.raises(ConfigError, match=pattern) as info:
             build_sink(cfg)
         assert "\n" not in str(info.value) and "rollout.sink.factory" in str(info.value)
-    with pytest.raises(ConfigError, match=r"rollout\.sink\.factory is not set"):
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.type=module \(the default\) needs rollout\.sink\.factory="):
         build_sink(load_config(overrides=["rollout.sink.type=module"]))
 
 

@@ -156,6 +156,19 @@ def test_an_unreachable_rollout_means_nothing_is_sent_and_the_others_resume(serv
     assert not sent and good.paths() == ["/pause", "/resume"]
 
 
+def test_a_rollout_whose_start_failed_leaves_the_others_finished_and_resumed(servers) -> None:
+    """Issue 25 item 8: when one rollout could not start its update session, the sessions the others had
+    opened were never closed (a planted bug passed the suite); vLLM then refuses their next start."""
+    good, bad = servers(), servers(fail="/start_weight_update")
+    ctl = control(good, bad)
+    sent = []
+    with pytest.raises(PeerError, match=rf"version 4 not sent: vLLM rollout {bad.url}: POST /start_weight_update"):
+        ctl.run_version(4, lambda: sent.append(1))
+    assert not sent
+    assert good.paths() == ["/pause", "/start_weight_update", "/finish_weight_update", "/resume"]
+    assert bad.paths() == ["/pause", "/start_weight_update", "/resume"]  # no session there to finish
+
+
 def test_a_failed_send_still_resumes_every_rollout(servers) -> None:
     a = servers()
     ctl = control(a, reset_prefix_cache=False)

@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from ...config import ApplyMode, SinkType
-from ...errors import SinkError, VersionAborted
+from ...errors import SinkError, VersionAborted, explain
 from ...protocol.chunks import TensorMeta
 from .base import Sink, SinkState, load_callable, register_sink
 
@@ -151,7 +151,7 @@ class CallableSink(Sink):
         try:
             self.fn(version, iter(held))
         except Exception as exc:
-            raise SinkError(f"rollout.sink.target={self.target!r} raised {type(exc).__name__}: {exc}") from exc
+            raise SinkError(f"rollout.sink.target={self.target!r} raised {explain(exc)}") from exc
 
     def _after_failed_commit(self, version: int) -> None:
         self._held = []

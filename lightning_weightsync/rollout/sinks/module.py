@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ...config import ApplyMode, SinkType
-from ...errors import ConfigError, SinkError
+from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
 from .base import Sink, describe, load_callable, register_sink
 
@@ -45,13 +45,20 @@ class ModuleSink(Sink):
         super().__init__(cfg)
         if module is None:
             factory_path = cfg.rollout.sink.factory
+            if not factory_path:  # the default sink of a bare `lightning-weightsync rollout`
+                raise ConfigError(
+                    "rollout.sink.type=module (the default) needs rollout.sink.factory=package.module:function, "
+                    "the function that builds the torch module each version is loaded into; or write files with "
+                    "rollout.sink.type=safetensors rollout.sink.dir=DIR (every sink type: "
+                    "`lightning-weightsync rollout --help`)"
+                )
             factory = load_callable(factory_path, "rollout.sink.factory")
             options = OmegaConf.to_container(cfg.rollout.sink.options, resolve=True) or {}
             assert isinstance(options, dict)
             try:
                 module = factory(**options)
             except Exception as exc:
-                raise ConfigError(f"rollout.sink.factory={factory_path!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise ConfigError(f"rollout.sink.factory={factory_path!r} failed: {explain(exc)}") from exc
             if not isinstance(module, torch.nn.Module):
                 raise ConfigError(
                     f"rollout.sink.factory={factory_path!r} returned a {type(module).__name__}, not a torch.nn.Module"

@@ -1,0 +1,94 @@
+"""`SyncDriver`, the one sync both integrations run: every rank gathers, global rank 0 sends, all agree.
+
+Its failure paths, each with a test that fails when the guard is removed (benchmarks/plant_check.py
+plants each one): a send that never started still joins the other ranks' all-gathers, and a bug is not
+a rollout failure (`on_failure: warn` skips a version a rollout lost, never a TypeError).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_weightsync import load_config
+from lightning_weightsync.trainer.driver import SyncDriver
+from tests.integration.test_gather import make_net
+from tests.support.collectives import Lockstep
+from tests.support.mp import free_port, run_workers
+
+WORLD = 2
+WORKER_TIMEOUT_S = 90
+
+
+def _cfg(*overrides: str) -> Any:
+    return load_config(overrides=["transport.port=0", "transport.timeout_s=20", *overrides])
+
+
+def _fsdp2_net() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    net = make_net()
+    for block in net.blocks:
+        fully_shard(block)
+    return fully_shard(net)
+
+
+def _init(rank: int, port: int) -> dist.Store:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT_S - 10, exit=True)  # a hung worker shows where
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    return store
+
+
+def _unpausable_rollout_worker(rank: int, port: int, dead_url: str) -> dict[str, Any]:
+    """Rank 0's rollout cannot be paused, so its send never starts; rank 1 is inside FSDP2's all-gathers."""
+    store = _init(rank, port)
+    try:
+        model = _fsdp2_net()
+        cfg = _cfg("trainer.min_receivers=0", "trainer.on_failure=warn", f"vllm.urls=[{dead_url}]")
+        driver = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
+        driver.start()
+        try:
+            # every collective checked against the other rank's before it runs: a rank that skips the
+            # gather shows up as a mismatch (or as the other rank not arriving), not as a hang
+            with Lockstep(store, rank, WORLD, "unpausable") as lockstep:
+                delivered = driver.sync(model, 1)
+        finally:
+            driver.close()
+        return {"delivered": delivered, "failures": driver.record.failures, "collectives": len(lockstep.issued)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_send_that_never_started_still_joins_the_gather() -> None:
+    """Issue 25 item 8: with the drain removed, the sending rank skipped its share of FSDP's all-gathers
+    when its rollout could not be paused, and the other ranks waited in them."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    results = run_workers(_unpausable_rollout_worker, [(r, port, dead) for r in range(WORLD)], timeout_s=120)
+    assert [r["delivered"] for r in results] == [False, False]  # skipped on every rank (on_failure=warn)
+    assert [r["failures"] for r in results] == [1, 1]
+    assert results[0]["collectives"] == results[1]["collectives"] > len(list(make_net().parameters()))
+
+
+def test_a_bug_is_not_a_rollout_failure_under_warn() -> None:
+    """Issue 25 item 8: `on_failure: warn` skips a version a rollout lost; a bug in the caller (here a
+    version that is not an int, which the sender refuses with a TypeError) must still raise."""
+    driver = SyncDriver(_cfg("trainer.min_receivers=0", "trainer.on_failure=warn"), rank=0, device=None, prefix=None)
+    driver.start()
+    try:
+        assert driver.sync(torch.nn.Linear(2, 2), 1) is True  # the policy is warn, and a good sync goes through
+        with pytest.raises(TypeError, match="version must be an int"):
+            driver.sync(torch.nn.Linear(2, 2), 2.5)  # type: ignore[arg-type]
+    finally:
+        driver.close()
+    assert driver.record.failures == 1 and driver.record.last_synced_version == 1
