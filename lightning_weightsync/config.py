@@ -114,6 +114,9 @@ class TransportConfig:
     """Seconds the sender waits for registered receivers to answer Ready for a version."""
     heartbeat_interval_s: float = 2.0
     """Seconds between receiver heartbeats while idle; several missed ones = the peer is gone."""
+    liveness_s: float = 5.0
+    """Seconds a peer may be unreachable before a wait on it fails: a receiver gone mid-version, or a rollout
+    that was served and vanished (not transport.timeout_s); also the control link's heartbeat timeout."""
     store_port: int = 0
     """TCP port of the data-plane rendezvous store (TCPStore) without a token; 0 = OS-chosen. With
     transport.auth_token set the rendezvous goes over the authenticated control plane and no store
@@ -423,6 +426,7 @@ SECONDS_BOUNDS: dict[str, tuple[float, float]] = {
     "transport.timeout_s": (0.1, 7 * 86400.0),
     "transport.ready_timeout_s": (0.05, 86400.0),
     "transport.heartbeat_interval_s": (0.01, 3600.0),
+    "transport.liveness_s": (0.2, 3600.0),
 }
 GENERIC_S = (0.0, 7 * 86400.0)
 MAX_COUNT = 1_000_000  # receivers, steps between syncs, versions kept: beyond this it is a typo
@@ -495,7 +499,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(
             "rollout.metrics_host is empty; use 127.0.0.1, or 0.0.0.0 to serve metrics on every interface"
         )
-    for key in ("timeout_s", "ready_timeout_s", "heartbeat_interval_s"):
+    for key in ("timeout_s", "ready_timeout_s", "heartbeat_interval_s", "liveness_s"):
         _positive(f"transport.{key}", t[key])
     if not t.host:
         raise ConfigError("transport.host is empty; set the sender's address, e.g. 127.0.0.1")

@@ -35,6 +35,10 @@ class VersionAborted(PeerError):
     """The sender aborted the version in flight; nothing of it may be applied."""
 
 
+class Interrupted(WeightSyncError):
+    """A version stopped on purpose before it was delivered (a SIGTERM / SIGINT on some trainer rank)."""
+
+
 class SinkError(WeightSyncError):
     """A sink cannot accept a tensor (unknown name, wrong shape or dtype) or failed to apply."""
 

@@ -53,7 +53,9 @@ class WeightReceiver(Endpoint):
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
         self.output_device = torch.device(self.cfg.rollout.device)
         self._key = auth_token(self.cfg)
-        self._control = ReceiverControl(t.host, int(t.port), self._key, self.identity, str(self.device))
+        self._control = ReceiverControl(
+            t.host, int(t.port), self._key, self.identity, str(self.device), liveness_s=float(t.liveness_s)
+        )
         self._steps = ReceiverSession(self._control, self.identity)
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None

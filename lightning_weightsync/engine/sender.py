@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -32,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
-from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
+from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor
@@ -120,13 +121,17 @@ class WeightSender(Endpoint):
         self.session = secrets.token_hex(8)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
         self._key = auth_token(self.cfg)
-        self._control = SenderControl(t.host, int(t.port), self._key, self.bucket_size, session=self.session)
+        self.liveness_s = float(t.liveness_s)
+        self._control = SenderControl(
+            t.host, int(t.port), self._key, self.bucket_size, session=self.session, liveness_s=self.liveness_s
+        )
         self._steps = SenderSession(
             self._control,
             session=self.session,
             min_receivers=int(self.cfg.trainer.min_receivers),
             timeout_s=self.timeout_s,
             ready_timeout_s=float(t.ready_timeout_s),
+            liveness_s=self.liveness_s,
         )
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None
@@ -265,7 +270,25 @@ class WeightSender(Endpoint):
             join=self._backend.join_spec(self._generation),
         )
         await self._steps.send_plans(version, peers, group)
-        await self._control.serve_while(self._executor.submit(self._backend.join, group, 0, version))
+        joined = self._executor.submit(self._backend.join, group, 0, version)
+        try:  # the backend bounds the join by timeout_s itself; a member that is gone ends it sooner
+            await self._steps.while_connected(joined, self.timeout_s, f"version {version}: joining the group")
+        except asyncio.TimeoutError:
+            forget(joined)
+            who = await self._steps.laggards(version)
+            raise WeightSyncTimeout(
+                f"version {version}: the data-plane group not joined within transport.timeout_s={self.timeout_s}s; "
+                f"{who}"
+            ) from None
+        except WeightSyncError:
+            forget(joined)
+            raise
+        except Exception as exc:  # the backend's own failure to form the group: a peer's, not a bug here
+            who = await self._steps.laggards(version)
+            raise PeerError(f"version {version}: joining the data-plane group failed ({exc}); {who}") from exc
+        except BaseException:
+            forget(joined)
+            raise
 
     async def _stream(
         self,
@@ -375,8 +398,8 @@ class WeightSender(Endpoint):
     async def _broadcast_done(self, future: asyncio.Future[None] | None, version: int, index: int) -> None:
         if future is None:
             return
-        try:
-            await self._control.serve_until(future, self.timeout_s)  # answering late rendezvous requests
+        try:  # answering late rendezvous requests meanwhile; a member that is gone ends it at once
+            await self._steps.while_connected(future, self.timeout_s, f"version {version}: broadcast of bucket {index}")
         except asyncio.TimeoutError:
             who = await self._steps.laggards(version)
             raise WeightSyncTimeout(
@@ -396,7 +419,8 @@ class WeightSender(Endpoint):
         (receivers are inside them) and keep the group. If the transport failed, forget the group.
         """
         reason = explain(exc)[:1000]
-        logger.warning("version %d abandoned: %s", version, reason)
+        # the caller gets `exc` (the trainer's driver logs it once, or raises it): not a second WARNING here
+        logger.debug("version %d abandoned: %s", version, reason)
         if not transport_failed:
             try:
                 while self._direct:
@@ -424,12 +448,30 @@ class BlockingWeightSender:
     def __init__(self, cfg: DictConfig | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self.sender = WeightSender(cfg)
+        self._sending: asyncio.Task[Any] | None = None
+        self._interrupted: str | None = None
+        self._lock = threading.Lock()  # `interrupt` comes from another thread; it cancels a send once
 
     def _run(self, coro: Any) -> Any:
         if self._loop.is_closed():
             coro.close()
             raise WeightSyncError("BlockingWeightSender is closed; create a new one to send again")
         return self._loop.run_until_complete(coro)
+
+    def interrupt(self, reason: str) -> None:
+        """Stop the send in progress, from any thread (a signal watcher): it aborts the version to the
+        receivers, drains its stream and raises `Interrupted(reason)`; a send that starts later raises
+        it at once, until `clear_interrupt()`."""
+        with self._lock:  # once: a second cancel could cut short the abort and the drain of the first
+            if self._interrupted is not None:
+                return
+            self._interrupted = reason
+            task = self._sending
+        if task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(task.cancel, reason)
+
+    def clear_interrupt(self) -> None:
+        self._interrupted = None
 
     @property
     def port(self) -> int:
@@ -446,9 +488,23 @@ class BlockingWeightSender:
         stable_tensors: bool = False,
         tied: Mapping[str, Iterable[str]] | None = None,
     ) -> SendStats:
-        """`WeightSender.send_weights`, run to completion on this object's loop."""
+        """`WeightSender.send_weights`, run to completion on this object's loop (`interrupt()` stops it)."""
         coro = self.sender.send_weights(weights, version=version, stable_tensors=stable_tensors, tied=tied)
-        return self._run(coro)  # type: ignore[no-any-return]
+        if self._loop.is_closed():
+            return self._run(coro)  # raises: closed
+        with self._lock:
+            task = self._sending = self._loop.create_task(coro)
+            interrupted = self._interrupted
+        if interrupted is not None:  # before the task existed: `interrupt` could not cancel it
+            task.cancel(interrupted)
+        try:
+            return self._loop.run_until_complete(task)  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            if self._interrupted is None:
+                raise
+            raise Interrupted(f"version {version} not sent: {self._interrupted}") from None
+        finally:
+            self._sending = None
 
     def close(self) -> None:
         if not self._loop.is_closed():

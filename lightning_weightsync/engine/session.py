@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TypeVar
 
-from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready
 from ..transport.control import Peer, ReceiverControl, SenderControl
 
@@ -29,11 +30,24 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
 WAITING_LOG_EVERY_S = 10.0  # while too few receivers are ready, one line this often naming what is missing
-ACK_LIVENESS_S = 0.5  # while acks are missing, whether their receivers are still connected is asked this often
+LIVENESS_POLL_S = 0.5  # while a wait depends on receivers, whether they are still connected is asked this often
+GONE = "disconnected (its process stopped or the link is down)"
+
+T = TypeVar("T")
 
 
 class SenderSession:
-    """The sender's steps of every version, over one control plane."""
+    """The sender's steps of every version, over one control plane.
+
+    Liveness (`liveness_s`, `transport.liveness_s`): every wait that only a receiver can end (its Ready,
+    its part of the group's join and broadcasts, its Ack) asks every `LIVENESS_POLL_S` whether that
+    receiver is still connected, and one that is gone fails the version at once, named, instead of the
+    wait lasting `timeout_s`. Between versions: a receiver that served the last version and is gone makes
+    the next version wait at most `liveness_s` for `min_receivers` (a rollout that restarts and registers
+    within it is served), and while receivers stay missing every later version fails at once; the first
+    version that gathers enough receivers ends that state. A receiver never seen may take `timeout_s`
+    to come up (the trainer may start first).
+    """
 
     def __init__(
         self,
@@ -43,42 +57,48 @@ class SenderSession:
         min_receivers: int,
         timeout_s: float,
         ready_timeout_s: float,
+        liveness_s: float = 5.0,
     ) -> None:
         self.control, self.session = control, session
         self.min_receivers, self.timeout_s, self.ready_timeout_s = min_receivers, timeout_s, ready_timeout_s
+        self.liveness_s = liveness_s
         self.members: list[str] = []  # receivers of the version being sent
+        self.served: dict[str, int] = {}  # receivers of the last version that gathered enough -> that version
+        self.missing_since: float | None = None  # too few receivers since then (see the class docstring)
+        self.missing_why = ""
 
     # 1-2 -------------------------------------------------------------------------------------
     async def gather_ready(self, version: int) -> list[Peer]:
         """Ask every registered receiver to join `version`; return those that answered in time.
 
-        Waits up to `timeout_s` for at least `min_receivers`; a registered receiver that does not
-        answer within `ready_timeout_s` is presumed dead and forgotten (it re-registers if alive).
-        If too few answered, every receiver asked gets an `Abort`, so none waits for a plan.
+        Waits up to `timeout_s` for at least `min_receivers` (up to `liveness_s` when the rollouts it
+        served are gone: see the class docstring); a registered receiver that does not answer within
+        `ready_timeout_s` is presumed dead and forgotten (it re-registers if alive). If too few answered,
+        every receiver asked gets an `Abort`, so none waits for a plan.
         """
+        asked: dict[str, float] = {}
+        try:
+            return await self._gather_ready(version, asked)
+        except asyncio.CancelledError as exc:  # the trainer is stopping: nobody who answered waits for a plan
+            for identity in asked:
+                with contextlib.suppress(PeerError):
+                    await self.control.send(identity, Abort(version, explain(exc)[:1000]))
+            raise
+
+    async def _gather_ready(self, version: int, asked: dict[str, float]) -> list[Peer]:
         control, min_receivers = self.control, self.min_receivers
         started = time.monotonic()
         deadline = started + self.timeout_s
-        say_at = started + WAITING_LOG_EVERY_S
-        asked: dict[str, float] = {}
+        say_at = started + min(self.liveness_s, WAITING_LOG_EVERY_S)
         ready: dict[str, Peer] = {}
         while True:
             now = time.monotonic()
-            if now >= say_at:  # a long wait says whom it waits for, long before the timeout
-                say_at = now + WAITING_LOG_EVERY_S
-                logger.warning(
-                    "version %d: waiting %.0fs for trainer.min_receivers=%d ready receivers at %s: %d ready, "
-                    "registered %s; gives up in %.0fs (transport.timeout_s); is a rollout daemon pointing at this "
-                    "address (and using the same transport.auth_token)?",
-                    version, now - started, min_receivers, control.address, len(ready), sorted(control.peers),
-                    deadline - now,
-                )  # fmt: skip
             for identity in list(control.peers):
                 if identity not in asked:
                     try:
                         await control.send(identity, Prepare(version, self.session, control.peers[identity].nonce))
                         asked[identity] = now
-                    except PeerError:
+                    except PeerError:  # its connection is gone: not "unreachable", just not there any more
                         control.forget(identity)
                 elif identity not in ready and now - asked[identity] > self.ready_timeout_s:
                     logger.warning(
@@ -92,19 +112,52 @@ class SenderSession:
             if len(ready) >= min_receivers and not waiting:
                 members = sorted(ready.values(), key=lambda p: p.identity)
                 self.members = [p.identity for p in members]
+                if self.missing_since is not None and self.served:
+                    logger.info("version %d: %d receivers ready again (%s)", version, len(members), self.members)
+                self.served = dict.fromkeys(self.members, version)
+                self.missing_since = None
                 return members
-            if now >= deadline:
-                reason = (
-                    f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready "
-                    f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
-                    f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
-                    "trainer.min_receivers"
-                )
+            gone = sorted(i for i in self.served if i not in control.peers)
+            short = len(ready) + len(waiting) < min_receivers  # even if every registered one answers
+            if short and gone and self.missing_since is None:
+                self.missing_since = now
+                last = max(self.served[i] for i in gone)
+                self.missing_why = f"{', '.join(gone)} (served version {last}) {GONE}"
+            give_up_at = deadline
+            if short and self.missing_since is not None:  # the rollouts are gone: not worth timeout_s
+                give_up_at = min(deadline, max(self.missing_since + self.liveness_s, started + LIVENESS_POLL_S))
+            if now >= say_at and now < give_up_at:  # a long wait says whom it waits for, long before it ends
+                say_at = now + WAITING_LOG_EVERY_S
+                logger.warning(
+                    "version %d: waiting %.0fs for trainer.min_receivers=%d ready receivers at %s: %d ready, "
+                    "registered %s; gives up in %.0fs (transport.timeout_s); is a rollout daemon pointing at this "
+                    "address (and using the same transport.auth_token)?",
+                    version, now - started, min_receivers, control.address, len(ready), sorted(control.peers),
+                    give_up_at - now,
+                )  # fmt: skip
+            if now >= give_up_at:
+                if give_up_at < deadline:
+                    reason = (
+                        f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready at "
+                        f"{control.address} (registered: {sorted(control.peers)}): {self.missing_why}; not waiting "
+                        f"for it longer than transport.liveness_s={self.liveness_s}s (a rollout that registers again "
+                        "is served from the next version)"
+                    )
+                else:
+                    reason = (
+                        f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready "
+                        f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
+                        f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
+                        "trainer.min_receivers"
+                    )
+                    if self.missing_since is None:  # from now on, a version without receivers fails at once
+                        self.missing_since = now
+                        self.missing_why = f"no receivers since version {version} waited transport.timeout_s"
                 for identity in asked:
                     with contextlib.suppress(PeerError):
                         await control.send(identity, Abort(version, reason[:1000]))
                 raise WeightSyncTimeout(reason)
-            got = await control.recv(min(0.05 if waiting else 0.5, max(deadline - now, 0.001)))
+            got = await control.recv(min(0.05 if waiting else LIVENESS_POLL_S, max(give_up_at - now, 0.001)))
             if got is None:
                 continue
             identity, msg = got
@@ -118,6 +171,24 @@ class SenderSession:
         for rank, peer in enumerate(peers, start=1):
             await self.control.send(peer.identity, Plan(version, rank, group))
 
+    async def while_connected(self, work: asyncio.Future[T], timeout_s: float, what: str) -> T:
+        """`work` (the group's join, or a broadcast, on the data-plane thread: it completes only with
+        every member taking part) for at most `timeout_s`, serving the control socket meanwhile. Every
+        `LIVENESS_POLL_S` the members are asked of ZeroMQ; one that is gone raises `PeerError` at once,
+        naming it, where the wait would otherwise last until `timeout_s` or the backend's own timeout.
+        Raises `asyncio.TimeoutError` after `timeout_s` (the caller names the laggards)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                return await self.control.serve_until(work, min(left, LIVENESS_POLL_S))  # type: ignore[no-any-return]
+            except asyncio.TimeoutError:
+                gone = [i for i in self.members if not await self.control.connected(i)]
+                if gone:
+                    raise PeerError(f"{what}: receiver {', '.join(gone)} {GONE}") from None
+
     # 4 ---------------------------------------------------------------------------------------
     async def publish(self, peers: list[Peer], meta: BucketMeta) -> None:
         """A bucket's metadata to every member, ahead of its bytes."""
@@ -127,13 +198,13 @@ class SenderSession:
     async def collect_acks(self, version: int, peers: list[Peer]) -> dict[str, Ack | None]:
         """Acks for `version` from `peers`; a missing one is None after `timeout_s`.
 
-        A receiver whose connection is gone will never ack: every `ACK_LIVENESS_S` the members still
+        A receiver whose connection is gone will never ack: every `LIVENESS_POLL_S` the members still
         missing are asked of ZeroMQ, and one that is gone gets a failed ack naming that at once, instead
         of the trainer waiting out `timeout_s` for a rollout that stopped mid-version."""
         control = self.control
         acks: dict[str, Ack | None] = {p.identity: None for p in peers}
         deadline = time.monotonic() + self.timeout_s
-        check_at = time.monotonic() + ACK_LIVENESS_S
+        check_at = time.monotonic() + LIVENESS_POLL_S
         while any(a is None for a in acks.values()):
             now = time.monotonic()
             if now >= deadline:
@@ -144,11 +215,15 @@ class SenderSession:
                 if isinstance(msg, Ack) and msg.version == version and identity in acks:
                     acks[identity] = msg
             if time.monotonic() >= check_at:
-                check_at = time.monotonic() + ACK_LIVENESS_S
+                check_at = time.monotonic() + LIVENESS_POLL_S
                 for identity in [i for i, a in acks.items() if a is None]:
                     if not await control.connected(identity):
-                        reason = "disconnected before acking (its process stopped or the link is down)"
-                        acks[identity] = Ack(identity, version, False, reason)
+                        acks[identity] = Ack(
+                            identity,
+                            version,
+                            False,
+                            "disconnected before acking (its process stopped or the link is down)",
+                        )
         return acks
 
     async def abort(self, version: int, peers: list[Peer], reason: str) -> None:
@@ -286,4 +361,4 @@ class ReceiverSession:
         await self.control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
 
 
-__all__ = ["ACK_LIVENESS_S", "PROGRESS_AFTER_S", "WAITING_LOG_EVERY_S", "ReceiverSession", "SenderSession"]
+__all__ = ["LIVENESS_POLL_S", "PROGRESS_AFTER_S", "WAITING_LOG_EVERY_S", "ReceiverSession", "SenderSession"]

@@ -8,7 +8,14 @@ The integrations decide *when* to sync; `SyncDriver` does one sync the same way 
     every rank:   agree on the outcome (one tiny all-reduce), then apply `trainer.on_failure`
 
 The agreement is what keeps a failed send from hanging training: without it rank 0 would raise
-(or not) on its own while the other ranks walk into the next step's collectives alone.
+(or not) on its own while the other ranks walk into the next step's collectives alone. It also
+carries a SIGTERM / SIGINT that hit any rank during the sync (`interrupt.py`): the sending rank hears
+of it through the process group's store and stops sending at once, every rank drains and agrees, and
+only then is the signal handed on, on every rank alike, where no collective is in flight.
+
+How long a lost rollout costs: the sender's waits on receivers are bounded by `transport.liveness_s`
+when a receiver is gone (engine/session.py), so under `trainer.on_failure: warn` a step pays at most
+that, and the failure is logged once (then at most every `WARN_AGAIN_S` while it lasts), not per step.
 
 The bookkeeping both integrations report (last synced version, failures, the sending rank's
 `SendStats` and the `weightsync/*` metrics they log, the resumable state) lives here once, and the
@@ -20,9 +27,10 @@ does not lie), the integration's own notion of rank only in a single process.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +42,7 @@ from torch import nn
 from ..config import FailurePolicy
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, iter_full_parameters, yields_stable_tensors
+from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .names import tied_names
 
 if TYPE_CHECKING:
@@ -45,6 +54,7 @@ logger = logging.getLogger(__name__)
 SENDER_RANK = 0  # the global rank that owns the sender; every stream is gathered onto it
 
 OK, RECOVERABLE, FATAL = 0, 1, 2
+WARN_AGAIN_S = 60.0  # under on_failure=warn, while syncs keep failing: one WARNING this often, not one a step
 
 
 def all_ranks_max(code: int, device: torch.device | None) -> int:
@@ -52,11 +62,31 @@ def all_ranks_max(code: int, device: torch.device | None) -> int:
 
     `device` must suit the group's backend (the strategy's root device: CUDA for NCCL, NPU for HCCL).
     """
+    return all_ranks_max_each([code], device)[0]
+
+
+def all_ranks_max_each(values: list[int], device: torch.device | None) -> list[int]:
+    """Element-wise maximum of `values` over every rank (one all-reduce; identity without a group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return code
-    flag = torch.tensor([code], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+        return list(values)
+    flags = torch.tensor(values, dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [int(v) for v in flags.tolist()]
+
+
+def show_logs() -> None:
+    """Make this package's INFO lines (one per version sent) visible when nothing configured logging,
+    as Lightning does for its own package: Python's last-resort handler prints WARNING and up only, so a
+    new user saw no line per version. A handler the user (or pytest) set anywhere up the tree wins."""
+    pkg = logging.getLogger("lightning_weightsync")
+    if pkg.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    pkg.addHandler(handler)
+    pkg.propagate = False  # a root handler added later would print every line twice
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
 
 
 class SyncFailed(WeightSyncError):
@@ -181,6 +211,13 @@ class SyncDriver:
         self.last_stats: SendStats | None = None
         self.record = record if record is not None else SyncRecord()
         self._tied_logged = False
+        self._syncs = 0  # syncs started: the same count on every rank (names a sync in the store)
+        self._failing_since: int | None = None  # first version of the current run of failures (warn)
+        self._skipped = 0
+        self._warned_at = -math.inf
+        # how a SIGTERM / SIGINT that stopped a sync is handed on, on every rank (see `interrupt`): by
+        # default raised again on this process; the Lightning callback sets Lightning's own flag instead
+        self.deliver_signal: Callable[[int], None] = raise_signal
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
         # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
         self.rollouts: RolloutControl | None = None
@@ -188,6 +225,7 @@ class SyncDriver:
     # -- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Bind the sender on rank 0; every rank raises if that fails (a bad port is never 'warn')."""
+        show_logs()
         error: BaseException | None = None
         if self.is_sender and self.sender is None:
             from ..engine.sender import BlockingWeightSender
@@ -260,49 +298,39 @@ class SyncDriver:
             self.record.last_stall_seconds = time.perf_counter() - started
 
     def _sync(self, module: nn.Module, version: int) -> bool:
+        self._syncs += 1
+        sender = self.sender if self.is_sender else None
+        if self.is_sender and sender is None:
+            raise WeightSyncError("SyncDriver.sync() before start()")
+        if sender is not None:
+            sender.clear_interrupt()
         weights = self.weights(module)
-        error: Exception | None = None
-        self.last_stats = None
-        if self.is_sender:
-            if self.sender is None:
-                raise WeightSyncError("SyncDriver.sync() before start()")
-            sender = self.sender
-            stable, tied = yields_stable_tensors(module), self.tied(module)
-            if not self._tied_logged:
-                self._tied_logged = True
-                for sent, aliases in tied.items():
-                    logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
-
-            def send() -> SendStats:
-                return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied)
-
-            try:
-                if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
-                    self.last_stats = self.rollouts.run_version(version, send)
-                else:
-                    self.last_stats = send()
-            except ConfigError:
-                raise  # raised by the gather on every rank at the same point: nobody is left waiting
-            except Exception as exc:
-                error = exc
-                for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' gathers
-                    pass
-        else:
-            for _ in weights:  # joins the all-gathers; yields nothing here
-                pass
-        code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
-        agreed = all_ranks_max(code, self.device)
+        watch = SyncStopWatch(rank=self.rank, sync_id=self._syncs, on_stop=sender.interrupt if sender else None)
+        with watch:
+            error = self._send_or_drain(module, version, weights, sender)
+            code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
+            # 3. agree: the outcome, and whether a rank was stopped by a signal (and which)
+            agreed, signum, signalled = all_ranks_max_each([code, *watch.seen()], self.device)
+        # 4. the signal handlers are back: hand on what stopped the sync, on every rank alike
+        for late in watch.late(signum):
+            raise_signal(late)  # came after this rank had agreed: handled here alone, as without a sync
+        if signum:
+            if agreed == OK:  # it came too late to stop the send: the version is delivered
+                self.record.delivered(version, self.last_stats)
+            logger.warning(
+                "weight sync of version %d %s by %s on global rank %d",
+                version, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
+                signal_name(signum), signalled - 1,
+            )  # fmt: skip
+            self.deliver_signal(signum)
+            return agreed == OK
         if agreed == OK:
             self.record.delivered(version, self.last_stats)
+            self._recovered(version)
             return True
         self.record.failures += 1
         if agreed == RECOVERABLE and self.on_failure is FailurePolicy.warn:
-            if error is not None:
-                logger.warning(
-                    "weight sync of version %d failed, skipped (trainer.on_failure=warn): %s",
-                    version,
-                    error,
-                )
+            self._skipped_version(version, error)
             return False
         if error is not None:
             raise error
@@ -310,3 +338,67 @@ class SyncDriver:
             f"global rank {self.rank}: weight sync of version {version} failed on the sending global rank "
             f"{SENDER_RANK} (trainer.on_failure={self.on_failure}); see that rank's log"
         )
+
+    def _send_or_drain(
+        self, module: nn.Module, version: int, weights: Iterator[NamedTensor], sender: BlockingWeightSender | None
+    ) -> Exception | None:
+        """1. every rank gathers; 2. the sending rank sends. Returns the sending rank's failure (None:
+        delivered, or not the sending rank); `weights` is exhausted on every rank, whatever happened."""
+        self.last_stats = None
+        if sender is None:
+            for _ in weights:  # joins the all-gathers; yields nothing here
+                pass
+            return None
+        stable, tied = yields_stable_tensors(module), self.tied(module)
+        if not self._tied_logged:
+            self._tied_logged = True
+            for sent, aliases in tied.items():
+                logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
+
+        def send() -> SendStats:
+            return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied)
+
+        try:
+            if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
+                self.last_stats = self.rollouts.run_version(version, send)
+            else:
+                self.last_stats = send()
+        except ConfigError:
+            raise  # raised by the gather on every rank at the same point: nobody is left waiting
+        except Exception as exc:
+            for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' gathers
+                pass
+            return exc
+        return None
+
+    def _skipped_version(self, version: int, error: Exception | None) -> None:
+        """`on_failure: warn`: one WARNING when syncs start failing, then one every `WARN_AGAIN_S` while they
+        keep failing (a rollout that is gone fails every step), and one line when they recover."""
+        self._skipped += 1
+        if error is None:  # not the sending rank: it says why
+            return
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since, self._warned_at = version, now
+            logger.warning(
+                "weight sync of version %d failed, skipped (trainer.on_failure=warn): %s; while syncs keep "
+                "failing this is repeated at most every %.0fs",
+                version, error, WARN_AGAIN_S,
+            )  # fmt: skip
+        elif now - self._warned_at >= WARN_AGAIN_S:
+            self._warned_at = now
+            logger.warning(
+                "weight sync still failing: %d versions skipped since version %d (trainer.on_failure=warn); "
+                "version %d: %s",
+                self._skipped, self._failing_since, version, error,
+            )  # fmt: skip
+        else:
+            logger.debug("weight sync of version %d failed, skipped: %s", version, error)
+
+    def _recovered(self, version: int) -> None:
+        if self._failing_since is not None and self.is_sender:
+            logger.warning(
+                "weight sync recovered with version %d, after %d skipped versions since version %d",
+                version, self._skipped, self._failing_since,
+            )  # fmt: skip
+        self._failing_since, self._skipped = None, 0

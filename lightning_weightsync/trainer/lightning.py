@@ -10,6 +10,7 @@ once when training starts, if `trainer.sync_on_fit_start`). *How* is `gather.ite
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..config import load_config
 from ..errors import BackendUnavailable, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
+from .interrupt import raise_signal
 from .names import served_child
 
 try:
@@ -35,6 +37,22 @@ except ImportError:  # pragma: no cover - the standalone `pytorch_lightning` pac
         ) from None
 
 logger = logging.getLogger(__name__)
+
+
+def _hand_to_lightning(trainer: pl.Trainer, signum: int) -> None:
+    """A signal that stopped a sync, handed to Lightning on every rank at the same point (`SyncDriver`).
+
+    SIGTERM sets Lightning's own flag, which its loop checks on every rank (broadcast from rank 0 at the
+    next batch) and turns into `SIGTERMException` everywhere; calling Lightning's handler instead would
+    run its `dist.broadcast` once per delivery, and its launcher forwards SIGTERM to the other ranks, who
+    would then broadcast twice. Anything else (SIGINT: `KeyboardInterrupt`, Lightning's graceful stop) is
+    raised again on this process."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if signum == getattr(signal, "SIGTERM", None) and hasattr(connector, "received_sigterm"):
+        logger.info("SIGTERM during a weight sync: handed to Lightning, which stops every rank at the next batch")
+        connector.received_sigterm = True  # type: ignore[union-attr]
+        return
+    raise_signal(signum)
 
 
 class WeightSyncCallback(SyncRecordView, pl.Callback):
@@ -69,10 +87,15 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
         - `on_train_end`, if `trainer.sync_on_train_end` and the final step was not attempted yet
           (e.g. `max_steps` not a multiple of `every_n_steps`), so rollouts end on the final weights.
 
-    Failure (`trainer.on_failure`): the sender bounds every wait by `transport.timeout_s`, so a dead
-    rollout costs at most that per sync, never a hang. `raise` stops training on every rank; `warn`
-    logs, skips the version and keeps training. All ranks agree on the outcome with one tiny
-    all-reduce, so no rank is left waiting in a collective.
+    Failure (`trainer.on_failure`): a rollout that is gone (stopped, killed, cut off) fails the sync
+    within `transport.liveness_s`; a stalled one within `transport.timeout_s`; never a hang. `raise`
+    stops training on every rank; `warn` logs once (then at most once a minute while it lasts), skips
+    the version and keeps training. All ranks agree on the outcome with one tiny all-reduce, so no rank
+    is left waiting in a collective.
+
+    Signals: a SIGTERM or SIGINT on any rank during a sync ends the sync on every rank within seconds,
+    then reaches Lightning as if it had come just after it (SIGTERM: Lightning's graceful stop on every
+    rank at the next batch); see `trainer/interrupt.py`.
 
     Logged (global rank 0, through `trainer.loggers`, at step `global_step`): `weightsync/seconds`,
     `weightsync/GBps`, `weightsync/version`, `weightsync/receivers`.
@@ -102,6 +125,7 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
             prefix=None,  # resolved at the first sync: configure_model may create the network later
             record=self.record,
         )
+        self._driver.deliver_signal = lambda signum: _hand_to_lightning(trainer, signum)
         self._driver.start()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.engine.pipeline import RECEIVE_AHEAD
-from lightning_weightsync.engine.session import ACK_LIVENESS_S, SenderSession
+from lightning_weightsync.engine.session import LIVENESS_POLL_S, SenderSession
 from lightning_weightsync.errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from lightning_weightsync.protocol.messages import BucketMeta, Entry
 from tests.support.engine import assert_bitwise, engine_cfg, receive_once, with_timeout
@@ -254,7 +254,7 @@ async def test_a_receiver_gone_before_acking_fails_the_version_at_once() -> None
         await _close(sender, receiver)
     assert isinstance(results[0], PeerError), results
     assert results[0].stats.failed == {"r": "disconnected before acking (its process stopped or the link is down)"}
-    assert elapsed < ACK_LIVENESS_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
+    assert elapsed < LIVENESS_POLL_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
 
 
 async def test_a_sender_without_receivers_says_whom_it_waits_for_before_the_timeout(monkeypatch, caplog) -> None:

@@ -29,8 +29,8 @@ from ...errors import ConfigError, ProtocolError
 logger = logging.getLogger(__name__)
 
 DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
-LINK_HEARTBEAT_MS = 1000  # ZMTP pings on every control connection ...
-LINK_TIMEOUT_MS = 6000  # ... and a peer silent this long is disconnected (its identity freed)
+LINK_HEARTBEATS_PER_TIMEOUT = 4  # ZMTP pings on every control connection, this many per liveness bound ...
+DEFAULT_LIVENESS_S = 5.0  # ... and a peer silent this long is disconnected (`transport.liveness_s`)
 
 
 def endpoint(host: str, port: int) -> str:
@@ -80,11 +80,15 @@ class TokenHolders:
         return ok
 
 
-def link_options(sock: zmq.Socket[Any], host: str) -> None:
+def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float = DEFAULT_LIVENESS_S) -> None:
+    """Socket options both ends share. The ZMTP heartbeat makes a dead link (a host gone, a cable pulled:
+    no FIN ever arrives) a disconnection after `liveness_s`, which the engine's liveness checks then see;
+    a killed process on a live host is seen at once (its kernel closes the connection)."""
+    timeout_ms = max(100, int(liveness_s * 1000))
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, LINK_HEARTBEAT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, LINK_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(25, timeout_ms // LINK_HEARTBEATS_PER_TIMEOUT))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
 

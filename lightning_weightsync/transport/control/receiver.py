@@ -36,7 +36,7 @@ from ...protocol.messages import (
     seal,
     unseal,
 )
-from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
+from .link import DEFAULT_LIVENESS_S, DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
 from .store import STORE_POLL_S, ControlPlaneStore
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,18 @@ logger = logging.getLogger(__name__)
 class ReceiverControl:
     """The receiver's side: registers, heartbeats while idle, and reads what the sender says."""
 
-    def __init__(self, host: str, port: int, key: bytes | None, identity: str, device: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: bytes | None,
+        identity: str,
+        device: str,
+        *,
+        liveness_s: float = DEFAULT_LIVENESS_S,
+    ) -> None:
         self.host, self.port, self.key, self.identity, self.device = host, port, key, identity, device
+        self.liveness_s = liveness_s
         self.instance = secrets.token_hex(8)  # this process; a reconnect keeps it, a restart does not
         self.dropped_messages = 0
         self.replayed_messages = 0
@@ -77,7 +87,7 @@ class ReceiverControl:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)  # no IDENTITY: the sender's ROUTER names the connection
-        link_options(sock, self.host)
+        link_options(sock, self.host, self.liveness_s)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self.key:

@@ -47,7 +47,16 @@ from ...protocol.messages import (
     seal,
     unseal,
 )
-from .link import DropLog, Replay, TokenHolders, curve_keys, endpoint, link_options, resolve_host
+from .link import (
+    DEFAULT_LIVENESS_S,
+    DropLog,
+    Replay,
+    TokenHolders,
+    curve_keys,
+    endpoint,
+    link_options,
+    resolve_host,
+)
 from .store import StoreServer
 
 logger = logging.getLogger(__name__)
@@ -80,9 +89,17 @@ class SenderControl:
     """The sender's side: knows the registered receivers and talks to each of them."""
 
     def __init__(
-        self, host: str, port: int, key: bytes | None, bucket_size: int, *, session: str | None = None
+        self,
+        host: str,
+        port: int,
+        key: bytes | None,
+        bucket_size: int,
+        *,
+        session: str | None = None,
+        liveness_s: float = DEFAULT_LIVENESS_S,
     ) -> None:
         self.host, self.requested_port, self.key, self.bucket_size = host, port, key, bucket_size
+        self.liveness_s = liveness_s
         self.port = port
         self.session = session or secrets.token_hex(8)
         self.peers: dict[str, Peer] = {}
@@ -135,7 +152,7 @@ class SenderControl:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connection never takes over another's id
-        link_options(sock, self.host)
+        link_options(sock, self.host, self.liveness_s)
         if self.key:
             from zmq.auth.thread import ThreadAuthenticator
 
