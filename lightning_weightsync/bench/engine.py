@@ -52,7 +52,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": {},
 }  # fmt: skip
 """`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
-ESTIMATE_S = {"small": 71.0, "default": 900.0}
+ESTIMATE_S = {"small": 71.0, "default": 610.0}
 """Seconds each size took on the 2-core development machine (printed before the run starts)."""
 
 
