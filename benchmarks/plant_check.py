@@ -192,8 +192,8 @@ PLANTS = [
           "    return not _fsdp1_units(module)", "    return True",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp1")),
     Plant("driver: the gather not joined when the send never started", f"{PKG}/trainer/driver.py",
-          "                for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' "
-          "gathers\n                    pass\n", "                pass\n",
+          "            for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' "
+          "gathers\n                pass\n", "            pass\n",
           ("tests/integration/test_driver.py", "-k", "never_started")),
     Plant("driver: every error treated as recoverable", f"{PKG}/trainer/driver.py",
           "RECOVERABLE if isinstance(error, WeightSyncError) else FATAL", "RECOVERABLE",
