@@ -398,6 +398,16 @@ class WeightSender(Endpoint):
     async def _broadcast_done(self, future: asyncio.Future[None] | None, version: int, index: int) -> None:
         if future is None:
             return
+        try:
+            await self._wait_broadcast(future, version, index)
+        except BaseException:
+            # given up while still running (a member gone, the timeout): its own failure, when the transfer's
+            # timeout ends it, is nobody's news; left unconsumed it would be logged from some later garbage
+            # collection ("Future exception was never retrieved")
+            forget(future)
+            raise
+
+    async def _wait_broadcast(self, future: asyncio.Future[None], version: int, index: int) -> None:
         try:  # answering late rendezvous requests meanwhile; a member that is gone ends it at once
             await self._steps.while_connected(future, self.timeout_s, f"version {version}: broadcast of bucket {index}")
         except asyncio.TimeoutError:

@@ -8,6 +8,7 @@ a rollout failure (`on_failure: warn` skips a version a rollout lost, never a Ty
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -92,3 +93,29 @@ def test_a_bug_is_not_a_rollout_failure_under_warn() -> None:
     finally:
         driver.close()
     assert driver.record.failures == 1 and driver.record.last_synced_version == 1
+
+
+def test_warn_with_no_rollout_logs_once_and_later_syncs_fail_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25 item 1: under `on_failure: warn` each failed sync was logged twice (the sender's "abandoned"
+    and the driver's "skipped") and every step waited transport.timeout_s again for a rollout that was
+    not there. Now: the first sync waits timeout_s (the rollout may still be starting), later ones fail at
+    once (within transport.liveness_s), and one WARNING says so for the whole outage."""
+    cfg = _cfg("trainer.min_receivers=1", "trainer.on_failure=warn", "transport.timeout_s=1", "transport.liveness_s=30")
+    driver = SyncDriver(cfg, rank=0, device=None, prefix=None)
+    driver.start()
+    module = torch.nn.Linear(2, 2)
+    try:
+        with caplog.at_level("DEBUG", logger="lightning_weightsync"):
+            outcomes = [driver.sync(module, version) for version in range(4)]
+            started = time.monotonic()
+            driver.sync(module, 4)
+            later = time.monotonic() - started
+    finally:
+        driver.close()
+    assert outcomes == [False] * 4 and driver.record.failures == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "waiting" not in r.getMessage()]
+    assert len(warnings) == 1 and "version 0 failed, skipped (trainer.on_failure=warn)" in warnings[0], warnings
+    skipped = [r.getMessage() for r in caplog.records if "failed, skipped" in r.getMessage()]
+    assert len(skipped) == 5, skipped  # the others at DEBUG
+    quick = later < 30  # not liveness_s=30 (nor timeout_s): the rollout is known to be missing
+    assert quick, f"{later:.1f}s"

@@ -276,3 +276,95 @@ async def test_a_sender_without_receivers_says_whom_it_waits_for_before_the_time
     waiting = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert len(waiting) >= 2, waiting  # every WAITING_LOG_EVERY_S, not once at the end
     assert all(sender.address in m and "0 ready" in m and "registered []" in m for m in waiting), waiting
+
+
+# -- liveness: a rollout that is gone costs transport.liveness_s, not transport.timeout_s (issue 25 item 1) --
+
+
+def _serve_forever(port: int, freeze_after: int | None, extra: dict) -> None:
+    """A real receiver process (`rollout-0`): receives versions until killed; with `freeze_after`, stops
+    itself (SIGSTOP: alive, connections open, answering nothing) after that many tensors of a version."""
+    import os
+    import signal
+
+    async def main() -> None:
+        cfg = engine_cfg(port, bucket_size_mb=BUCKET / 2**20, **extra)
+        async with WeightReceiver(cfg, identity="rollout-0") as receiver:
+            while True:
+                n = 0
+                async for _ in receiver.receive_weights():
+                    n += 1
+                    if freeze_after is not None and n == freeze_after:
+                        os.kill(os.getpid(), signal.SIGSTOP)
+
+    asyncio.run(main())
+
+
+async def _wait_registered(sender: WeightSender, identity: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while identity not in sender.registered:
+        assert time.monotonic() < deadline, f"{identity} never registered"
+        await sender._control.recv(0.1)  # the registry is kept by reading the socket
+
+
+LIVE = {"transport__timeout_s": 60, "transport__liveness_s": 2}  # timeout far above LOAD_SLACK_S, liveness below
+
+
+async def test_a_rollout_that_served_then_died_fails_the_next_version_within_liveness_s() -> None:
+    """Killed between versions: the next version used to wait transport.timeout_s for it (and a Prepare to
+    its dead connection said "Host unreachable"); now it fails after liveness_s naming it, the version after
+    fails at once, and a rollout that comes back is served again."""
+    from tests.support.mp import spawned
+
+    weights = [("a", _tensor(KIB, 0))]
+    sender = WeightSender(engine_cfg(0, bucket_size_mb=BUCKET / 2**20, **LIVE))
+    await sender.start()
+    try:
+        with spawned(_serve_forever, sender.port, None, LIVE) as rollout:
+            await _wait_registered(sender, "rollout-0")
+            await with_timeout(sender.send_weights(weights, version=1))
+            rollout.kill()  # SIGKILL: no goodbye
+            rollout.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncTimeout) as info:
+            await with_timeout(sender.send_weights(weights, version=2), 90)
+        elapsed = time.monotonic() - t0
+        message = str(info.value)
+        named = "rollout-0 (served version 1) disconnected" in message and "transport.liveness_s=2" in message
+        assert named and "unreachable" not in message.lower(), message
+        quick = elapsed < 2 + LOAD_SLACK_S  # liveness_s, not timeout_s=60
+        assert quick, f"{elapsed:.1f}s"
+        with pytest.raises(WeightSyncTimeout, match=r"transport\.liveness_s"):  # still gone: the same, at once
+            await with_timeout(sender.send_weights(weights, version=3), 90)
+        with spawned(_serve_forever, sender.port, None, LIVE):  # it comes back: served from the next version
+            await _wait_registered(sender, "rollout-0")
+            stats = await with_timeout(sender.send_weights(weights, version=4))
+        assert stats.receivers == 1
+    finally:
+        await sender.close()
+
+
+async def test_a_receiver_frozen_mid_version_fails_it_within_liveness_s() -> None:
+    """A receiver that stops answering mid-broadcast (a frozen process, a host or link that is gone: no FIN
+    ever arrives) held the trainer for transport.timeout_s; the control link's heartbeat (liveness_s) now
+    declares it gone and the broadcast's wait names it."""
+    from tests.support.mp import spawned
+
+    weights = [(f"t{i}", _tensor(2**20, i)) for i in range(48)]  # 48 MiB: more than loopback buffers hold
+    sender = WeightSender(engine_cfg(0, bucket_size_mb=BUCKET / 2**20, **LIVE))
+    await sender.start()
+    try:
+        with spawned(_serve_forever, sender.port, 3, LIVE) as rollout:
+            await _wait_registered(sender, "rollout-0")
+            t0 = time.monotonic()
+            with pytest.raises(PeerError) as info:
+                await with_timeout(sender.send_weights(weights, version=1), 90)
+            elapsed = time.monotonic() - t0
+            rollout.kill()
+    finally:
+        await sender.close()
+    message = str(info.value)
+    named = "receiver rollout-0 disconnected" in message
+    assert named, message
+    quick = elapsed < 2 + LOAD_SLACK_S
+    assert quick, f"{elapsed:.1f}s: not noticed within transport.liveness_s=2 (timeout_s=60)"

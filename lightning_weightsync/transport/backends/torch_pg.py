@@ -10,6 +10,7 @@ Every group generation gets its own key namespace.
 from __future__ import annotations
 
 import logging
+import threading
 from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
@@ -101,7 +102,13 @@ class TorchProcessGroupBackend(Backend):
     def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any: ...
 
     def _drop_group(self) -> None:
-        self._pg = None
+        """Forget the group. Its destructor joins its worker threads, so while a transfer is stuck in it (a
+        receiver frozen, or its host or link gone: nothing ever fails the socket) destroying it blocks
+        until that transfer's own timeout (`transport.timeout_s`). The last reference is therefore let go
+        on a daemon thread: the sender reports the failure within `transport.liveness_s`, not after it."""
+        box, self._pg = [self._pg], None
+        if box[0] is not None:
+            threading.Thread(target=box.clear, name="weightsync-drop-group", daemon=True).start()
 
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         wait = self._start_broadcast(slot, nbytes, bucket_index, buffer)
