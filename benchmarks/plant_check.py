@@ -205,6 +205,25 @@ PLANTS = [
     Plant("config: transport.direct_min_mb=0 (documented) rejected", f"{PKG}/config.py",
           "0 <= direct <= MAX_BUCKET_SIZE_MB", "0 < direct <= MAX_BUCKET_SIZE_MB",
           ("tests/unit/test_config.py", "-k", "direct_min_mb_zero")),
+    # -- issue 25 items 1-2: a lost rollout costs transport.liveness_s; a signal mid-sync stops every rank
+    Plant("session: a rollout that served and vanished waited out timeout_s", f"{PKG}/engine/session.py",
+          "            if short and self.missing_since is not None:  # the rollouts are gone: not worth timeout_s",
+          "            if False:", ("tests/integration/test_session.py", "-k", "served_then_died")),
+    Plant("session: a member gone mid-broadcast not noticed", f"{PKG}/engine/session.py",
+          "                if gone:\n", "                if False:\n",
+          ("tests/integration/test_session.py", "-k", "frozen")),
+    Plant("torch_pg: a broken group destroyed on the event loop", f"{PKG}/transport/backends/torch_pg.py",
+          '            threading.Thread(target=box.clear, name="weightsync-drop-group", daemon=True).start()',
+          "            box.clear()", ("tests/integration/test_session.py", "-k", "frozen")),
+    Plant("driver: every skipped version logged (on_failure=warn)", f"{PKG}/trainer/driver.py",
+          "        if self._failing_since is None:", "        if True:",
+          ("tests/integration/test_driver.py", "-k", "warn_with")),
+    Plant("interrupt: the sending rank not told of another rank's signal", f"{PKG}/trainer/interrupt.py",
+          "            if self.on_stop is not None and not self._stopped and self._store is not None:",
+          "            if False:", ("tests/integration/test_signals.py", "-k", "lightning and fsdp2-r1")),
+    Plant("lightning: a signal that stopped a sync sent into Lightning's handler", f"{PKG}/trainer/lightning.py",
+          "        connector.received_sigterm = True  # type: ignore[union-attr]\n        return\n", "",
+          ("tests/integration/test_signals.py", "-k", "lightning and fsdp2-r0")),
 ]  # fmt: skip
 
 
