@@ -99,6 +99,15 @@ class WeightReceiver(Endpoint):
     def dropped_messages(self) -> int:
         return self._control.dropped_messages
 
+    @property
+    def in_flight(self) -> int | None:
+        """The version this receiver took part in and has not acked yet (it owes the sender one ack)."""
+        return None if self._acked else self.version
+
+    def sender_link(self) -> tuple[bool, float]:
+        """(a trainer connected, seconds since that last changed): `ReceiverControl.sender_link`."""
+        return self._control.sender_link()
+
     # -- one version ------------------------------------------------------------------------------
     async def wait_version(self, wait_s: float | None = None) -> Plan:
         """Block until the sender starts a version, join its group, and return the plan."""

@@ -63,6 +63,8 @@ class SenderSession:
         self.min_receivers, self.timeout_s, self.ready_timeout_s = min_receivers, timeout_s, ready_timeout_s
         self.liveness_s = liveness_s
         self.members: list[str] = []  # receivers of the version being sent
+        self.version: int | None = None  # the version being sent
+        self.early: dict[str, Ack] = {}  # its acks that came before step 5 (a receiver that failed or stopped)
         self.served: dict[str, int] = {}  # receivers of the last version that gathered enough -> that version
         self.missing_since: float | None = None  # too few receivers since then (see the class docstring)
         self.missing_why = ""
@@ -77,6 +79,7 @@ class SenderSession:
         every receiver asked gets an `Abort`, so none waits for a plan.
         """
         asked: dict[str, float] = {}
+        self.version, self.early, self.members = version, {}, []
         try:
             return await self._gather_ready(version, asked)
         except asyncio.CancelledError as exc:  # the trainer is stopping: nobody who answered waits for a plan
@@ -185,14 +188,39 @@ class SenderSession:
             try:
                 return await self.control.serve_until(work, min(left, LIVENESS_POLL_S))  # type: ignore[no-any-return]
             except asyncio.TimeoutError:
-                gone = [i for i in self.members if not await self.control.connected(i)]
-                if gone:
-                    raise PeerError(f"{what}: receiver {', '.join(gone)} {GONE}") from None
+                gone = await self.gone(what)
+                if gone is not None:
+                    raise gone from None
+
+    async def gone(self, what: str) -> PeerError | None:
+        """The error naming the members whose connection is gone (None: all there). One that said why before
+        it went (a rollout stopping or failing mid-version: its nack) is named with its reason."""
+        said = await self._failed_early()  # first: once its connection is found gone, its messages are refused
+        gone = [i for i in self.members if not await self.control.connected(i)]
+        if not gone:
+            return None
+        named = [f"receiver {i} failed: {said[i]}" if i in said else f"receiver {i} {GONE}" for i in gone]
+        return PeerError(f"{what}: " + "; ".join(named))
+
+    async def _failed_early(self) -> dict[str, str]:
+        """The members that nacked this version already, with their reasons (read from what the socket kept
+        while streaming). Not a reason to stop on its own: a receiver whose consumer failed nacks, then still
+        takes part in the version's broadcasts so that the others get it."""
+        while (got := await self.control.recv(0.001)) is not None:  # kept while streaming, or still queued
+            identity, msg = got
+            if isinstance(msg, Ack) and msg.version == self.version and identity in self.members:
+                self.early[identity] = msg
+        return {i: (a.error or "failed")[:300] for i, a in self.early.items() if not a.ok}
 
     # 4 ---------------------------------------------------------------------------------------
     async def publish(self, peers: list[Peer], meta: BucketMeta) -> None:
-        """A bucket's metadata to every member, ahead of its bytes."""
-        await self.control.send_all([p.identity for p in peers], meta)
+        """A bucket's metadata to every member, ahead of its bytes. A member whose connection is gone is
+        named (with the reason it gave, if any), not reported as "unreachable"."""
+        try:
+            await self.control.send_all([p.identity for p in peers], meta)
+        except PeerError as exc:
+            gone = await self.gone(f"version {meta.version}: bucket {meta.bucket_index}")
+            raise (gone or exc) from None
 
     # 5 ---------------------------------------------------------------------------------------
     async def collect_acks(self, version: int, peers: list[Peer]) -> dict[str, Ack | None]:
@@ -202,7 +230,7 @@ class SenderSession:
         missing are asked of ZeroMQ, and one that is gone gets a failed ack naming that at once, instead
         of the trainer waiting out `timeout_s` for a rollout that stopped mid-version."""
         control = self.control
-        acks: dict[str, Ack | None] = {p.identity: None for p in peers}
+        acks: dict[str, Ack | None] = {p.identity: self.early.get(p.identity) for p in peers}
         deadline = time.monotonic() + self.timeout_s
         check_at = time.monotonic() + LIVENESS_POLL_S
         while any(a is None for a in acks.values()):
@@ -236,7 +264,7 @@ class SenderSession:
         """After a broadcast of `version` failed or timed out: which receivers are behind, from what
         they reported (per-bucket progress, failure acks) and which connections dropped."""
         control = self.control
-        failed: dict[str, str] = {}
+        failed = {i: a.error or "failed" for i, a in self.early.items() if not a.ok and a.version == version}
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(WeightSyncError):
             while (left := deadline - time.monotonic()) > 0:

@@ -8,7 +8,14 @@
   names it) and the `SinkError` raised.
 - A receive that fails (timeout, abort, a dead or bad peer: `WeightSyncError`) aborts the sink's
   version and propagates; the receiver has nacked it already.
-- Cancellation (a daemon stopping) aborts the version and propagates; the receiver drops the rest.
+- A sink's environmental failure (an `OSError`: ENOSPC, EACCES, EIO, ...) is a `SinkError` like any
+  other: the version fails, the trainer is told why, the rollout keeps serving and the next version
+  retries (a full disk used to crash the daemon with a traceback).
+- Cancellation (a daemon stopping) before the commit aborts the version, nacks it with the reason (so
+  the trainer hears it from the rollout, not from a broken connection) and propagates. A commit that has
+  started is never cancelled: it finishes (a renamed file, a copied module cannot be taken back half-way),
+  the version is acked and its record returned as applied, and the caller, which asked to stop, stops.
+  Commit and abort therefore never run at once, and what the log says is what the sink holds.
 
 The rollout daemon runs it with its `Sink` (`daemon.py`), vLLM's engine with a sink that loads into
 the model on vLLM's worker thread (`vllm/worker.py`). Where a sink method runs is the caller's
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -29,6 +38,8 @@ from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError, explain
 from ..protocol.chunks import TensorMeta
 from .observability import VersionRecord
+
+logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 """`await call(fn, *args)` runs the sink method `fn(*args)` where it must run and returns its result."""
@@ -83,8 +94,8 @@ async def consume_version(
         v.began = True
         try:
             sink.begin(v.version, tied=receiver.tied)  # bucket 0 (with the tied names) is here
-        except SinkError as exc:
-            v.failed = exc
+        except (SinkError, OSError) as exc:
+            v.failed = sink_failure(exc, "begin", v.version)
 
     def into(meta: TensorMeta) -> torch.Tensor | None:
         begin()
@@ -94,19 +105,20 @@ async def consume_version(
             return None  # keep receiving, drop it: the group must stay in step
         try:
             return sink.destination(meta)
-        except SinkError as exc:
-            v.failed = exc
+        except (SinkError, OSError) as exc:
+            v.failed = sink_failure(exc, f"a destination for {meta.name!r}", v.version)
             return None
 
     stream = receiver.receive_weights(into=into, auto_ack=False, wait_s=wait_s)
+    stopped: asyncio.CancelledError | None = None
     try:
         try:
             async for name, tensor in stream:
                 if v.failed is None:
                     try:
                         await call(sink.accept, name, tensor)
-                    except SinkError as exc:
-                        v.failed = exc
+                    except (SinkError, OSError) as exc:
+                        v.failed = sink_failure(exc, f"{name!r}", v.version)
                 del tensor  # the consumer's reference: memory is bounded by what the receiver holds
         except (WeightSyncError, asyncio.CancelledError):
             raise
@@ -118,21 +130,33 @@ async def consume_version(
         if v.failed is not None:
             raise v.failed
         commit_start = time.perf_counter()
-        await call(sink.commit, v.version)
+        commit = asyncio.ensure_future(call(sink.commit, v.version))
+        while not commit.done():  # the point of no return: a stop waits for it (see the module docstring)
+            try:
+                await asyncio.shield(commit)
+            except asyncio.CancelledError as exc:
+                if stopped is None:
+                    logger.info("version %d: stopping once its commit, already under way, is done", v.version)
+                stopped = exc
+        try:
+            commit.result()
+        except OSError as exc:
+            raise sink_failure(exc, "commit", v.version) from exc
         commit_s = time.perf_counter() - commit_start
     except BaseException as exc:
         if v.began and v.version is not None:
             sink.abort(v.version, explain(exc))
-        if isinstance(exc, SinkError) and v.version is not None:
-            with contextlib.suppress(WeightSyncError):
-                await receiver.ack(ok=False, error=f"SinkError: {exc}")
+        if receiver.version is not None and isinstance(exc, (SinkError, asyncio.CancelledError)):
+            reason = f"SinkError: {exc}" if isinstance(exc, SinkError) else f"rollout stopped mid-version: {exc}"
+            with contextlib.suppress(WeightSyncError):  # owed only while the version is in flight (once)
+                await receiver.ack(ok=False, error=reason[:1000])
         raise
-    await receiver.ack(ok=True)
+    await receiver.ack(ok=True)  # applied: acked and returned even when cancelled meanwhile (the caller stops)
     stats = receiver.last_stats
     assert stats is not None  # set by the complete receive above
     seconds = float(stats.seconds) + commit_s
     nbytes = int(stats.nbytes)
-    return VersionRecord(
+    record = VersionRecord(
         version=v.version,
         ok=True,
         nbytes=nbytes,
@@ -142,6 +166,22 @@ async def consume_version(
         seconds=seconds,
         bytes_per_second=nbytes / seconds if seconds > 0 else 0.0,
     )
+    return record
 
 
-__all__ = ["Call", "VersionSink", "call_inline", "consume_version"]
+def sink_failure(exc: SinkError | OSError, what: str, version: int | None) -> SinkError:
+    """`exc` as the `SinkError` that fails this version: an `OSError` (a full disk, a permission, an I/O
+    error) is the environment's, not a bug; it names the errno, the file and what was being done."""
+    if isinstance(exc, SinkError):
+        return exc
+    code = errno.errorcode.get(exc.errno or 0, "OSError")
+    where = f" ({exc.filename})" if exc.filename else ""
+    failure = SinkError(
+        f"{code}: {exc.strerror or exc}{where} while the sink took {what} of version {version}; the version is "
+        "dropped and the next one retries (free space / fix permissions on the sink's target)"
+    )
+    failure.__cause__ = exc
+    return failure
+
+
+__all__ = ["Call", "VersionSink", "call_inline", "consume_version", "sink_failure"]

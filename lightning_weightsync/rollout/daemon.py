@@ -48,6 +48,9 @@ from .sinks import Sink, SinkState, build_sink
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+TRAINER_POLL_S = 1.0  # how often the daemon looks at its link to the trainer (metrics, /healthz, the log)
+NO_TRAINER_WARN_S = 30.0  # no trainer connected this long: a WARNING ...
+NO_TRAINER_REPEAT_S = 300.0  # ... and again this often while it lasts
 
 
 class RolloutDaemon:
@@ -80,11 +83,17 @@ class RolloutDaemon:
         self.receiver: WeightReceiver | None = None
         self.records: list[VersionRecord] = []
         self._stop = asyncio.Event()  # not bound to a loop until first awaited (Python >= 3.10)
+        self._stop_reason = "the rollout daemon is stopping"
         self._progress = Progress(bool(cfg.rollout.progress) and sys.stdout.isatty())
+        self._trainer: tuple[bool, float] = (False, 0.0)  # (connected, for how long), see `_watch_trainer`
+        self._watcher: asyncio.Task[None] | None = None
 
     # --- control --------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Ask the loop to finish (drops the version in flight); call from the daemon's loop thread."""
+    def stop(self, reason: str | None = None) -> None:
+        """Ask the loop to finish; call from the daemon's loop thread. A version being received is dropped
+        and nacked with `reason`; one already committing is finished and reported first."""
+        if reason:
+            self._stop_reason = reason
         self._stop.set()
 
     @property
@@ -95,7 +104,33 @@ class RolloutDaemon:
         sink = self.sink
         state = sink.state if sink is not None else SinkState.EMPTY
         version = sink.version if sink is not None else None
-        return state is SinkState.COMPLETE, {"state": state.value, "version": version}
+        connected, for_s = self._trainer
+        trainer = {"trainer_connected": connected, "trainer_unseen_s": 0.0 if connected else round(for_s, 1)}
+        return state is SinkState.COMPLETE, {"state": state.value, "version": version, **trainer}
+
+    async def _watch_trainer(self) -> None:
+        """Whether a trainer is there, kept for `/healthz` and the metrics, and said in the log: one WARNING
+        once none has been connected for `NO_TRAINER_WARN_S` (again every `NO_TRAINER_REPEAT_S` while that
+        lasts: a daemon pointed at the wrong port or token used to wait in silence), one line when one is."""
+        assert self.receiver is not None
+        t = self.cfg.transport
+        warn_at = NO_TRAINER_WARN_S  # seconds without a trainer at which to say so (next)
+        was_connected = False
+        while True:
+            connected, for_s = self._trainer = self.receiver.sender_link()
+            self.metrics.trainer_link(connected, for_s)
+            if connected and not was_connected:
+                logger.info("trainer connected at %s:%s", t.host, t.port)
+                warn_at = NO_TRAINER_WARN_S
+            elif not connected and for_s >= warn_at:
+                warn_at = for_s + NO_TRAINER_REPEAT_S
+                logger.warning(
+                    "no trainer connected at %s:%s for %.0fs; is it running, with the same transport.host, "
+                    "transport.port and transport.auth_token? (still trying)",
+                    t.host, t.port, for_s,
+                )  # fmt: skip
+            was_connected = connected
+            await asyncio.sleep(TRAINER_POLL_S)
 
     # --- main loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -115,8 +150,10 @@ class RolloutDaemon:
             await self._shutdown()
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        logger.info("%s: shutting down (the version in flight, if any, is dropped)", sig.name)
-        self.stop()
+        logger.info(
+            "%s: shutting down (a version being received is dropped and nacked; one committing is finished)", sig.name
+        )
+        self.stop(f"the rollout daemon is stopping ({sig.name})")
 
     async def _setup(self) -> None:
         if self.sink is None:
@@ -129,6 +166,7 @@ class RolloutDaemon:
         receiver = self.receiver = WeightReceiver(self.cfg)
         receiver.on_bucket = lambda meta: self._progress.bucket(receiver.version, meta.nbytes)
         await receiver.start()
+        self._watcher = asyncio.ensure_future(self._watch_trainer())
         logger.info(
             "rollout daemon ready: receiving from %s:%s (backend %s) into the %s sink (apply=%s)",
             t.host, t.port, t.backend, ro.sink.type, ro.apply,
@@ -136,6 +174,11 @@ class RolloutDaemon:
 
     async def _shutdown(self) -> None:
         self._progress.stop()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         sink = self.sink
         if sink is not None and sink.in_flight is not None:
             sink.abort(sink.in_flight, "daemon shutting down")
@@ -178,16 +221,21 @@ class RolloutDaemon:
             await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
-        if not work.done():
-            work.cancel()
+        stopping = not work.done()
+        in_flight = self.receiver.in_flight if self.receiver is not None else None
+        if stopping:  # the receive loop nacks a version being received; one committing finishes first
+            work.cancel(self._stop_reason)
             with contextlib.suppress(BaseException):
-                await work
-            return
+                await asyncio.wait({work})
         self._progress.stop()
         try:
             rec = work.result()
         except WeightSyncError as exc:
             rec = self._failure_record(exc)
+        except asyncio.CancelledError:
+            if in_flight is None:
+                return  # stopped between versions: nothing to report
+            rec = VersionRecord(version=in_flight, ok=False, error=self._stop_reason, outcome="stopped")
         self._report(rec)
 
     def _failure_record(self, exc: WeightSyncError) -> VersionRecord:

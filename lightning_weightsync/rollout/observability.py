@@ -25,7 +25,7 @@ from .sinks import SinkState
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = ("applied", "failed", "aborted", "timeout")
+OUTCOMES = ("applied", "failed", "aborted", "timeout", "stopped")  # stopped: the daemon stopped mid-version
 
 
 @dataclass
@@ -112,6 +112,20 @@ class Metrics:
         )
         self.staleness.set_function(self.staleness_seconds)
         self.version.set(-1)
+        self.trainer_connected = Gauge(
+            "weightsync_rollout_trainer_connected",
+            "1 while a trainer (a sender) is connected to this rollout's control socket",
+            registry=self.registry,
+        )
+        self.trainer_unseen = Gauge(
+            "weightsync_rollout_trainer_unseen_seconds",
+            "Seconds without a connected trainer (0 while one is): a wrong address or token, or no trainer",
+            registry=self.registry,
+        )
+
+    def trainer_link(self, connected: bool, for_s: float) -> None:
+        self.trainer_connected.set(1 if connected else 0)
+        self.trainer_unseen.set(0.0 if connected else for_s)
 
     def staleness_seconds(self) -> float:
         since = self._last_applied if self._last_applied is not None else self._started

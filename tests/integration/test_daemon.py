@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -144,9 +145,13 @@ async def test_stop_mid_version_drops_it_and_returns() -> None:
         assert sink.in_flight is None and sink.version == 0 and sink.state is SinkState.COMPLETE
         assert_same(sink.state_dict(), version_weights(0))
         gate.set()
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(WeightSyncError) as info:
             await asyncio.wait_for(send, 30)
-    assert [r.version for r in daemon.records] == [0]
+    # issue 25 item 1: the daemon said why before it went, the trainer's error names it, and the daemon's
+    # record says the version was stopped (it used to report nothing, and the trainer saw a broken link)
+    said = "failed: rollout stopped mid-version: the rollout daemon is stopping"
+    assert said in str(info.value), info.value
+    assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "stopped")]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -164,18 +169,59 @@ async def test_metrics_and_healthz() -> None:
         await until(lambda: daemon.metrics_port is not None)
         base = f"http://127.0.0.1:{daemon.metrics_port}"
         code, body = await asyncio.to_thread(_get, base + "/healthz")
-        assert code == 503 and json.loads(body) == {"state": "empty", "version": None}
+        health = json.loads(body)
+        assert code == 503 and (health["state"], health["version"], health["trainer_connected"]) == (
+            "empty",
+            None,
+            False,
+        )
         async with sender_on(port) as sender:
             for version in (4, 5):
                 stats = await sender.send_weights(version_weights(version).items(), version=version)
-        code, body = await asyncio.to_thread(_get, base + "/healthz")
-        assert code == 200 and json.loads(body) == {"state": "complete", "version": 5}
+            await until(lambda: daemon._health()[1]["trainer_connected"])
+            code, body = await asyncio.to_thread(_get, base + "/healthz")
+        health = json.loads(body)
+        assert code == 200 and (health["state"], health["version"], health["trainer_connected"]) == (
+            "complete",
+            5,
+            True,
+        )
         code, text = await asyncio.to_thread(_get, base + "/metrics")
         assert code == 200
         assert "weightsync_rollout_version 5.0" in text
         assert 'weightsync_rollout_versions_total{outcome="applied"} 2.0' in text
         assert f"weightsync_rollout_bytes_total {2 * stats.nbytes}.0" in text
         assert (await asyncio.to_thread(_get, base + "/nope"))[0] == 404
+
+
+async def test_a_daemon_without_a_trainer_says_so(monkeypatch, caplog) -> None:
+    """Issue 25 item 1: a daemon pointed at the wrong port (or before the trainer starts) waited in
+    silence. It now logs that no trainer is connected (after NO_TRAINER_WARN_S, then every
+    NO_TRAINER_REPEAT_S), shows it on /healthz and in two gauges, and logs when one connects."""
+    from lightning_weightsync.rollout import daemon as daemon_module
+
+    monkeypatch.setattr(daemon_module, "NO_TRAINER_WARN_S", 1.0)
+    monkeypatch.setattr(daemon_module, "TRAINER_POLL_S", 0.1)
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port, rollout__metrics_port=0), handle_signals=False)
+    with caplog.at_level("INFO", logger="lightning_weightsync.rollout.daemon"):
+        async with running(daemon):
+            await until(lambda: any("no trainer connected" in r.getMessage() for r in caplog.records))
+            base = f"http://127.0.0.1:{daemon.metrics_port}"
+            health = json.loads((await asyncio.to_thread(_get, base + "/healthz"))[1])
+            assert health["trainer_connected"] is False and health["trainer_unseen_s"] >= 1.0, health
+            text = (await asyncio.to_thread(_get, base + "/metrics"))[1]
+            assert "weightsync_rollout_trainer_connected 0.0" in text
+            unseen = float(re.search(r"^weightsync_rollout_trainer_unseen_seconds (\S+)$", text, re.M)[1])
+            assert unseen >= 1.0, text
+            async with sender_on(port):
+                await until(lambda: daemon._health()[1]["trainer_connected"])
+                text = (await asyncio.to_thread(_get, base + "/metrics"))[1]
+                assert "weightsync_rollout_trainer_connected 1.0" in text
+                assert "weightsync_rollout_trainer_unseen_seconds 0.0" in text
+    said = [r.getMessage() for r in caplog.records if "trainer" in r.getMessage()]
+    assert f"127.0.0.1:{port}" in said[0] and "transport.auth_token" in said[0], said
+    assert any(m == f"trainer connected at 127.0.0.1:{port}" for m in said), said
 
 
 async def test_safetensors_and_callable_sinks_behind_the_daemon(tmp_path) -> None:

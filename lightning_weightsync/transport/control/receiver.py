@@ -16,10 +16,12 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from typing import Any
 
 import torch.distributed as dist
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ProtocolError, VersionAborted, WeightSyncTimeout
 from ...protocol.messages import (
@@ -77,6 +79,10 @@ class ReceiverControl:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._stash: list[Message] = []
+        self._monitor: zmq.Socket[Any] | None = None  # the DEALER's connection events (see `sender_link`)
+        self._monitor_async: Any = None
+        self._linked = False
+        self._link_changed = time.monotonic()
 
     @property
     def address(self) -> str:
@@ -95,11 +101,34 @@ class ReceiverControl:
             sock.curve_serverkey = keys.server_public
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        self._monitor_async = sock.get_monitor_socket(events)
+        self._monitor = zmq.Socket.shadow(self._monitor_async.underlying)
         sock.connect(self.address)
         self._sock = sock
         await self.register()
 
+    def sender_link(self) -> tuple[bool, float]:
+        """(whether a connection to the sender is up, its handshake done, seconds since that last changed).
+        Between versions the sender says nothing, so this is the only sign of a trainer: its process keeps
+        the connection (and the ZMTP heartbeat) up whether or not it is syncing; a wrong port, a trainer
+        not running, or another `transport.auth_token` (the handshake fails) all read as not linked."""
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                while True:
+                    event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+                    linked = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    if linked != self._linked:
+                        self._linked, self._link_changed = linked, time.monotonic()
+        return self._linked, time.monotonic() - self._link_changed
+
     async def close(self) -> None:
+        if self._monitor is not None:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+            self._monitor_async.close(linger=0)
+            self._monitor = self._monitor_async = None
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 await self.send(Bye(self.identity))
