@@ -224,6 +224,21 @@ PLANTS = [
     Plant("lightning: a signal that stopped a sync sent into Lightning's handler", f"{PKG}/trainer/lightning.py",
           "        connector.received_sigterm = True  # type: ignore[union-attr]\n        return\n", "",
           ("tests/integration/test_signals.py", "-k", "lightning and fsdp2-r0")),
+    # -- issue 25 items 1, 3, 4: the daemon's side of a stop, a full disk, a missing trainer
+    Plant("consume: a stop cancels the commit under way (abort beside it)", f"{PKG}/rollout/consume.py",
+          "                await asyncio.shield(commit)", "                await commit",
+          ("tests/integration/test_daemon.py", "-k", "slow_callable_commit")),
+    Plant("consume: a sink's OSError (ENOSPC) crashes the daemon", f"{PKG}/rollout/consume.py",
+          "                    except (SinkError, OSError) as exc:\n"
+          '                        v.failed = sink_failure(exc, f"{name!r}", v.version)',
+          "                    except SinkError as exc:\n                        v.failed = exc",
+          ("tests/integration/test_daemon.py", "-k", "full_disk")),
+    Plant("consume: no nack when the daemon stops mid-version", f"{PKG}/rollout/consume.py",
+          "isinstance(exc, (SinkError, asyncio.CancelledError))", "isinstance(exc, SinkError)",
+          ("tests/integration/test_daemon.py", "-k", "stop_mid_version")),
+    Plant("daemon: silent while no trainer connects", f"{PKG}/rollout/daemon.py",
+          "            elif not connected and for_s >= warn_at:", "            elif False:",
+          ("tests/integration/test_daemon.py", "-k", "without_a_trainer")),
 ]  # fmt: skip
 
 

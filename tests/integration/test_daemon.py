@@ -265,3 +265,115 @@ def test_progress_bar_counts_bytes_of_the_version_in_flight() -> None:
     assert bar.shown == (7, 1536)
     bar.stop()
     assert bar.shown is None
+
+
+# -- a stop mid-commit, a full disk (issue 25 items 3, 4) --------------------------------------------------
+
+
+def _weights(version: int, numel: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((numel,), float(version)), "b": torch.arange(7, dtype=torch.int64) + version}
+
+
+async def _stop_during_commit(daemon: RolloutDaemon, port: int, started: threading.Event) -> Any:
+    """Version 0, then version 1 whose commit is slow: the daemon is told to stop while it commits."""
+    task = asyncio.ensure_future(daemon.run())
+    try:
+        async with sender_on(port) as sender:
+            await sender.send_weights(_weights(0, 64).items(), version=0)
+            started.clear()
+            send = asyncio.ensure_future(sender.send_weights(_weights(1, 64).items(), version=1))
+            await until(started.is_set)
+            daemon.stop("test: stopped mid-commit")
+            return await asyncio.wait_for(send, 30)  # the ack: what the rollout holds
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_stop_during_a_slow_callable_commit_lets_it_finish_and_says_so(caplog) -> None:
+    """Before: the commit (the user's function, on a thread) went on while the cancelled task aborted the
+    version beside it: "version 1 dropped ... stays on version 0", then the function finished version 1
+    and the daemon reported "last complete version: 1"; the trainer got no ack."""
+    from lightning_weightsync.rollout.sinks.callable import CallableSink
+
+    started, seen = threading.Event(), []
+
+    def slow(version: int, tensors: Any) -> None:
+        held = dict(tensors)
+        if version == 1:
+            started.set()
+            threading.Event().wait(1.5)  # a slow apply (a model reload, a copy to devices)
+        seen.append((version, sorted(held)))
+
+    port = free_port()
+    cfg = daemon_cfg(port, rollout__sink__type="callable", rollout__identity="cb")
+    daemon = RolloutDaemon(cfg, sink=CallableSink(cfg, fn=slow), handle_signals=False)
+    with caplog.at_level("INFO", logger="lightning_weightsync"):
+        stats = await _stop_during_commit(daemon, port, started)
+    assert stats.receivers == 1 and not stats.failed  # acked: applied
+    assert seen == [(0, ["b", "w"]), (1, ["b", "w"])] and daemon.sink.version == 1
+    assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "applied")]
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("lightning_weightsync.rollout")]
+    assert not [m for m in said if "dropped" in m], said  # the log agrees with what was applied
+    assert "rollout daemon stopped (last complete version: 1)" in said, said
+
+
+async def test_a_stop_during_a_safetensors_commit_leaves_the_file_whole(tmp_path) -> None:
+    """The safetensors sink raced the same way: the abort's temp-file unlink against the commit's rename."""
+    from safetensors.torch import load_file
+
+    from lightning_weightsync.rollout.sinks.safetensors import SafetensorsSink, step_path
+
+    started = threading.Event()
+
+    class SlowDisk(SafetensorsSink):
+        def _commit(self, version: int) -> None:  # the real commit, on a slow disk
+            if version == 1:
+                started.set()
+                threading.Event().wait(1.0)
+            super()._commit(version)
+
+    port = free_port()
+    cfg = daemon_cfg(port, rollout__sink__type="safetensors", rollout__sink__dir=str(tmp_path), rollout__identity="st")
+    daemon = RolloutDaemon(cfg, sink=SlowDisk(cfg), handle_signals=False)
+    stats = await _stop_during_commit(daemon, port, started)
+    assert not stats.failed and daemon.sink.version == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0.safetensors", "step_1.safetensors"]  # no temp
+    assert_same(load_file(str(step_path(tmp_path, 1))), _weights(1, 64))
+    assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "applied")]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Any) -> Any:
+    """A 1 MiB tmpfs (a real full disk: the kernel's ENOSPC); skipped where mounting is not permitted."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()[:200]})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        assert not os.path.ismount(mount)
+
+
+async def test_a_full_disk_fails_the_version_names_enospc_and_the_daemon_keeps_serving(small_disk) -> None:
+    """Before: ENOSPC surfaced as a raw OSError the daemon did not catch: exit 1 with a traceback (a
+    crash loop under a supervisor), and the trainer saw only "broadcast of bucket 9 failed"."""
+    port = free_port()
+    cfg = daemon_cfg(port, rollout__sink__type="safetensors", rollout__sink__dir=str(small_disk))
+    daemon = RolloutDaemon(cfg, handle_signals=False)
+    async with running(daemon), sender_on(port) as sender:
+        await sender.send_weights(_weights(0, 25_000).items(), version=0)  # 100 KB: fits
+        with pytest.raises(PeerError) as info:
+            await sender.send_weights(_weights(1, 600_000).items(), version=1)  # 2.4 MB on a 1 MiB disk
+        assert "ENOSPC: No space left on device" in str(info.value) and "next one retries" in str(info.value)
+        stats = await sender.send_weights(_weights(2, 25_000).items(), version=2)  # space is back: it retries
+        assert not stats.failed and daemon.sink.version == 2
+    assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "failed"), (2, "applied")]
+    assert "ENOSPC" in (daemon.records[1].error or "")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step_0.safetensors", "step_2.safetensors"]
