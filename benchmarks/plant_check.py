@@ -119,13 +119,12 @@ PLANTS = [
           "        if touched_live:\n            self.state = SinkState.INCOMPLETE",
           "        if False:\n            self.state = SinkState.INCOMPLETE", ("tests/unit/test_sinks.py",)),
     Plant("receive loop: a sink error acked as success", f"{PKG}/rollout/consume.py",
-          '                await receiver.ack(ok=False, error=f"SinkError: {exc}")',
-          "                await receiver.ack(ok=True)",
+          "                await receiver.ack(ok=False, error=reason[:1000])",
+          "                await receiver.ack(ok=not isinstance(exc, SinkError), error=reason[:1000])",
           ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
     Plant("receive loop: the rest of a version not drained after a sink error", f"{PKG}/rollout/consume.py",
-          "                    except SinkError as exc:\n                        v.failed = exc\n"
-          "                del tensor",
-          "                    except SinkError as exc:\n                        v.failed = exc\n"
+          '                        v.failed = sink_failure(exc, f"{name!r}", v.version)\n                del tensor',
+          '                        v.failed = sink_failure(exc, f"{name!r}", v.version)\n'
           "                        break\n                del tensor",
           ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
     Plant("vllm: min_receivers not checked against the servers' workers", f"{PKG}/trainer/rollout_control.py",
@@ -210,7 +209,7 @@ PLANTS = [
           "            if short and self.missing_since is not None:  # the rollouts are gone: not worth timeout_s",
           "            if False:", ("tests/integration/test_session.py", "-k", "served_then_died")),
     Plant("session: a member gone mid-broadcast not noticed", f"{PKG}/engine/session.py",
-          "                if gone:\n", "                if False:\n",
+          "                if gone is not None:\n", "                if False:\n",
           ("tests/integration/test_session.py", "-k", "frozen")),
     Plant("torch_pg: a broken group destroyed on the event loop", f"{PKG}/transport/backends/torch_pg.py",
           '            threading.Thread(target=box.clear, name="weightsync-drop-group", daemon=True).start()',
