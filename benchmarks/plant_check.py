@@ -120,7 +120,7 @@ PLANTS = [
           "        if False:\n            self.state = SinkState.INCOMPLETE", ("tests/unit/test_sinks.py",)),
     Plant("receive loop: a sink error acked as success", f"{PKG}/rollout/consume.py",
           "                await receiver.ack(ok=False, error=reason[:1000])",
-          "                await receiver.ack(ok=not isinstance(exc, SinkError), error=reason[:1000])",
+          "                await receiver.ack(ok=isinstance(exc, SinkError), error=reason[:1000])",
           ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
     Plant("receive loop: the rest of a version not drained after a sink error", f"{PKG}/rollout/consume.py",
           '                        v.failed = sink_failure(exc, f"{name!r}", v.version)\n                del tensor',
