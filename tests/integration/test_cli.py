@@ -115,13 +115,16 @@ async def test_versions_arrive_then_sigterm_mid_version_exits_clean(tmp_path: Pa
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 30)
             gate.set()
-            with pytest.raises(WeightSyncError):
+            with pytest.raises(WeightSyncError) as info:
                 await asyncio.wait_for(send, 60)
     log = proc.log.read_text()  # type: ignore[attr-defined]
     assert code == 0, log
     assert "SIGTERM: shutting down" in log and "Traceback" not in log
-    assert [(r["version"], r["ok"]) for r in read_stats(stats)] == [(1, True), (2, True), (3, True)]
-    assert all(r["num_chunked_tensors"] > 0 for r in read_stats(stats))
+    # issue 25: the daemon said why before it went (its nack), and recorded the version it stopped in
+    assert "rollout stopped mid-version: the rollout daemon is stopping (SIGTERM)" in str(info.value), info.value
+    outcomes = [(r["version"], r["ok"], r["outcome"]) for r in read_stats(stats)]
+    assert outcomes == [(1, True, "applied"), (2, True, "applied"), (3, True, "applied"), (4, False, "stopped")]
+    assert all(r["num_chunked_tensors"] > 0 for r in read_stats(stats)[:3])
     assert sorted(p.name for p in out.iterdir()) == [f"step_{v}.safetensors" for v in (1, 2, 3)]  # no temp left
     for version in (1, 2, 3):
         assert_same(load_file(str(out / f"step_{version}.safetensors")), version_weights(version))

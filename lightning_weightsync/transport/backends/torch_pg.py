@@ -102,13 +102,21 @@ class TorchProcessGroupBackend(Backend):
     def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any: ...
 
     def _drop_group(self) -> None:
-        """Forget the group. Its destructor joins its worker threads, so while a transfer is stuck in it (a
-        receiver frozen, or its host or link gone: nothing ever fails the socket) destroying it blocks
-        until that transfer's own timeout (`transport.timeout_s`). The last reference is therefore let go
-        on a daemon thread: the sender reports the failure within `transport.liveness_s`, not after it."""
+        self._pg = None
+
+    def broken(self) -> None:
+        """Give the group up after a failure. Its destructor joins its worker threads, so while a transfer
+        is stuck in it (a receiver frozen, its host or link gone: nothing ever fails the socket; or, on a
+        receiver that stops, its own posted receives) destroying it blocks until that transfer's own
+        timeout (`transport.timeout_s`). The last reference is therefore let go on a daemon thread: the
+        failure is reported within `transport.liveness_s`, not after the timeout. (A healthy group, at
+        `close()`, is destroyed in place.)"""
         box, self._pg = [self._pg], None
         if box[0] is not None:
-            threading.Thread(target=box.clear, name="weightsync-drop-group", daemon=True).start()
+            thread = threading.Thread(target=_let_go, args=(box,), name="weightsync-drop-group", daemon=True)
+            _DRAINING.add(thread)
+            thread.start()
+        super().broken()
 
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         wait = self._start_broadcast(slot, nbytes, bucket_index, buffer)
@@ -134,6 +142,22 @@ class TorchProcessGroupBackend(Backend):
     def close(self) -> None:
         super().close()
         self._store = None
+
+
+_DRAINING: set[threading.Thread] = set()  # groups being let go while a transfer is stuck in them
+
+
+def _let_go(box: list[Any]) -> None:
+    box.clear()  # the group's destructor runs here, however long its stuck transfer takes
+    _DRAINING.discard(threading.current_thread())
+
+
+def groups_draining() -> int:
+    """Groups given up after a failure whose destructor still waits for a stuck transfer (at most
+    `transport.timeout_s`). A process that exits meanwhile must not run C++ exit handlers beside them
+    (libstdc++ aborts: "terminate called without an active exception"): the rollout CLI ends with
+    `os._exit` then, once everything of its own is closed."""
+    return sum(t.is_alive() for t in list(_DRAINING))
 
 
 def _wait(work: Any) -> None:
