@@ -3,13 +3,17 @@ one executor thread that runs its blocking collectives, and closing them in the 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from ..transport.backends import Backend, build_backend
+from ..transport.backends.torch_pg import groups_draining
 from ..transport.executor import SerialExecutor
+
+logger = logging.getLogger(__name__)
 
 
 class Endpoint(ABC):
@@ -40,6 +44,13 @@ class Endpoint(ABC):
 
     async def close(self) -> None:
         """Free buckets and the group first, then stop the executor, then the sockets."""
+        if groups_draining():
+            logger.warning(
+                "a data-plane group given up after a failure still waits for a transfer to a peer that stopped "
+                "answering (gloo cannot cancel it; it ends within transport.timeout_s=%ss): a process that exits "
+                "before then is aborted on the way out (exit code 134)",
+                self.timeout_s,
+            )
         if self._backend is not None:
             self._backend.close()
             self._backend = None

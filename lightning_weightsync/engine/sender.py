@@ -43,7 +43,7 @@ from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
 from .endpoint import Endpoint
 from .session import SenderSession
-from .stats import SendStats
+from .stats import SendStats, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +247,10 @@ class WeightSender(Endpoint):
             err.stats = stats
             raise err
         logger.info(
-            "version %d sent: %d tensors, %.1f MB in %d buckets to %d receivers, %.3fs, %.2f GB/s",
-            version, stats.num_tensors, stats.nbytes / 1e6, stats.num_buckets, stats.receivers, stats.seconds,
-            stats.gbps,
+            "version %d sent: %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets",
+            version, human_bytes(stats.nbytes), stats.seconds,
+            human_bytes(stats.nbytes / stats.seconds if stats.seconds > 0 else 0.0), stats.receivers,
+            stats.num_tensors, stats.num_buckets,
         )  # fmt: skip
         return stats
 

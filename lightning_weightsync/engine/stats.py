@@ -59,4 +59,14 @@ class ReceiveStats(_Stats):
     """One receiver's view of one version."""
 
 
-__all__ = ["ReceiveStats", "SendStats"]
+def human_bytes(nbytes: float) -> str:
+    """`16.0 MiB`, `977 KiB`, `1.16 GiB`: a unit that fits the size (a log line of `0.00 GB/s` says nothing)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+__all__ = ["ReceiveStats", "SendStats", "human_bytes"]

@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..engine.stats import human_bytes
 from ..errors import ConfigError
 from .sinks import SinkState
 
@@ -47,16 +48,6 @@ class VersionRecord:
     def gbps(self) -> float:
         """GB/s (1e9 bytes), for readers of the old record field."""
         return self.bytes_per_second / 1e9
-
-
-def human_bytes(nbytes: float) -> str:
-    """`16.0 MiB`, `977 KiB`, `1.16 GiB`: a unit that fits the size (a log line of `0.00 GB/s` says nothing)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def log_version(rec: VersionRecord, sink_state: SinkState, sink_version: int | None) -> None:

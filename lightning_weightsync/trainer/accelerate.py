@@ -30,7 +30,7 @@ from torch import nn
 from ..config import load_config
 from ..errors import ConfigError, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
-from .gather import NamedTensor
+from .gather import NamedTensor, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,16 @@ class AccelerateWeightSync(SyncRecordView):
         self.record = SyncRecord()  # last synced version, failures, last SendStats: kept by SyncDriver
         inner = self._inner_optimizer(optimizer)
         plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-        if plugin is not None:
+        if plugin is not None and is_sharded(model):
             logger.info("Accelerate FSDP plugin active (fsdp_version=%s)", getattr(plugin, "fsdp_version", 1))
+        elif plugin is not None:  # e.g. on CPU, where Accelerate prepares DDP whatever the plugin says
+            logger.warning(
+                "Accelerate's FSDP plugin is configured (fsdp_version=%s) but the model is not sharded: Accelerate "
+                "did not apply FSDP (it does not on CPU), so every rank holds and gathers the whole model. Shard it "
+                "yourself with fully_shard before AccelerateWeightSync (recipes/accelerate_tiny.py, "
+                "recipe.fsdp2_by_hand=true), or run on GPUs",
+                getattr(plugin, "fsdp_version", 1),
+            )
         self._driver = SyncDriver(
             self.cfg,
             rank=int(accelerator.process_index),

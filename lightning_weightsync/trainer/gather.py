@@ -180,6 +180,12 @@ def yields_stable_tensors(module: nn.Module) -> bool:
     return not _fsdp1_units(module)
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module` is FSDP-sharded (FSDP1 units or FSDP2 DTensor parameters), i.e. whether the
+    gather has collectives to run."""
+    return bool(_fsdp1_units(module)) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def drain(weights: Iterable[Any]) -> int:
     """Exhaust `weights` (what ranks that do not send do with `iter_full_parameters`); returns the count."""
     count = 0
@@ -200,6 +206,7 @@ def named_full_state_dict(module: nn.Module, **kwargs: Any) -> dict[str, torch.T
 __all__: Sequence[str] = (
     "NameMapper",
     "drain",
+    "is_sharded",
     "iter_full_parameters",
     "named_full_state_dict",
     "resolve_dtype",

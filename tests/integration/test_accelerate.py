@@ -99,6 +99,20 @@ def test_failure_policy_warn(accelerator: Any) -> None:
         _train(accelerator, model, optimizer, micro_batches=3)
 
 
+def test_an_fsdp_plugin_that_did_not_shard_the_model_is_a_warning(accelerator: Any, caplog) -> None:
+    """Issue 25 item 7: on CPU Accelerate prepares DDP whatever its FSDP plugin says; only the recipes'
+    comments said so, and the sync logged "FSDP plugin active" at INFO."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    model = build_model(vocab_size=64, dim=16, n_layers=1, max_seq_len=8)
+    model, _optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)  # as `accelerate config` sets it
+    with caplog.at_level("INFO", logger="lightning_weightsync"), AccelerateWeightSync(accelerator, model, _cfg()):
+        pass
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "FSDP plugin" in r.getMessage()]
+    assert len(said) == 1 and "not sharded" in said[0] and "fully_shard" in said[0], said
+
+
 def test_needs_an_optimizer(accelerator: Any) -> None:
     model = build_model(vocab_size=64, dim=16, n_layers=1, max_seq_len=8)
     with pytest.raises(ConfigError, match="prepared 0 optimizers"):

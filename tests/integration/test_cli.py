@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lightning_weightsync import BlockingWeightSender, WeightSender, WeightSyncError, cli, load_config
+from lightning_weightsync import BlockingWeightSender, PeerError, WeightSender, WeightSyncError, cli, load_config
 from tests.support.mp import PYTHON, free_port, popen, spawned
 from tests.unit.test_sinks import assert_same, version_weights
 
@@ -336,3 +336,38 @@ def test_console_script_imports_a_factory_from_the_current_directory(tmp_path: P
     argv[2] = "rollout.sink.factory=elsewhere_models:build"
     result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert_one_line_error(result.returncode, result.stderr, r"cannot import module 'elsewhere_models'.*PYTHONPATH")
+
+
+def slow_apply(version: int, tensors: Any) -> None:
+    """A callable sink whose apply takes long (`rollout.sink.target=tests.integration.test_cli:slow_apply`);
+    it says when it started in the file named by $LWS_TEST_APPLYING."""
+    dict(tensors)
+    if version >= 1:
+        Path(os.environ["LWS_TEST_APPLYING"]).write_text(str(version))
+        time.sleep(60)
+
+
+async def test_a_daemon_killed_mid_apply_fails_the_version_within_liveness_s(tmp_path: Path) -> None:
+    """Issue 25 item 1: a rollout killed while it applied a version (kill -9: no nack, no goodbye) left the
+    trainer waiting transport.timeout_s for its ack; the ack wait now asks whether it is still there."""
+    port, applying = free_port(), tmp_path / "applying"
+    sink = ["rollout.sink.type=callable", "rollout.sink.target=tests.integration.test_cli:slow_apply"]
+    log = tmp_path / "daemon.log"
+    cmd = [str(CONSOLE_SCRIPT), "rollout", *transport(port, 60), "transport.liveness_s=2", "rollout.progress=false",
+           "rollout.identity=slow", *sink]  # fmt: skip
+    env = {**ENV, "LWS_TEST_APPLYING": str(applying)}
+    cfg = load_config(overrides=[*transport(port, 60), "transport.liveness_s=2"])
+    with open(log, "w") as out, popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT) as proc:
+        async with WeightSender(cfg) as sender:
+            await sender.send_weights(version_weights(0).items(), version=0)
+            send = asyncio.ensure_future(sender.send_weights(version_weights(1).items(), version=1))
+            await asyncio.to_thread(wait_for, applying.exists, 60, "the apply of version 1")
+            proc.kill()
+            killed = time.monotonic()
+            with pytest.raises(PeerError) as info:
+                await asyncio.wait_for(send, 90)
+            elapsed = time.monotonic() - killed
+    said = "'slow': 'disconnected before acking (its process stopped or the link is down)'"
+    assert said in str(info.value), info.value
+    quick = elapsed < 2 + 15  # liveness_s (+ load), far below transport.timeout_s=60
+    assert quick, f"{elapsed:.1f}s"

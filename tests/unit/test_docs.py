@@ -111,17 +111,14 @@ def _as_pattern(fmt: str) -> re.Pattern[str]:
     return re.compile(pattern + "$")
 
 
-def test_the_quickstart_quotes_the_daemon_s_log_line() -> None:
-    import inspect
-
-    from lightning_weightsync.rollout import observability
-
-    source = inspect.getsource(observability.log_version)
-    fmt = re.search(r'"(version %d applied: [^"]+)"', source)
-    assert fmt, "log_version's format string moved: update this test"
-    quoted = re.search(r"`(version \d+ applied: [^`]+)`", (DOCS / "quickstart.md").read_text())
+@pytest.mark.parametrize(("side", "module", "verb"), [("daemon", "rollout/observability.py", "applied"),
+                                                      ("trainer", "engine/sender.py", "sent")])  # fmt: skip
+def test_the_quickstart_quotes_the_log_line_of_each_side(side: str, module: str, verb: str) -> None:
+    fmt = re.search(rf'"(version %d {verb}: [^"]+)"', (PACKAGE / module).read_text())
+    assert fmt, f"the {side}'s per-version format string moved: update this test"
+    quoted = re.search(rf"`(version \d+ {verb}: [^`]+)`", (DOCS / "quickstart.md").read_text())
     matches = bool(quoted) and _as_pattern(fmt[1]).match(quoted[1]) is not None
-    assert matches, f"docs/quickstart.md quotes {quoted and quoted[1]!r}; the daemon logs {fmt[1]!r}"
+    assert matches, f"docs/quickstart.md quotes {quoted and quoted[1]!r}; the {side} logs {fmt[1]!r}"
 
 
 def test_the_default_identity_is_documented_as_it_is_built() -> None:
