@@ -214,6 +214,8 @@ PLANTS = [
     Plant("torch_pg: a broken group destroyed on the event loop", f"{PKG}/transport/backends/torch_pg.py",
           "            thread.start()\n        super().broken()", "            _let_go(box)\n        super().broken()",
           ("tests/integration/test_session.py", "-k", "frozen")),
+    Plant("driver: the per-version INFO line left to Python's last-resort handler", f"{PKG}/trainer/driver.py",
+          "        show_logs()\n", "", ("tests/integration/test_driver.py", "-k", "shown")),
     Plant("driver: every skipped version logged (on_failure=warn)", f"{PKG}/trainer/driver.py",
           "        if self._failing_since is None:", "        if True:",
           ("tests/integration/test_driver.py", "-k", "warn_with")),

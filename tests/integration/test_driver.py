@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,31 @@ def test_warn_with_no_rollout_logs_once_and_later_syncs_fail_at_once(caplog: pyt
     assert len(skipped) == 5, skipped  # the others at DEBUG
     quick = later < 30  # not liveness_s=30 (nor timeout_s): the rollout is known to be missing
     assert quick, f"{later:.1f}s"
+
+
+SHOW_LOGS = """
+import torch
+from lightning_weightsync import load_config
+from lightning_weightsync.trainer.driver import SyncDriver
+
+cfg = load_config(overrides=["transport.port=0", "trainer.min_receivers=0"])
+driver = SyncDriver(cfg, rank=0, device=None, prefix=None)
+driver.start()
+driver.sync(torch.nn.Linear(2, 2), 0)
+driver.close()
+"""
+
+
+def test_one_line_per_version_sent_is_shown_without_any_logging_setup() -> None:
+    """Issue 25 item 1: the trainer printed no line per version: the sender's INFO line went to Python's
+    last-resort handler, which shows WARNING and up only. A script that configures no logging now sees it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SHOW_LOGS], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "engine.sender: version 0" in line]
+    assert len(lines) == 1 and "INFO" in lines[0], proc.stderr[-3000:]  # no rollout: "no receivers; nothing sent"
