@@ -23,7 +23,10 @@ from lightning_weightsync.transport.process import process_group
 from tests.support.netlab import REPO, Lab, netlab, skip_reason
 
 _SKIP = skip_reason()
-pytestmark = pytest.mark.skipif(_SKIP is not None, reason=f"network namespaces unavailable: {_SKIP}")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_SKIP is not None, reason=f"network namespaces unavailable: {_SKIP}"),
+]
 
 TOKEN = "chaos-token"
 PORT = 29655

@@ -130,6 +130,7 @@ async def test_versions_arrive_then_sigterm_mid_version_exits_clean(tmp_path: Pa
         assert_same(load_file(str(out / f"step_{version}.safetensors")), version_weights(version))
 
 
+@pytest.mark.slow
 def test_killed_trainer_then_restarted_trainer_is_served(tmp_path: Path) -> None:
     port = free_port()
     stats, dump = tmp_path / "stats.jsonl", tmp_path / "held.safetensors"
@@ -287,6 +288,7 @@ def test_module_entry_point_matches_console_script() -> None:
 # --- the demo ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_runs_and_verifies(tmp_path: Path) -> None:
     result = run_cli("demo", "--steps", "3", "--workdir", str(tmp_path), timeout_s=170)
     out = result.stdout

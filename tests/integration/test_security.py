@@ -155,6 +155,7 @@ def _stall_role(role: int, port: int) -> object:
     return None
 
 
+@pytest.mark.slow
 def test_stalled_receiver_is_named_in_the_senders_error() -> None:
     port = free_port()
     text, _, _ = run_workers(_stall_role, [(r, port) for r in range(3)], timeout_s=150, doomed=[1, 2])

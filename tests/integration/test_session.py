@@ -196,6 +196,7 @@ def test_the_control_plane_knows_no_version_policy() -> None:
 # -- the rendezvous is served until every member joined (issue 24, item 3) ------------------------------
 
 
+@pytest.mark.slow
 async def test_no_version_is_lost_to_the_rendezvous_in_token_mode() -> None:
     """With a token the receivers' rendezvous goes through the sender's control socket, and the sender's
     own join returns first: its store must still be answered while it waits for the first transfer, or a
@@ -310,6 +311,7 @@ async def _wait_registered(sender: WeightSender, identity: str, timeout_s: float
 LIVE = {"transport__timeout_s": 60, "transport__liveness_s": 2}  # timeout far above LOAD_SLACK_S, liveness below
 
 
+@pytest.mark.slow
 async def test_a_rollout_that_served_then_died_fails_the_next_version_within_liveness_s() -> None:
     """Killed between versions: the next version used to wait transport.timeout_s for it (and a Prepare to
     its dead connection said "Host unreachable"); now it fails after liveness_s naming it, the version after
@@ -344,6 +346,7 @@ async def test_a_rollout_that_served_then_died_fails_the_next_version_within_liv
         await sender.close()
 
 
+@pytest.mark.slow
 async def test_a_receiver_frozen_mid_version_fails_it_within_liveness_s() -> None:
     """A receiver that stops answering mid-broadcast (a frozen process, a host or link that is gone: no FIN
     ever arrives) held the trainer for transport.timeout_s; the control link's heartbeat (liveness_s) now

@@ -112,8 +112,10 @@ def test_sigint_mid_sync_under_lightning_is_a_keyboard_interrupt_on_every_rank(t
     out, elapsed, code = _signal_mid_sync(
         _lightning("model_parallel", free_port(), tmp_path), 1, signal.SIGINT, tmp_path
     )
-    _stopped_on_both_ranks(out, "SIGINT", 1)
-    assert out.count("Detected KeyboardInterrupt, attempting graceful shutdown") >= 1, out[-4000:]  # Lightning's
+    # Lightning's own KeyboardInterrupt handling SIGKILLs the other rank as it shuts down, which may be
+    # before that rank's line is written: at least one rank says it, and Lightning says what it did
+    said = "weight sync of version 0 stopped (not delivered) by SIGINT on global rank 1"
+    assert said in out and "Detected KeyboardInterrupt, attempting graceful shutdown" in out, out[-4000:]
     assert code != 0 and elapsed < TIMEOUT_S / 2, (code, elapsed)
 
 
