@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.chunks import NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
+from ..protocol.chunks import MAX_BUCKET_ENTRIES, NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
@@ -363,10 +363,11 @@ class WeightSender(Endpoint):
                 direct_ok and meta.chunk_size > 0 and data.device == self.device
                 and chunk_goes_alone(meta, bucket_size, alone_from)
             )  # fmt: skip
-            # The packed bucket so far is complete when the split starts a new one. A direct chunk goes out
+            # The packed bucket so far is complete when the split starts a new one (its offset goes back, or
+            # it holds MAX_BUCKET_ENTRIES chunks: empty tensors do not move the offset). A direct chunk goes out
             # around it while it holds whole tensors only; one with a part of a tensor goes out first (a
             # receiver merges one tensor at a time: no other tensor may come between its chunks).
-            if entries and (not whole if is_direct else meta.offset < fill):
+            if entries and (not whole if is_direct else meta.offset < fill or len(entries) >= MAX_BUCKET_ENTRIES):
                 await publish(is_last=False)
                 await swap()
             entry = Entry.from_meta(meta)

@@ -2,7 +2,7 @@
 
 The split also plans the bucket layout: it assigns each chunk its byte `offset` in the bucket,
 filling every bucket to the last byte (a tensor that does not fit in what is left of a bucket is
-cut at the bucket boundary, not pushed whole into the next one). The sender therefore only copies
+cut at the bucket boundary, not pushed whole into the next one), or to `MAX_BUCKET_ENTRIES` chunks. The sender therefore only copies
 `chunk -> bucket[offset:offset + chunk_size]` and starts a new bucket when the offset goes back to
 the start; nothing about the layout is decided twice.
 
@@ -26,6 +26,11 @@ from ..errors import ConfigError, ProtocolError
 from .dtypes import itemsize
 
 T = TypeVar("T")
+MAX_BUCKET_ENTRIES = 4096
+"""Chunks in one bucket at most. Bytes alone do not bound a bucket's metadata: an empty tensor is a chunk
+of 0 bytes, so a stream of them would make one bucket's metadata (and the largest legal control message,
+`protocol.messages.MAX_FRAME_TO_RECEIVER`) unbounded. The split starts a new bucket after this many; real
+streams (hundreds of tensors per bucket at most) never reach it."""
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
 Chunks = Iterable[tuple["TensorMeta", torch.Tensor]] | AsyncIterable[tuple["TensorMeta", torch.Tensor]]
 
@@ -120,21 +125,30 @@ def chunk_goes_alone(meta: TensorMeta, bucket_size: int, alone_from: int | None)
 
 
 class _BucketPlan:
-    """Assigns chunks their bucket offsets; `filled` carries over from one tensor to the next."""
+    """Assigns chunks their bucket offsets; `filled` (and `count`) carry over from one tensor to the next."""
 
-    __slots__ = ("alone_from", "bucket_size", "filled")
+    __slots__ = ("alone_from", "bucket_size", "count", "filled")
 
     def __init__(self, bucket_size: int, alone_from: int | None = None) -> None:
         self.bucket_size = bucket_size
         self.alone_from = alone_from if alone_from is not None and alone_from > 0 else None
         self.filled = 0  # bytes already planned into the current bucket
+        self.count = 0  # chunks already planned into the current bucket
+
+    def _start(self) -> int:
+        """Where the next packed chunk goes: on in the current bucket, or at 0 in a new one when the
+        current one is full (bytes or MAX_BUCKET_ENTRIES chunks)."""
+        if self.filled == self.bucket_size or self.count >= MAX_BUCKET_ENTRIES:
+            self.filled = self.count = 0
+        self.count += 1
+        return self.filled
 
     def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         data = as_bytes(tensor)
         shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
-        bucket_size, filled = self.bucket_size, self.filled
+        bucket_size = self.bucket_size
         if self.alone_from is not None and nbytes >= self.alone_from:
             # a bucket per chunk, each at offset 0; the packed bucket around them goes on filling where it
             # was, so small tensors before and after a large one share a bucket (and a broadcast)
@@ -142,23 +156,20 @@ class _BucketPlan:
                 size = min(bucket_size, nbytes - chunk_offset)
                 yield TensorMeta(name, shape, dtype, chunk_offset, size, 0), data[chunk_offset : chunk_offset + size]
             return
-        if filled == bucket_size:
-            filled = 0
+        filled = self._start()
         if nbytes <= bucket_size - filled:  # fits whole (the common case): no slicing
             self.filled = filled + nbytes
             yield TensorMeta(name, shape, dtype, 0, nbytes, filled), data
             return
         chunk_offset = 0
         while True:
-            if filled == bucket_size:
-                filled = 0
             size = min(nbytes - chunk_offset, bucket_size - filled)
             self.filled = filled + size
             yield TensorMeta(name, shape, dtype, chunk_offset, size, filled), data[chunk_offset : chunk_offset + size]
-            filled += size
             chunk_offset += size
             if chunk_offset >= nbytes:
                 break
+            filled = self._start()
 
 
 class _Assembly:

@@ -22,18 +22,19 @@ from typing import Union
 import msgspec
 
 from ..errors import ProtocolError
-from .chunks import TensorMeta
+from .chunks import MAX_BUCKET_ENTRIES, TensorMeta
 from .dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
 
 MAX_NAME_LEN = 1024
 MAX_NDIM = 16
-MAX_ENTRIES = 1_000_000
+MAX_TIED_NAMES = 1024  # names in a bucket's `tied` map, sources and aliases together
 MAX_TEXT_LEN = 4096
+MAX_IDENTITY_LEN = 256  # a receiver's identity (config: rollout.identity, shorter: see config.py)
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
-MAX_MEMBERS = 65536  # receivers in one group
+MAX_MEMBERS = 4096  # receivers in one group
 MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
 NCCL_UNIQUE_ID_BYTES = 128
 MAX_NIXL_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata: ~0.5 KiB over UCX on one host, more with RDMA NICs
@@ -442,7 +443,8 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
     """Range checks that the type schema cannot express."""
     if hasattr(msg, "version"):
         _check_nonneg("version", msg.version)
-    for attr in ("identity", "host", "device", "reason", "error", "backend", "store_host", "session"):
+    _check_text("identity", getattr(msg, "identity", None), MAX_IDENTITY_LEN)
+    for attr in ("host", "device", "reason", "error", "backend", "store_host", "session"):
         _check_text(attr, getattr(msg, attr, None))
     if isinstance(msg, Plan):
         validate_group(msg.group)
@@ -468,7 +470,7 @@ def validate_group(group: GroupSpec) -> None:
     for member in group.members:
         if not member.identity:
             raise ProtocolError("plan lists a member with an empty identity")
-        _check_text("member identity", member.identity)
+        _check_text("member identity", member.identity, MAX_IDENTITY_LEN)
         _check_nonneg("member pid", member.pid)
     if len({m.identity for m in group.members}) != len(group.members):
         raise ProtocolError("plan lists a member twice")
@@ -520,8 +522,8 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
     _check_nonneg("bucket nbytes", msg.nbytes)
     if bucket_size is not None and msg.nbytes > bucket_size:
         raise ProtocolError(f"bucket declares {msg.nbytes} bytes > bucket_size {bucket_size}")
-    if len(msg.entries) > MAX_ENTRIES:
-        raise ProtocolError(f"bucket has {len(msg.entries)} entries (limit {MAX_ENTRIES})")
+    if len(msg.entries) > MAX_BUCKET_ENTRIES:
+        raise ProtocolError(f"bucket has {len(msg.entries)} entries (limit MAX_BUCKET_ENTRIES={MAX_BUCKET_ENTRIES})")
     for e in msg.entries:
         nbytes = check_tensor(e.name, e.shape, e.dtype)
         if e.chunk_offset < 0 or e.chunk_size < 0 or e.chunk_offset + e.chunk_size > nbytes:
@@ -541,8 +543,8 @@ def validate_tied(msg: BucketMeta) -> None:
         return
     if msg.bucket_index != 0:
         raise ProtocolError(f"bucket {msg.bucket_index} carries tied names; only bucket 0 may")
-    if len(msg.tied) + sum(len(a) for a in msg.tied.values()) > MAX_ENTRIES:
-        raise ProtocolError(f"tied names exceed {MAX_ENTRIES} entries")
+    if len(msg.tied) + sum(len(a) for a in msg.tied.values()) > MAX_TIED_NAMES:
+        raise ProtocolError(f"tied names exceed MAX_TIED_NAMES={MAX_TIED_NAMES}")
     for source, aliases in msg.tied.items():
         for name in (source, *aliases):
             if not name or len(name) > MAX_NAME_LEN:
@@ -562,3 +564,59 @@ def alias_sent_twice(tied: Mapping[str, Sequence[str]]) -> str | None:
                 return alias
             seen.add(alias)
     return None
+
+
+# -- the largest legal frame, each way (ZeroMQ's MAXMSGSIZE: transport/sockets.py) ---------------------
+# Upper bounds of the msgpack encoding, from the limits above: a text of n characters is at most 4n
+# bytes of UTF-8 plus a 5-byte header; an int at most 9 bytes; a struct's keys and tag fit in
+# _STRUCT_BYTES. tests/unit/test_messages.py builds the largest legal message of every kind and checks
+# it fits, so a new field or limit that is not counted here fails there.
+_INT_BYTES = 9
+_STRUCT_BYTES = 256
+
+
+def _text_bytes(chars: int) -> int:
+    return 4 * chars + 5
+
+
+def _entry_bytes() -> int:
+    dtype = max(len(name) for name in DTYPES)
+    return 5 + _text_bytes(MAX_NAME_LEN) + 5 + MAX_NDIM * _INT_BYTES + _text_bytes(dtype) + 3 * _INT_BYTES
+
+
+def _to_receiver_bytes() -> int:
+    """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
+    bucket = 4 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
+    joins = (
+        _text_bytes(256) + _INT_BYTES,  # StoreJoin
+        5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin
+        5 + MAX_SLOTS * _text_bytes(MAX_TEXT_LEN) + _text_bytes(256),  # SharedJoin
+        _text_bytes(256) + MAX_NIXL_METADATA_BYTES + 5 + _text_bytes(8) + 5 + MAX_SLOTS * (5 + 3 * _INT_BYTES)
+        + _text_bytes(256),  # NixlJoin
+    )  # fmt: skip
+    members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
+    plan = 2 * _INT_BYTES + _text_bytes(MAX_TEXT_LEN) + _text_bytes(64) + 2 * _INT_BYTES + members + max(joins)
+    text = _text_bytes(MAX_IDENTITY_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256)
+    store = 2 * _INT_BYTES + MAX_STORE_VALUE_LEN + 5
+    return max(bucket, plan + _STRUCT_BYTES, text, store) + _STRUCT_BYTES
+
+
+def _to_sender_bytes() -> int:
+    """Receiver -> sender: registrations, acks (an error text) and rendezvous requests (a value)."""
+    register = _text_bytes(MAX_IDENTITY_LEN) + 2 * _text_bytes(MAX_TEXT_LEN) + 2 * _text_bytes(256) + 3 * _INT_BYTES
+    ack = _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES + 1 + _text_bytes(MAX_TEXT_LEN)
+    store = _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES + _text_bytes(8) + _text_bytes(MAX_STORE_KEY_LEN)
+    store += MAX_STORE_VALUE_LEN + 5
+    return max(register, ack, store) + _STRUCT_BYTES
+
+
+_SEAL_BYTES = 5 + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256) + _INT_BYTES + 1
+MAX_FRAME_TO_SENDER = max(MAC_LEN, _SEAL_BYTES, _to_sender_bytes())
+"""The largest frame a sender (and a shm / nixl release socket) receives from a legal peer."""
+MAX_FRAME_TO_RECEIVER = max(MAC_LEN, _SEAL_BYTES, _to_receiver_bytes())
+"""The largest frame a receiver receives from a legal sender."""
+
+
+def max_frame_bytes(*, to_sender: bool) -> int:
+    """`ZMQ_MAXMSGSIZE` for a socket receiving messages sent the given way (each frame is checked)."""
+    return MAX_FRAME_TO_SENDER if to_sender else MAX_FRAME_TO_RECEIVER

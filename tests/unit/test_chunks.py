@@ -70,8 +70,10 @@ async def pack_and_unpack(
     """What sender + receiver do to a chunk stream: pack at meta.offset, ship full buckets, unpack.
 
     Checks the split's bucket plan on the way: offsets in range, chunks back to back, a new bucket
-    only when the previous one is full to the last byte.
+    only when the previous one is full to the last byte or holds MAX_BUCKET_ENTRIES chunks.
     """
+    from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
+
     send_bucket = torch.empty(bucket_size, dtype=torch.uint8)
     recv_bucket = torch.empty(bucket_size, dtype=torch.uint8)
     pending: list[TensorMeta] = []
@@ -88,7 +90,7 @@ async def pack_and_unpack(
         assert meta.offset >= 0 and meta.offset + meta.chunk_size <= bucket_size
         assert data.dtype == torch.uint8 and data.numel() == meta.chunk_size
         if meta.offset != filled:
-            assert meta.offset == 0 and filled == bucket_size, (
+            assert meta.offset == 0 and (filled == bucket_size or len(pending) == MAX_BUCKET_ENTRIES), (
                 f"chunk of {meta.name} at offset {meta.offset}, bucket filled to {filled}/{bucket_size}"
             )
             for m in ship():
@@ -628,3 +630,14 @@ def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         for key in ("split_pack_ratio", "merge_into_ratio", "merge_fresh_ratio", "memcpy_pack_gbps"):
             assert r[key] > 0
     assert result["results"][1]["num_chunks"] > result["results"][1]["num_tensors"]  # 1 MiB > bucket: chunked
+
+
+def test_a_bucket_holds_at_most_max_bucket_entries_chunks() -> None:
+    """Bytes alone do not bound a bucket's metadata (empty tensors are chunks of 0 bytes): the split
+    starts a new bucket, at offset 0, after MAX_BUCKET_ENTRIES chunks (issue 24 item 4)."""
+    from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
+
+    named = [(f"b{i}", torch.full((1,), i % 251, dtype=torch.uint8)) for i in range(MAX_BUCKET_ENTRIES + 2)]
+    metas = [m for m, _ in split_list(named, 1 << 20)]
+    assert [m.offset for m in metas[MAX_BUCKET_ENTRIES - 1 :]] == [MAX_BUCKET_ENTRIES - 1, 0, 1]
+    assert_roundtrip(named, 1 << 20)

@@ -20,18 +20,23 @@ from hypothesis import strategies as st
 
 import lightning_weightsync
 from lightning_weightsync import ProtocolError, TensorMeta
+from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
 from lightning_weightsync.protocol.dtypes import DTYPES
 from lightning_weightsync.protocol.messages import (
     MAC_LEN,
-    MAX_ENTRIES,
+    MAX_FRAME_TO_RECEIVER,
+    MAX_FRAME_TO_SENDER,
+    MAX_IDENTITY_LEN,
     MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
+    MAX_NIXL_METADATA_BYTES,
     MAX_SLOTS,
     MAX_STORE_KEY_LEN,
     MAX_STORE_VALUE_LEN,
     MAX_TENSOR_BYTES,
     MAX_TEXT_LEN,
+    MAX_TIED_NAMES,
     NCCL_UNIQUE_ID_BYTES,
     Abort,
     Ack,
@@ -44,17 +49,22 @@ from lightning_weightsync.protocol.messages import (
     Member,
     Message,
     NcclJoin,
+    NixlJoin,
+    NixlRegion,
     Plan,
     Prepare,
     Ready,
     Refuse,
     Register,
+    Seal,
     SharedJoin,
     StoreJoin,
     StoreReply,
     StoreRequest,
     decode,
     encode,
+    seal,
+    unseal,
     validate,
 )
 
@@ -196,7 +206,7 @@ BAD = [
     ("plan-session-long", _plan(session="s" * (MAX_TEXT_LEN + 1)), "session"),
     ("plan-backend-long", _plan(backend="b" * 65), "backend"),
     ("member-identity-empty", _plan(members=[Member("", 1)]), "empty identity"),
-    ("member-identity-long", _plan(members=[Member("i" * (MAX_TEXT_LEN + 1), 1)]), "member identity"),
+    ("member-identity-long", _plan(members=[Member("i" * (MAX_IDENTITY_LEN + 1), 1)]), "member identity"),
     ("member-pid-negative", _plan(members=[Member("r", -7)]), "member pid=-7"),
     ("member-twice", _plan(2, members=[Member("r", 1), Member("r", 2)]), "member twice"),
     ("store-port-big", _plan(join=StoreJoin("h", 70000)), "store address"),
@@ -214,7 +224,7 @@ BAD = [
     ("shared-release-ipc", _plan(join=SharedJoin(["a", "b"], "ipc:///tmp/x")), "not a tcp://"),
     ("shared-release-long", _plan(join=SharedJoin(["a", "b"], "tcp://" + "h" * 300)), "release_addr"),
     ("session-long", Prepare(1, "s" * (MAX_TEXT_LEN + 1)), "session"),
-    ("identity-long", Register("i" * (MAX_TEXT_LEN + 1), "h", 1, "cpu"), "identity"),
+    ("identity-long", Register("i" * (MAX_IDENTITY_LEN + 1), "h", 1, "cpu"), "identity"),
     ("error-long", Ack("r", 1, False, error="e" * (MAX_TEXT_LEN + 1)), "error"),
     ("reason-long", Abort(1, "r" * (MAX_TEXT_LEN + 1)), "reason"),
 ]
@@ -355,12 +365,12 @@ def _assert_receiver_invariants(msg: Message, bucket_size: int | None) -> None:
     missing from `validate` shows up here."""
     for attr in ("identity", "host", "device", "reason", "error", "backend", "session", "nonce", "instance"):
         value = getattr(msg, attr, None)
-        assert value is None or len(value) <= MAX_TEXT_LEN, attr
+        assert value is None or len(value) <= (MAX_IDENTITY_LEN if attr == "identity" else MAX_TEXT_LEN), attr
     assert getattr(msg, "version", 0) >= 0
     if isinstance(msg, BucketMeta):
         assert msg.bucket_index >= 0 and msg.nbytes >= 0
         assert bucket_size is None or msg.nbytes <= bucket_size, "bucket larger than the receiver's buffer"
-        assert len(msg.entries) <= MAX_ENTRIES
+        assert len(msg.entries) <= MAX_BUCKET_ENTRIES
         for e in msg.entries:
             assert 0 < len(e.name) <= MAX_NAME_LEN and len(e.shape) <= MAX_NDIM and min(e.shape, default=0) >= 0
             assert e.dtype in DTYPES, "dtype outside the allow-list"
@@ -383,7 +393,7 @@ def _assert_receiver_invariants(msg: Message, bucket_size: int | None) -> None:
         assert 0 <= msg.rank <= len(group.members), "rank outside the group"
         identities = [m.identity for m in group.members]
         assert len(identities) <= MAX_MEMBERS and len(set(identities)) == len(identities) and all(identities)
-        assert all(m.pid >= 0 and len(m.identity) <= MAX_TEXT_LEN for m in group.members)
+        assert all(m.pid >= 0 and len(m.identity) <= MAX_IDENTITY_LEN for m in group.members)
         assert group.generation >= 0 and 1 <= group.bucket_size <= MAX_TENSOR_BYTES
         assert len(group.session) <= MAX_TEXT_LEN and len(group.backend) <= 64
         join = group.join
@@ -413,7 +423,7 @@ _E = Entry("w", [4], "float32", 0, 16, 0)
 # one message per rule an accepted message must satisfy; each breaks exactly that rule
 HOSTILE = {
     "negative-version": Prepare(-1, "s"),
-    "long-identity": Bye("x" * (MAX_TEXT_LEN + 1)),
+    "long-identity": Bye("x" * (MAX_IDENTITY_LEN + 1)),
     "bucket-over-buffer": BucketMeta(1, 0, True, (1 << 20) + 1, []),
     "empty-name": BucketMeta(1, 0, True, 16, [Entry("", [4], "float32", 0, 16, 0)]),
     "too-many-dims": BucketMeta(1, 0, True, 4, [Entry("w", [1] * (MAX_NDIM + 1), "float32", 0, 4, 0)]),
@@ -812,3 +822,67 @@ def test_absurd_declared_tensor_size_is_refused():
     assert MAX_TENSOR_BYTES < 4 * (1 << 50)
     with pytest.raises(ProtocolError, match="refusing to allocate"):
         decode(encode(huge))
+
+
+# -- the largest legal frame each way: ZeroMQ's MAXMSGSIZE (issue 24 item 4) ---------------------------------
+
+WIDE = "\U0001d538"  # 4 bytes of UTF-8: the most a character of a text costs on the wire
+
+
+def _wide(chars: int, prefix: str = "") -> str:
+    return (prefix + WIDE * chars)[:chars]
+
+
+def _largest_to_receiver() -> dict[str, Message]:
+    dtype = max(DTYPES, key=len)
+    entry = [
+        Entry(_wide(MAX_NAME_LEN, f"{i}."), [1 << 20, *[1] * (MAX_NDIM - 2), 1 << 19], dtype, 1 << 38, 1 << 20, 1 << 39)
+        for i in range(MAX_BUCKET_ENTRIES)
+    ]
+    tied = {_wide(MAX_NAME_LEN, "src."): [_wide(MAX_NAME_LEN, f"{i}.") for i in range(1000, 1000 + MAX_TIED_NAMES - 1)]}
+    members = [Member(_wide(MAX_IDENTITY_LEN, f"{i}."), (1 << 63) - 1) for i in range(MAX_MEMBERS)]
+    nixl = NixlJoin(_wide(256), b"m" * MAX_NIXL_METADATA_BYTES, "VRAM", [NixlRegion((1 << 64) - 1, 1 << 40, 65535)] * MAX_SLOTS,
+                    "tcp://" + _wide(250))  # fmt: skip
+    group = GroupSpec(_wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(64), 1 << 40, members, nixl)
+    return {
+        "bucket": BucketMeta((1 << 63) - 1, 0, True, 1 << 40, entry, tied),
+        "plan": Plan((1 << 63) - 1, 1, group),
+        "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), _wide(256)),
+        "store-reply": StoreReply((1 << 63) - 1, True, b"v" * MAX_STORE_VALUE_LEN),
+    }
+
+
+def _largest_to_sender() -> dict[str, Message]:
+    return {
+        "register": Register(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(MAX_TEXT_LEN),
+                             (1 << 63) - 1, (1 << 63) - 1, _wide(256), _wide(256)),  # fmt: skip
+        "ack": Ack(_wide(MAX_IDENTITY_LEN), (1 << 63) - 1, False, _wide(MAX_TEXT_LEN)),
+        "store-request": StoreRequest(_wide(MAX_IDENTITY_LEN), (1 << 63) - 1, "set", _wide(MAX_STORE_KEY_LEN),
+                                      b"v" * MAX_STORE_VALUE_LEN),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("to_sender", [True, False], ids=["to-sender", "to-receiver"])
+def test_the_largest_legal_message_of_every_kind_fits_the_frame_limit(to_sender: bool) -> None:
+    """Each socket's MAXMSGSIZE is `max_frame_bytes` of the way it receives: every legal message must
+    fit (or a peer is disconnected for a legal message), and it is what bounds a stranger's frame."""
+    limit = MAX_FRAME_TO_SENDER if to_sender else MAX_FRAME_TO_RECEIVER
+    largest = _largest_to_sender() if to_sender else _largest_to_receiver()
+    problems = []
+    for kind, msg in largest.items():
+        validate(msg)  # legal ...
+        mac, header, body = seal(msg, KEY, Seal(_wide(MAX_TEXT_LEN), _wide(256), (1 << 63) - 1, to_sender))
+        unseal([mac, header, body], KEY, to_sender=to_sender)
+        for frame in (mac, header, body):
+            if len(frame) > limit:  # ... and within the limit
+                problems.append(f"{kind}: a frame of {len(frame)} bytes > {limit}")
+    assert not problems, problems
+    biggest = max(len(encode(m)[0]) for m in largest.values())
+    assert biggest > limit // 2, f"the limit {limit} is far above the largest legal frame ({biggest})"
+
+
+def test_a_bucket_of_more_than_max_bucket_entries_is_refused() -> None:
+    entries = [Entry(f"e{i}", [0], "float32", 0, 0, 0) for i in range(MAX_BUCKET_ENTRIES + 1)]
+    validate(BucketMeta(1, 0, True, 0, entries[:-1]))
+    with pytest.raises(ProtocolError, match="MAX_BUCKET_ENTRIES"):
+        validate(BucketMeta(1, 0, True, 0, entries))

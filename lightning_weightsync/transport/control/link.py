@@ -25,12 +25,12 @@ import zmq
 from zmq.utils import z85
 
 from ...errors import ConfigError, ProtocolError
+from ...protocol.messages import max_frame_bytes
+from ..sockets import heartbeats, network_options
 
 logger = logging.getLogger(__name__)
 
 DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
-LINK_HEARTBEATS_PER_TIMEOUT = 4  # ZMTP pings on every control connection, this many per liveness bound ...
-DEFAULT_LIVENESS_S = 5.0  # ... and a peer silent this long is disconnected (`transport.liveness_s`)
 
 
 def endpoint(host: str, port: int) -> str:
@@ -80,17 +80,17 @@ class TokenHolders:
         return ok
 
 
-def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float = DEFAULT_LIVENESS_S) -> None:
-    """Socket options both ends share. The ZMTP heartbeat makes a dead link (a host gone, a cable pulled:
-    no FIN ever arrives) a disconnection after `liveness_s`, which the engine's liveness checks then see;
-    a killed process on a live host is seen at once (its kernel closes the connection)."""
-    timeout_ms = max(100, int(liveness_s * 1000))
+def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float, *, to_sender: bool) -> None:
+    """A control socket's options (`transport/sockets.py` says why each): no linger, frames no larger
+    than the largest legal message this end receives, TCP liveness, and on a receiver's DEALER the ZMTP
+    heartbeat that makes a frozen or vanished peer a disconnection after `liveness_s` (the sender's
+    ROUTER learns it from the TTL in the receivers' pings: it runs no heartbeat timer of its own)."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(25, timeout_ms // LINK_HEARTBEATS_PER_TIMEOUT))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
-    if ":" in host:
-        sock.setsockopt(zmq.IPV6, 1)
+    network_options(
+        sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host
+    )
+    if not to_sender:
+        heartbeats(sock, liveness_s)
 
 
 def resolve_host(host: str) -> None:

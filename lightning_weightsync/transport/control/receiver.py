@@ -38,7 +38,8 @@ from ...protocol.messages import (
     seal,
     unseal,
 )
-from .link import DEFAULT_LIVENESS_S, DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
+from ..sockets import DEFAULT_LIVENESS_S
+from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
 from .store import STORE_POLL_S, ControlPlaneStore
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class ReceiverControl:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)  # no IDENTITY: the sender's ROUTER names the connection
-        link_options(sock, self.host, self.liveness_s)
+        link_options(sock, self.host, self.liveness_s, to_sender=False)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self.key:

@@ -8,9 +8,12 @@ interval while idle, so a restarted trainer learns about them again without any 
 Identities are application-level: the ROUTER assigns connection ids (no ROUTER_HANDOVER), the
 sender binds a receiver's identity to the connection that registered it, and refuses (with a
 `Refuse` the receiver logs and reports) a second registration under an identity whose connection
-is still up. "Up" is asked of ZeroMQ itself: an empty probe frame to the old connection, which
-ROUTER_MANDATORY refuses once the connection is gone (ZMQ_ROUTER_NOTIFY is a draft API, absent
-from the wheels); ZMTP heartbeats bound how long a dead link stays up.
+is still up, whoever sends it (the same instance id on another connection included: a process has
+one connection, so a second one claiming its instance is a copy). "Up" is asked of ZeroMQ itself: an
+empty probe frame to the old connection, which ROUTER_MANDATORY refuses once the connection is gone
+(ZMQ_ROUTER_NOTIFY is a draft API, absent from the wheels); TCP keepalive bounds how long a dead link
+stays up (`transport/sockets.py`). A flood of duplicate registrations costs one probe and one `Refuse`
+per identity and `REFUSE_EVERY_S`; the rest are dropped and counted (`throttled_registrations`).
 
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges); bad messages are
 counted and dropped, never acted upon, and logged at most once per `DROP_LOG_INTERVAL_S` with a count.
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -47,8 +51,8 @@ from ...protocol.messages import (
     seal,
     unseal,
 )
+from ..sockets import DEFAULT_LIVENESS_S
 from .link import (
-    DEFAULT_LIVENESS_S,
     DropLog,
     Replay,
     TokenHolders,
@@ -64,6 +68,7 @@ PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at m
 POLL_CAP_MS = 1000  # a socket poll raced against other work is renewed at least this often
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
 MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
+REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
 
 
 @dataclass
@@ -107,11 +112,15 @@ class SenderControl:
         self._failed_handshakes = 0
         self._monitor: zmq.Socket[Any] | None = None
         self.replayed_messages = 0
-        self.refused_registrations = 0
+        self.refused_registrations = 0  # duplicate registrations of a live identity (answered or not)
+        self.throttled_registrations = 0  # ... of which dropped unanswered (REFUSE_EVERY_S)
         self.progress: dict[str, BucketDone] = {}  # identity -> its latest progress report
         self._routes: dict[bytes, str] = {}  # connection -> the identity it registered
         self._former: dict[str, bytes] = {}  # identity -> its last connection (an Abort may still reach it)
-        self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver instance -> last seq accepted
+        # (identity, receiver instance) -> the last seq accepted: a Register that is refused records nothing,
+        # and a Register for another identity under a victim's instance id counts apart from the victim's
+        self._seqs: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._refused_at: OrderedDict[str, float] = OrderedDict()  # identity -> when a duplicate was last answered
         self._seq = 0
         self._kept: list[tuple[str, Message]] = []  # read by `_pump` while streaming, for the next `recv`
         self._pumped_at = 0.0
@@ -152,7 +161,7 @@ class SenderControl:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connection never takes over another's id
-        link_options(sock, self.host, self.liveness_s)
+        link_options(sock, self.host, self.liveness_s, to_sender=True)
         if self.key:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -249,7 +258,7 @@ class SenderControl:
         frames = await self._sock.recv_multipart()
         route = frames[0]
         try:
-            msg, envelope = self._open(frames[1:])
+            msg, envelope = self._open(route, frames[1:])
             self._admit(route, msg, envelope)
         except ProtocolError as exc:
             self._dropped += 1
@@ -257,14 +266,15 @@ class SenderControl:
                 self.replayed_messages += 1
             self._drops.note(self._routes.get(route, f"connection {route.hex()}"), exc)
             return None
-        if envelope is not None:
-            self._seqs[envelope.origin] = envelope.seq
-            self._seqs.move_to_end(envelope.origin)
+        identity = msg.identity if isinstance(msg, Register) else self._routes[route]  # bound: `_admit` checked
+        keep, admitted = await self._track(route, msg, envelope)
+        if envelope is not None and admitted:
+            key = (identity, envelope.origin)
+            self._seqs[key] = envelope.seq
+            self._seqs.move_to_end(key)
             while len(self._seqs) > MAX_TRACKED_ORIGINS:
                 self._seqs.popitem(last=False)
-        if await self._track(route, msg, envelope):
-            return self._routes[route], msg
-        return None
+        return (identity, msg) if keep else None
 
     async def _pump(self) -> None:
         """While a version streams nobody calls `recv`: read what arrived (progress reports,
@@ -278,7 +288,7 @@ class SenderControl:
             if got is not None:
                 self._kept.append(got)
 
-    def _open(self, frames: list[bytes]) -> tuple[Message, Seal | None]:
+    def _open(self, route: bytes, frames: list[bytes]) -> tuple[Message, Seal | None]:
         if not self.key:
             return decode(frames, None, bucket_size=self.bucket_size), None
         msg, envelope = unseal(frames, self.key, to_sender=True, bucket_size=self.bucket_size)
@@ -290,7 +300,8 @@ class SenderControl:
                 f"{type(msg).__name__} sealed for sender session {envelope.session[:32]!r}, not this one "
                 f"({self.session}): a replay from another run?"
             )
-        last = self._seqs.get(envelope.origin, -1)
+        claimed = msg.identity if isinstance(msg, Register) else self._routes.get(route, "")
+        last = self._seqs.get((claimed, envelope.origin), -1)
         if envelope.seq <= last:
             raise Replay(f"{type(msg).__name__} with seq {envelope.seq} <= {last} already seen (a replay)")
         return msg, envelope
@@ -327,47 +338,68 @@ class SenderControl:
             return False
         return True
 
-    async def _track(self, route: bytes, msg: Message, envelope: Seal | None) -> bool:
-        """Registry bookkeeping; returns False for messages fully handled here."""
+    async def _track(self, route: bytes, msg: Message, envelope: Seal | None) -> tuple[bool, bool]:
+        """Registry bookkeeping; returns (whether the caller should see `msg`, whether it was admitted:
+        only an admitted message's seq is recorded)."""
         if isinstance(msg, Register):
-            current = self.peers.get(msg.identity)
-            instance = envelope.origin if envelope is not None else msg.instance
-            if current is not None and current.route != route:
-                same = bool(instance) and instance == current.instance  # the same process, reconnected
-                if not same and await self.connected(msg.identity):
-                    await self._refuse(route, msg, current)
-                    return False
-                self._routes.pop(current.route, None)  # its old connection is gone (or superseded)
-            if current is None or current.pid != msg.pid:
-                logger.info("receiver %s registered (host %s, pid %d, %s)", msg.identity, msg.host, msg.pid, msg.device)
-            self.peers[msg.identity] = Peer(
-                msg.identity, msg.host, msg.pid, msg.device, msg.last_version, time.monotonic(),
-                route=route, instance=instance, nonce=msg.nonce,
-            )  # fmt: skip
-            self._routes[route] = self._former_set(msg.identity, route)
-            return False
+            return False, await self._register(route, msg, envelope)
         identity = self._routes[route]
         if isinstance(msg, Bye):
             self._routes.pop(route, None)
             if self.peers.pop(identity, None) is not None:
                 logger.info("receiver %s left", identity)
-            return False
+            return False, True
         if identity in self.peers:
             self.peers[identity].last_seen = time.monotonic()
         if isinstance(msg, BucketDone):  # where the receiver is (the engine names laggards from it)
             self.progress[identity] = msg
-            return False
+            return False, True
         if isinstance(msg, StoreRequest):
             try:
                 reply = self._store.serve(msg)
             except ProtocolError as exc:
                 self._dropped += 1
                 self._drops.note(identity, exc)
-                return False
+                return False, True
             with contextlib.suppress(PeerError):
                 await self._send_route(route, reply, identity)
-            return False
+            return False, True
+        return True, True
+
+    async def _register(self, route: bytes, msg: Register, envelope: Seal | None) -> bool:
+        """Bind `msg.identity` to `route`, unless another connection that is still up holds it."""
+        current = self.peers.get(msg.identity)
+        instance = envelope.origin if envelope is not None else msg.instance
+        if current is not None and current.route != route:
+            if self._throttled(msg.identity):
+                return False
+            if await self.connected(msg.identity):
+                await self._refuse(route, msg, current)
+                return False
+            self._routes.pop(current.route, None)  # its old connection is gone
+        if current is None or current.pid != msg.pid:
+            logger.info("receiver %s registered (host %s, pid %d, %s)", msg.identity, msg.host, msg.pid, msg.device)
+        self.peers[msg.identity] = Peer(
+            msg.identity, msg.host, msg.pid, msg.device, msg.last_version, time.monotonic(),
+            route=route, instance=instance, nonce=msg.nonce,
+        )  # fmt: skip
+        self._routes[route] = self._former_set(msg.identity, route)
         return True
+
+    def _throttled(self, identity: str) -> bool:
+        """Whether a duplicate registration for `identity` is dropped unanswered: one was answered (probe
+        and `Refuse`) less than REFUSE_EVERY_S ago. A flood then costs a decode per message, not a round
+        trip; a misconfigured second receiver re-registers every heartbeat and still hears why."""
+        now = time.monotonic()
+        if now - self._refused_at.get(identity, -math.inf) < REFUSE_EVERY_S:
+            self.refused_registrations += 1
+            self.throttled_registrations += 1
+            return True
+        self._refused_at[identity] = now
+        self._refused_at.move_to_end(identity)
+        while len(self._refused_at) > MAX_TRACKED_ORIGINS:
+            self._refused_at.popitem(last=False)
+        return False
 
     def _former_set(self, identity: str, route: bytes) -> str:
         self._former[identity] = route
@@ -378,13 +410,16 @@ class SenderControl:
     async def _refuse(self, route: bytes, msg: Register, current: Peer) -> None:
         self.refused_registrations += 1
         reason = (
-            f"identity {msg.identity!r} is held by a connected receiver (host {current.host}, pid {current.pid}); "
-            f"this one (host {msg.host}, pid {msg.pid}) is refused: give every rollout its own rollout.identity "
-            "(null = <hostname>-<pid>)"
+            f"identity {msg.identity!r} is held by a connected receiver (host {current.host[:256]!r}, pid "
+            f"{current.pid}); this one (host {msg.host[:256]!r}, pid {msg.pid}) is refused: give every rollout its "
+            "own rollout.identity (null = <hostname>-<pid>)"
         )
-        self._refusals.note(f"{msg.host} pid {msg.pid}", reason)
-        with contextlib.suppress(PeerError):
-            await self._send_route(route, Refuse(msg.identity, reason, msg.nonce), msg.identity)
+        self._refusals.note(f"{msg.host[:256]!r} pid {msg.pid}", reason)
+        assert self._sock is not None
+        # never wait on the refused connection: a flooder that does not read would stall the sender
+        with contextlib.suppress(zmq.ZMQError):
+            frames = self._frames(Refuse(msg.identity, reason, msg.nonce))
+            await self._sock.send_multipart([route, *frames], flags=zmq.NOBLOCK)
 
     def forget(self, identity: str) -> None:
         """Drop a receiver from the registry (it re-registers if it is alive)."""
