@@ -2,9 +2,10 @@
 
 The split also plans the bucket layout: it assigns each chunk its byte `offset` in the bucket,
 filling every bucket to the last byte (a tensor that does not fit in what is left of a bucket is
-cut at the bucket boundary, not pushed whole into the next one), or to `MAX_BUCKET_ENTRIES` chunks. The sender therefore only copies
-`chunk -> bucket[offset:offset + chunk_size]` and starts a new bucket when the offset goes back to
-the start; nothing about the layout is decided twice.
+cut at the bucket boundary, not pushed whole into the next one), or to `MAX_BUCKET_ENTRIES` chunks.
+The sender therefore only copies `chunk -> bucket[offset:offset + chunk_size]` and starts a new
+bucket when the offset goes back to the start (or the count is reached); nothing about the layout is
+decided twice.
 
 Chunk lifetime: a chunk yielded by `split_weight_chunks` is a uint8 *view* of the caller's tensor
 (or of a contiguous copy of it when the tensor is not contiguous). It is valid until the consumer

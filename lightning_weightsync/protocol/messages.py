@@ -586,7 +586,8 @@ def _entry_bytes() -> int:
 
 def _to_receiver_bytes() -> int:
     """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
-    bucket = 4 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
+    tied = 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
+    bucket = 4 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied
     joins = (
         _text_bytes(256) + _INT_BYTES,  # StoreJoin
         5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin

@@ -841,8 +841,8 @@ def _largest_to_receiver() -> dict[str, Message]:
     ]
     tied = {_wide(MAX_NAME_LEN, "src."): [_wide(MAX_NAME_LEN, f"{i}.") for i in range(1000, 1000 + MAX_TIED_NAMES - 1)]}
     members = [Member(_wide(MAX_IDENTITY_LEN, f"{i}."), (1 << 63) - 1) for i in range(MAX_MEMBERS)]
-    nixl = NixlJoin(_wide(256), b"m" * MAX_NIXL_METADATA_BYTES, "VRAM", [NixlRegion((1 << 64) - 1, 1 << 40, 65535)] * MAX_SLOTS,
-                    "tcp://" + _wide(250))  # fmt: skip
+    region = NixlRegion((1 << 64) - 1, 1 << 40, 65535)
+    nixl = NixlJoin(_wide(256), b"m" * MAX_NIXL_METADATA_BYTES, "VRAM", [region] * MAX_SLOTS, "tcp://" + _wide(250))
     group = GroupSpec(_wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(64), 1 << 40, members, nixl)
     return {
         "bucket": BucketMeta((1 << 63) - 1, 0, True, 1 << 40, entry, tied),
@@ -853,12 +853,11 @@ def _largest_to_receiver() -> dict[str, Message]:
 
 
 def _largest_to_sender() -> dict[str, Message]:
+    big, identity, text = (1 << 63) - 1, _wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN)
     return {
-        "register": Register(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(MAX_TEXT_LEN),
-                             (1 << 63) - 1, (1 << 63) - 1, _wide(256), _wide(256)),  # fmt: skip
-        "ack": Ack(_wide(MAX_IDENTITY_LEN), (1 << 63) - 1, False, _wide(MAX_TEXT_LEN)),
-        "store-request": StoreRequest(_wide(MAX_IDENTITY_LEN), (1 << 63) - 1, "set", _wide(MAX_STORE_KEY_LEN),
-                                      b"v" * MAX_STORE_VALUE_LEN),  # fmt: skip
+        "register": Register(identity, text, big, text, big, big, _wide(256), _wide(256)),
+        "ack": Ack(identity, big, False, text),
+        "store-request": StoreRequest(identity, big, "set", _wide(MAX_STORE_KEY_LEN), b"v" * MAX_STORE_VALUE_LEN),
     }
 
 

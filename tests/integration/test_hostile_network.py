@@ -1,0 +1,172 @@
+"""What a peer on the network can do to a running sender (issue 24 items 1 and 4), with real processes,
+real ZeroMQ sockets and raw TCP where a stranger would not use ZeroMQ at all.
+
+- A flood of `Register`s for a live receiver's identity, each connection reset afterwards, while the
+  trainer is busy with a training step (nothing reads the control socket): before, libzmq aborted the
+  trainer (`Assertion failed: !_io_error (src/stream_engine_base.cpp:310)`): the ZMTP heartbeat timer
+  wrote on a connection whose reset it had noted while its full pipe had stopped it reading.
+- A stranger who declares one huge frame before authenticating: before, the sender buffered whatever
+  followed (hundreds of MiB); now libzmq refuses the frame from its header (`ZMQ_MAXMSGSIZE`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from lightning_weightsync.protocol.messages import Prepare, Ready, Register, Seal, encode, seal
+from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
+from lightning_weightsync.transport.control.sender import REFUSE_EVERY_S
+from tests.support import zmtp
+from tests.support.mp import free_port, run_workers, spawned
+
+TOKEN = "a-token-of-reasonable-length-24"
+FLOOD_ROUNDS = 3  # connections, one after the other, each flooded and then reset
+FLOOD_MESSAGES = 3000  # per connection: more than the sender's receive pipe holds (RCVHWM 1000)
+IDLE_S = 6.0  # the trainer's training step: nothing reads the control socket meanwhile
+SERVE_S = 3.0
+
+
+def _key(token: str | None) -> bytes | None:
+    return token.encode() if token else None
+
+
+def _busy_sender(port: int, token: str | None, ready: Any) -> dict[str, Any]:
+    """A sender with one live receiver ("victim"), which then stops reading its socket for IDLE_S, as a
+    trainer does between two versions, then serves, then runs a version's first step with the victim."""
+
+    async def main() -> dict[str, Any]:
+        sender = SenderControl("127.0.0.1", port, _key(token), 1 << 16)
+        await sender.start()
+        victim = ReceiverControl("127.0.0.1", port, _key(token), "victim", "cpu")
+        await victim.start()
+        try:
+            deadline = time.monotonic() + 30
+            while "victim" not in sender.peers:
+                assert time.monotonic() < deadline, "the victim did not register"
+                await sender.recv(0.05)
+            ready.set()
+            time.sleep(IDLE_S)  # on purpose: the loop (and the socket) go unserved, as in a training step
+            started = time.monotonic()
+            while time.monotonic() - started < SERVE_S:
+                await sender.recv(0.05)
+            held = sender.peers["victim"].instance == victim.instance
+            await sender.send("victim", Prepare(1, sender.session, sender.peers["victim"].nonce))
+            prepare = await victim.recv(5)
+            await victim.send(Ready("victim", 1))
+            answer = await sender.recv(5)
+            return {
+                "held": held,
+                "prepare": isinstance(prepare, Prepare),
+                "ready": answer is not None and isinstance(answer[1], Ready) and answer[0] == "victim",
+                "refused": sender.refused_registrations,
+                "throttled": sender.throttled_registrations,
+                "served_s": SERVE_S,
+            }
+        finally:
+            await victim.close()
+            await sender.close()
+
+    return asyncio.run(main())
+
+
+def _flooder(port: int, token: str | None, ready: Any) -> None:
+    """FLOOD_ROUNDS connections, each sending FLOOD_MESSAGES Registers for the victim's identity and then
+    vanishing with an RST (as a killed process with unread data does). With a token it is a token holder."""
+    assert ready.wait(60), "the sender did not come up"
+    key = _key(token)
+    ctx = zmq.Context()
+    try:
+        for round_ in range(FLOOD_ROUNDS):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if key:
+                keys = curve_keys(key)
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                    keys.server_public, keys.client_public, keys.client_secret,
+                )  # fmt: skip
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            instance = f"flood-{os.getpid()}-{round_}"
+            for i in range(FLOOD_MESSAGES):
+                msg = Register("victim", "flooder", os.getpid(), "cpu", instance=instance, nonce=f"n{i}")
+                sock.send_multipart(seal(msg, key, Seal("", instance, i + 1, True)) if key else encode(msg))
+            time.sleep(1.0)  # on the wire: the sender's pipe for this connection fills, its engine stops reading
+            zmtp.reset_zmq_connections(sock, port)
+    finally:
+        ctx.term()
+
+
+def _flood_role(role: int, port: int, token: str | None, ready: Any) -> dict[str, Any] | None:
+    if role == 0:
+        return _busy_sender(port, token, ready)
+    _flooder(port, token, ready)
+    return None
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token-holder", "no-token"])
+def test_a_register_flood_then_reset_neither_kills_nor_stalls_a_busy_sender(token: str | None) -> None:
+    port, ready = free_port(), mp.get_context("spawn").Event()
+    exit_codes: list[int | None] = []
+    try:
+        result, _ = run_workers(_flood_role, [(0, port, token, ready), (1, port, token, ready)], timeout_s=120,
+                                exit_codes=exit_codes)  # fmt: skip
+    except AssertionError as exc:  # before the fix: the sender died of SIGABRT (exit code -6)
+        raise AssertionError(f"the sender did not survive the flood (exit codes {exit_codes}): {exc}") from None
+    assert result["held"] and result["prepare"] and result["ready"], result  # the victim kept its identity
+    assert result["refused"] >= 1000, result  # the flood did reach the sender
+    answered = result["refused"] - result["throttled"]  # each answer costs a probe and a Refuse
+    assert answered <= result["served_s"] / REFUSE_EVERY_S + 2, result
+
+
+# -- a stranger's huge frame before authentication (item 4) -------------------------------------------------
+
+STREAM_BYTES = 256 << 20
+RSS_BOUND = 32 << 20
+
+
+def _listening_sender(port: int, token: str | None, seconds: float) -> None:
+    async def main() -> None:
+        sender = SenderControl("127.0.0.1", port, _key(token), 1 << 16)
+        await sender.start()
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                await sender.recv(0.1)
+        finally:
+            await sender.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no-token"])
+def test_a_strangers_huge_frame_is_refused_before_it_is_buffered(token: str | None) -> None:
+    """One connection, a greeting, then a frame that declares 1 GiB (with a token: the CURVE HELLO, before
+    any authentication) followed by STREAM_BYTES. Before: the sender's RSS grew by what was streamed."""
+    port = free_port()
+    with spawned(_listening_sender, port, token, 90) as proc:
+        sender = psutil.Process(proc.pid)
+        raw = zmtp.connect(port, b"CURVE" if token else b"NULL", timeout_s=60)
+        try:
+            time.sleep(0.5)
+            before = sender.memory_info().rss
+            chunk, sent = b"\0" * (1 << 20), 0
+            try:
+                raw.sendall(zmtp.frame_header(1 << 30, command=token is not None))
+                while sent < STREAM_BYTES:
+                    raw.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                pass  # the sender hung up
+            time.sleep(1.0)
+            grown = sender.memory_info().rss - before
+        finally:
+            zmtp.reset(raw)
+    assert grown < RSS_BOUND, f"the sender grew by {grown >> 20} MiB for a stranger's frame"
+    assert sent < STREAM_BYTES, "the sender took the whole frame instead of hanging up"
