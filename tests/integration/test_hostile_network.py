@@ -7,25 +7,34 @@ real ZeroMQ sockets and raw TCP where a stranger would not use ZeroMQ at all.
   wrote on a connection whose reset it had noted while its full pipe had stopped it reading.
 - A stranger who declares one huge frame before authenticating: before, the sender buffered whatever
   followed (hundreds of MiB); now libzmq refuses the frame from its header (`ZMQ_MAXMSGSIZE`).
+- Whoever reaches a vLLM rollout's HTTP port (dev-mode routes take no credentials): before, it could
+  re-point the engine's receiver at its own sender and token (item 2); now only the config file can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import zmq
 
+from lightning_weightsync import WeightSender
 from lightning_weightsync.protocol.messages import Prepare, Ready, Register, Seal, encode, seal
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
 from lightning_weightsync.transport.control.sender import REFUSE_EVERY_S
 from tests.support import zmtp
+from tests.support.engine import engine_cfg
 from tests.support.mp import free_port, run_workers, spawned
+from tests.support.vllm_standin import standin_server_main
 
 TOKEN = "a-token-of-reasonable-length-24"
 FLOOD_ROUNDS = 3  # connections, one after the other, each flooded and then reset
@@ -170,3 +179,65 @@ def test_a_strangers_huge_frame_is_refused_before_it_is_buffered(token: str | No
             zmtp.reset(raw)
     assert grown < RSS_BOUND, f"the sender grew by {grown >> 20} MiB for a stranger's frame"
     assert sent < STREAM_BYTES, "the sender took the whole frame instead of hanging up"
+
+
+# -- vLLM's unauthenticated HTTP cannot re-point the engine (item 2) ----------------------------------------
+
+ATTACKER_TOKEN = "the-attackers-own-token-0123456789"
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def _until_registered(sender: WeightSender, timeout_s: float, exclude: frozenset[str] = frozenset()) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not set(sender.registered) - exclude:
+        assert time.monotonic() < deadline, "the engine did not register with the trainer"
+        await sender._control.recv(0.1)
+    return sorted(set(sender.registered) - exclude)[0]
+
+
+async def test_vllm_http_cannot_point_the_engine_at_another_sender_or_token(tmp_path: Path) -> None:
+    """Before: POST /init_weight_transfer_engine with `transport.port` and `transport.auth_token` of the
+    caller's choosing restarted the receiver at the caller's sender (then /update_weights: their weights)."""
+    http, port = free_port(), free_port()
+    config = tmp_path / "rollout.yaml"
+    config.write_text(f"transport:\n  port: {port}\n  auth_token: {TOKEN}\n  heartbeat_interval_s: 0.2\n")
+    config.chmod(0o600)
+    trainer = WeightSender(engine_cfg(port, transport__auth_token=TOKEN))
+    attacker = WeightSender(engine_cfg(0, transport__auth_token=ATTACKER_TOKEN))
+    await trainer.start()
+    await attacker.start()
+    try:
+        with spawned(standin_server_main, http, str(config), str(tmp_path), 120.0):
+            await _until_registered(trainer, 90)
+            url = f"http://127.0.0.1:{http}/init_weight_transfer_engine"
+            hostile = [f"transport.port={attacker.port}", f"transport.auth_token={ATTACKER_TOKEN}"]
+            code, text = await asyncio.to_thread(_post, url, {"init_info": {"overrides": hostile}})
+            assert code != 200 and "transport.port" in text and "cannot be set over HTTP" in text, (code, text)
+            assert ATTACKER_TOKEN not in text  # a value from the request is never echoed
+            deadline = time.monotonic() + 3.0  # the engine kept its receiver: nothing reaches the attacker
+            while time.monotonic() < deadline:
+                await attacker._control.recv(0.1)
+                await trainer._control.recv(0.01)
+            assert attacker.registered == [], attacker.registered
+            # an allowed override restarts the receiver, from the file: still at the trainer, with its token
+            before = trainer._control.peers[trainer.registered[0]].instance
+            code, text = await asyncio.to_thread(_post, url, {"init_info": {"overrides": ["transport.timeout_s=30"]}})
+            assert code == 200, text
+            deadline = time.monotonic() + 30
+            while not any(p.instance != before for p in trainer._control.peers.values()):
+                assert time.monotonic() < deadline, "the restarted receiver did not register with the trainer"
+                await trainer._control.recv(0.1)
+            assert attacker.registered == []
+    finally:
+        await attacker.close()
+        await trainer.close()

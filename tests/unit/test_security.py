@@ -475,3 +475,38 @@ def test_the_console_script_never_lets_the_working_directory_shadow_the_standard
     assert found is not None and found.origin is not None and Path(found.origin).parent != tmp_path
     mine = importlib.machinery.PathFinder.find_spec("my_models", sys.path)
     assert mine is not None and Path(mine.origin).parent == tmp_path
+
+
+# ------------------------------------------------------------ issue 24 item 2: vLLM's HTTP takes no trust
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "transport.port=1234",
+        "transport.host=10.6.6.6",
+        "transport.auth_token=the-callers-own-token",
+        "transport.auth_token_file=/tmp/mine",
+        "transport.store_port=9",
+        "rollout.identity=someone-else",
+        " transport.port =1",  # spaces around the key change nothing
+        "transport={port: 1}",  # a whole section is not an allowed key either
+    ],
+)
+def test_vllm_init_overrides_cannot_change_where_whom_or_the_token(override: str) -> None:
+    from lightning_weightsync.rollout.vllm.worker import check_init_overrides
+
+    with pytest.raises(ConfigError, match="cannot be set over HTTP") as info:
+        check_init_overrides(["transport.timeout_s=5", override])
+    assert override.split("=", 1)[0].strip() in str(info.value)
+    assert "the-callers-own-token" not in str(info.value)
+
+
+def test_vllm_init_overrides_allow_waits_and_refuse_interpolations() -> None:
+    from lightning_weightsync.rollout.vllm.worker import INIT_OVERRIDES, check_init_overrides
+
+    allowed = [f"{key}=1" for key in INIT_OVERRIDES if key != "transport.backend"] + ["transport.backend=gloo"]
+    assert check_init_overrides(allowed) == allowed
+    for bad in ("transport.timeout_s=${oc.env:LIGHTNING_WEIGHTSYNC_AUTH_TOKEN}", "no-equals-sign", 42):
+        with pytest.raises(ConfigError, match=r"init_info\.overrides"):
+            check_init_overrides([bad])

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import OmegaConf
 
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
@@ -56,14 +55,47 @@ BACKEND_NAME = "lightning_weightsync"
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 
+INIT_OVERRIDES = (
+    "transport.timeout_s",
+    "transport.ready_timeout_s",
+    "transport.heartbeat_interval_s",
+    "transport.backend",
+    "transport.bucket_size_mb",
+)
+"""The only keys POST /init_weight_transfer_engine may override. vLLM's dev-mode routes take no
+credentials: whoever reaches the HTTP port could otherwise point the receiver at their own sender,
+with their own token, and the model would serve their weights. Where it connects, whom it trusts,
+its token and its identity come from `$LIGHTNING_WEIGHTSYNC_CONFIG` only (re-read on every init)."""
+
+
 @dataclass
 class InitInfo:
     """`init_info` of POST /init_weight_transfer_engine: optional; the engine starts its receiver
-    from `$LIGHTNING_WEIGHTSYNC_CONFIG` on its own. `overrides` (`key=value`, as on the command
-    line) restart it with a changed config, e.g. pointing at a new trainer. Secrets do not belong
-    here (the request is plain HTTP): give `transport.auth_token` in the YAML or the environment."""
+    from `$LIGHTNING_WEIGHTSYNC_CONFIG` on its own. An init restarts it, re-reading that file (edit
+    it to point at a new trainer); `overrides` (`key=value`) may change only `INIT_OVERRIDES`: waits
+    and how bytes move, never the address, token or identity (the request is unauthenticated HTTP)."""
 
     overrides: list[str] = field(default_factory=list)
+
+
+def check_init_overrides(overrides: list[Any]) -> list[str]:
+    """`overrides` from HTTP if every key is in `INIT_OVERRIDES`; else `ConfigError` naming the key
+    (never the value: it may be a token)."""
+    for item in overrides:
+        key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"init_info.overrides: {str(item)[:80]!r} is not key=value")
+        if key not in INIT_OVERRIDES:
+            raise ConfigError(
+                f"init_info.overrides: {key[:80]!r} cannot be set over HTTP: POST /init_weight_transfer_engine "
+                "is unauthenticated, so it may not change where this engine connects, whom it trusts, its token or "
+                f"its identity; set it in ${CONFIG_ENV} (re-read by every init); allowed here: "
+                f"{', '.join(INIT_OVERRIDES)}"
+            )
+        if "${" in value:  # an interpolation could read the environment (the token) into an error message
+            raise ConfigError(f"init_info.overrides: {key}: interpolations (${{...}}) are not allowed over HTTP")
+    return [str(item) for item in overrides]
 
 
 @dataclass
@@ -227,15 +259,16 @@ class WeightSyncEngineBody:
             self._start_receiver([])
         else:
             logger.warning(
-                "lightning_weightsync engine: $%s is not set; the receiver starts on "
-                "POST /init_weight_transfer_engine (init_info.overrides) or at the first update",
+                "lightning_weightsync engine: $%s is not set; the receiver starts with the defaults (no token, "
+                "127.0.0.1:29600) on POST /init_weight_transfer_engine or at the first update",
                 CONFIG_ENV,
             )
 
     # -- what vLLM calls ---------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: Any) -> None:
-        """(Re)start the receiver with `init_info.overrides` on top of `$LIGHTNING_WEIGHTSYNC_CONFIG`."""
-        overrides = list(getattr(init_info, "overrides", []) or [])
+        """(Re)start the receiver from `$LIGHTNING_WEIGHTSYNC_CONFIG`, with `init_info.overrides` (only
+        `INIT_OVERRIDES`: checked before the running receiver is stopped)."""
+        overrides = check_init_overrides(list(getattr(init_info, "overrides", []) or []))
         self._stop_receiver()
         self._start_receiver(overrides)
 
@@ -313,8 +346,7 @@ class WeightSyncEngineBody:
                 f"lightning_weightsync engine: no config; set ${CONFIG_ENV} to the weightsync YAML in the "
                 "environment of `vllm serve` (`lightning-weightsync rollout rollout.sink.type=vllm` does it)"
             )
-        base = OmegaConf.load(self._config_path) if self._config_path else None
-        cfg = load_config(base=base, overrides=overrides)  # type: ignore[arg-type]
+        cfg = load_config(self._config_path or None, overrides)
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
         device = torch.device(self.device)
         cfg = load_config(
@@ -385,4 +417,13 @@ class WeightSyncEngineBody:
         return contextlib.nullcontext()
 
 
-__all__ = ["BACKEND_NAME", "CONFIG_ENV", "InitInfo", "UpdateInfo", "WeightSyncEngineBody", "worker_identity"]
+__all__ = [
+    "BACKEND_NAME",
+    "CONFIG_ENV",
+    "INIT_OVERRIDES",
+    "InitInfo",
+    "UpdateInfo",
+    "WeightSyncEngineBody",
+    "check_init_overrides",
+    "worker_identity",
+]
