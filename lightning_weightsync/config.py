@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import enum
+import logging
 import math
 import os
 import re
@@ -22,7 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import ConfigError
+from .protocol.messages import MAX_IDENTITY_LEN
 from .transport.backends import BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 class Choice(str, enum.Enum):
@@ -84,8 +88,12 @@ class PauseMode(Choice):
 
 
 CAST_DTYPES = tuple(d.value for d in CastDtype)
-MAX_BUCKET_SIZE_MB = 64 * 1024  # 64 GiB: nothing real needs a bigger single bucket
+MAX_BUCKET_SIZE_MB = 16 * 1024  # 16 GiB (two a side): far above the largest real weight (~1.2 GiB)
 AUTH_TOKEN_ENV = "LIGHTNING_WEIGHTSYNC_AUTH_TOKEN"
+MIN_TOKEN_LEN = 16
+"""Characters a token has at least: anyone who reaches the control port can try tokens offline against
+one CURVE handshake, so a short one is guessed (`secrets.token_urlsafe(32)` gives 43)."""
+MAX_CONFIG_IDENTITY_LEN = MAX_IDENTITY_LEN - 16  # room for the "-w<rank>" a vLLM worker appends
 
 
 @dataclass
@@ -124,7 +132,11 @@ class TransportConfig:
     rebuild_group: bool = False
     """true: a new data-plane group for every version; false: reuse it while the receivers are unchanged."""
     auth_token: str | None = None
-    """Shared secret that signs every control message; null = $LIGHTNING_WEIGHTSYNC_AUTH_TOKEN or none."""
+    """Shared secret that signs every control message (>= 16 characters); null = auth_token_file, then
+    $LIGHTNING_WEIGHTSYNC_AUTH_TOKEN, else none. On a command line it shows in `ps`: prefer those two."""
+    auth_token_file: str | None = None
+    """A file holding the shared secret (its first line), readable by this user only: keeps the token out
+    of `ps` and of config files. Used when transport.auth_token is null."""
     device: str | None = None
     """Device of the transfer buckets (cpu, cuda:1, npu:0); null = the backend's natural device."""
 
@@ -199,7 +211,7 @@ class RolloutConfig:
     metrics_host: str = "127.0.0.1"
     """Address the metrics server binds."""
     identity: str | None = None
-    """Name this receiver registers under; null = <hostname>-<pid>."""
+    """Name this receiver registers under (at most 240 characters); null = <hostname>-<pid>."""
     device: str = "cpu"
     """Device tensors are assembled on when the sink gives no destination."""
     progress: bool = True
@@ -249,6 +261,21 @@ def load_config(
 
     Any OmegaConf failure (unknown key, wrong type) becomes a `ConfigError` naming the key.
     """
+    secrets: list[str] = []  # token texts seen: never echoed in an error
+    try:
+        cfg = _load(path, overrides, base, secrets)
+        validate_config(cfg)
+    except ConfigError as exc:
+        raise ConfigError(_scrub(str(exc), secrets)) from None
+    return cfg
+
+
+def _load(
+    path: str | os.PathLike[str] | None,
+    overrides: Sequence[str],
+    base: DictConfig | dict[str, Any] | None,
+    secrets: list[str],
+) -> DictConfig:
     cfg: Any = default_config()  # OmegaConf.merge is typed loosely; it stays a DictConfig
     try:
         if base is not None:
@@ -258,32 +285,48 @@ def load_config(
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p}")
             try:
+                text = p.read_text(encoding="utf-8")
                 loaded = OmegaConf.load(p)
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"config file {p} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                    "save it as UTF-8"
+                ) from None
             except yaml.YAMLError as exc:
                 raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {p} must hold a mapping at top level")
             cfg = OmegaConf.merge(cfg, loaded)
+            _keep_token_text(cfg, _raw_token(yaml.load(text, Loader=yaml.BaseLoader)), secrets)
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
-                raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+                raise ConfigError(f"override {_shown(bad[0])!r} is not of the form key=value")
             for override in overrides:  # one at a time, so a YAML error names its override
+                key, value = (part.strip() for part in override.split("=", 1))
+                if key in SECRET_KEYS:
+                    secrets.append(value)
+                    if not value:  # `transport.auth_token=$TOKEN` with $TOKEN unset: never "no auth" silently
+                        _check_token(value, key)
                 try:
                     dotlist = OmegaConf.from_dotlist([override])
                 except yaml.YAMLError as exc:
                     raise ConfigError(
-                        f"override {override!r}: value is not valid YAML ({_first_line(exc)}); quote it"
+                        f"override {_shown(override)!r}: value is not valid YAML ({_first_line(exc)}); quote it"
                     ) from None
                 try:
                     cfg = OmegaConf.merge(cfg, dotlist)
                 except TypeError as exc:  # OmegaConf: a list where a mapping belongs, or the reverse
-                    key = override.split("=", 1)[0]
-                    raise ConfigError(f"{key}: wrong type ({exc}); {_expected(cfg, key)}") from None
+                    why = "value not shown" if key in SECRET_KEYS else str(exc)
+                    raise ConfigError(f"{key}: wrong type ({why}); {_expected(cfg, key)}") from None
+                if key == "transport.auth_token":
+                    _keep_token_text(cfg, yaml.load(value, Loader=yaml.BaseLoader), secrets)
     except TypeError as exc:  # from a base or a file: name the first key whose type is wrong
         raise ConfigError(f"{_wrong_type_key(cfg, base, path)}: wrong type ({exc})") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        if key in SECRET_KEYS:  # OmegaConf's message quotes the value
+            raise ConfigError(f"{key} must be one string (quote it in YAML); its value is not shown") from None
         unknown = _unknown_keys(base, path, overrides)
         if len(unknown) > 1:  # every unknown key at once, not one per attempt
             raise ConfigError(f"invalid config keys {', '.join(unknown)}: not fields of the config") from None
@@ -292,7 +335,6 @@ def load_config(
             raise ConfigError(f"{key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}") from None
         raise ConfigError(f"invalid config key {key!r}: {_first_line(exc)}") from None
     assert isinstance(cfg, DictConfig)
-    validate_config(cfg)
     return cfg
 
 
@@ -355,6 +397,34 @@ def _walk_keys(node: Any, prefix: str = "") -> list[str]:
             out.append(f"{prefix}{k}")
             out += _walk_keys(node[k], f"{prefix}{k}.")
     return out
+
+
+SECRET_KEYS = ("transport.auth_token",)
+
+
+def _raw_token(tree: Any) -> Any:
+    transport = tree.get("transport") if isinstance(tree, dict) else None
+    return transport.get("auth_token") if isinstance(transport, dict) else None
+
+
+def _keep_token_text(cfg: Any, raw: Any, secrets: list[str]) -> None:
+    """The token exactly as written: YAML would read `0x1F` as the number 31 (and OmegaConf then store
+    "31"), while the environment gives `0x1F`; both sides must derive the same keys. `null` stays null."""
+    if isinstance(raw, str) and raw not in ("null", "~", "") and OmegaConf.select(cfg, "transport.auth_token"):
+        secrets.append(raw)
+        cfg.transport.auth_token = raw
+
+
+def _shown(override: str) -> str:
+    """An override as an error message may show it: a secret's value masked."""
+    key, sep, _ = override.partition("=")
+    return f"{key}=<redacted>" if sep and key.strip() in SECRET_KEYS else override
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, "<redacted>")
+    return text
 
 
 def _expected(cfg: Any, key: str) -> str:
@@ -509,11 +579,46 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
     if ro.sink.keep_last < 1:
         raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
+    _check_identity(ro.identity)
+    _check_token_knobs(t)
     _positive("vllm.request_timeout_s", cfg.vllm.request_timeout_s)
     for url in cfg.vllm.urls:
         if not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"vllm.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
     _check_bounds(cfg)
+
+
+def _check_identity(identity: str | None) -> None:
+    """An identity the wire would refuse (every sender drops its Register) fails here, naming the knob."""
+    if identity is not None and len(identity) > MAX_CONFIG_IDENTITY_LEN:
+        raise ConfigError(
+            f"rollout.identity is {len(identity)} characters long (at most {MAX_CONFIG_IDENTITY_LEN}); "
+            "shorten it, or null = <hostname>-<pid>"
+        )
+
+
+def _check_token_knobs(t: Any) -> None:
+    if t.auth_token is not None:
+        _check_token(t.auth_token, "transport.auth_token")
+    if t.auth_token is not None and t.auth_token_file:
+        raise ConfigError("transport.auth_token and transport.auth_token_file are both set; keep one")
+    if t.auth_token_file is not None and not t.auth_token_file:
+        raise ConfigError("transport.auth_token_file is empty; set a path, or null")
+
+
+def _check_token(token: str, source: str) -> None:
+    """Never echoes the token: only where it came from and its length."""
+    if not token:
+        raise ConfigError(
+            f"{source} is set but empty, which would mean no authentication; set the shared secret, or leave it "
+            "unset (null) to run without a token on purpose"
+        )
+    if len(token) < MIN_TOKEN_LEN:
+        raise ConfigError(
+            f"{source} is {len(token)} characters long (at least {MIN_TOKEN_LEN}): a short token is guessed "
+            "offline from one handshake; generate one with python -c \"import secrets; "
+            "print(secrets.token_urlsafe(32))\""
+        )
 
 
 def direct_min_bytes(cfg: DictConfig) -> int | None:
@@ -528,9 +633,33 @@ def bucket_size_bytes(cfg: DictConfig) -> int:
 
 
 def auth_token(cfg: DictConfig) -> bytes | None:
-    """The shared HMAC secret: config first, then the environment, else no signing."""
-    token = cfg.transport.auth_token or os.environ.get(AUTH_TOKEN_ENV)
-    return token.encode() if token else None
+    """The shared secret: `transport.auth_token`, else `transport.auth_token_file`, else the environment,
+    else none (no authentication). Set but empty, or shorter than MIN_TOKEN_LEN, is a `ConfigError`."""
+    t = cfg.transport
+    if t.auth_token is not None:
+        token, source = str(t.auth_token), "transport.auth_token"
+    elif t.auth_token_file:
+        token, source = _read_token_file(Path(t.auth_token_file)), f"transport.auth_token_file ({t.auth_token_file})"
+    elif AUTH_TOKEN_ENV in os.environ:
+        token, source = os.environ[AUTH_TOKEN_ENV], f"${AUTH_TOKEN_ENV}"
+    else:
+        return None
+    _check_token(token, source)
+    return token.encode()
+
+
+def _read_token_file(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"transport.auth_token_file={str(path)!r} cannot be read ({type(exc).__name__})") from None
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        logger.warning(
+            "transport.auth_token_file %s is readable by other users (mode %o); chmod 600 it", path, mode & 0o777
+        )
+    lines = text.splitlines()
+    return lines[0].strip() if lines else ""
 
 
 def to_yaml(cfg: DictConfig, *, redact: bool = True) -> str:

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(_SKIP is not None, reason=f"network namespaces unavailable: {_SKIP}"),
 ]
 
-TOKEN = "chaos-token"
+TOKEN = "chaos-token-0123456789"
 PORT = 29655
 TIMEOUT_S = 8.0
 

@@ -324,9 +324,9 @@ async def test_a_destination_that_raises_fails_the_version_not_the_receiver():
 
 
 async def test_wrong_auth_token_is_dropped_and_counted():
-    cfg = engine_cfg(0, transport__timeout_s=1.5, transport__auth_token="right-secret")
+    cfg = engine_cfg(0, transport__timeout_s=1.5, transport__auth_token="right-secret-0123456")
     async with WeightSender(cfg) as sender:
-        bad = WeightReceiver(engine_cfg(sender.port, transport__auth_token="wrong-secret"), identity="intruder")
+        bad = WeightReceiver(engine_cfg(sender.port, transport__auth_token="wrong-secret-0123456"), identity="intruder")
         await bad.start()
         try:
             with pytest.raises(WeightSyncTimeout):
@@ -338,7 +338,7 @@ async def test_wrong_auth_token_is_dropped_and_counted():
 
 
 async def test_signed_round_trip():
-    cfg = engine_cfg(0, transport__auth_token="s3cret", bucket_size_mb=1 / 128)
+    cfg = engine_cfg(0, transport__auth_token="s3cret-token-for-tests", bucket_size_mb=1 / 128)
     sent, got = await _serve(cfg, [1, 2, 3])
     assert [(s.version, s.receivers) for s in sent] == [(1, 1), (2, 1), (3, 1)]
     _assert_every_version(got, [1, 2, 3])
@@ -489,7 +489,7 @@ async def test_producer_may_reuse_its_tensor_once_the_next_is_pulled():
         assert torch.equal(got[f"w{i}"], torch.full((numel,), float(i))), f"w{i} corrupted"
 
 
-@pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.parametrize("token", [None, "s3cret-token-for-tests"])
 async def test_hostile_messages_mid_version_are_dropped_and_the_version_still_lands(token):
     """Garbage, a forged bucket with out-of-range offsets, and (with a token) an unsigned or
     wrongly signed but otherwise valid bucket, injected while a version is in flight: each is

@@ -42,7 +42,7 @@ def _stranger_can_use_store(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("token", ["s3cret", None], ids=["token", "no-token"])
+@pytest.mark.parametrize("token", ["s3cret-token-for-tests", None], ids=["token", "no-token"])
 async def test_rendezvous_is_closed_to_strangers_when_auth_is_on(token: str | None) -> None:
     store_port = free_port()
     cfg = engine_cfg(0, bucket_size_mb=1 / 128, transport__auth_token=token, transport__store_port=store_port)

@@ -301,20 +301,98 @@ def test_config_error_is_in_the_hierarchy() -> None:
 def test_auth_token_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     assert auth_token(load_config()) is None
-    monkeypatch.setenv(AUTH_TOKEN_ENV, "from-env")
-    assert auth_token(load_config()) == b"from-env"
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "from-env-0123456789")
+    assert auth_token(load_config()) == b"from-env-0123456789"
     # the config wins over the environment
-    assert auth_token(load_config(overrides=["transport.auth_token=from-cfg"])) == b"from-cfg"
-    monkeypatch.setenv(AUTH_TOKEN_ENV, "")
-    assert auth_token(load_config()) is None
+    assert auth_token(load_config(overrides=["transport.auth_token=from-cfg-0123456789"])) == b"from-cfg-0123456789"
 
 
 def test_auth_token_is_bytes_for_hmac() -> None:
     from lightning_weightsync.protocol.messages import Prepare, decode, encode
 
-    key = auth_token(load_config(overrides=["transport.auth_token=t0ken"]))
+    key = auth_token(load_config(overrides=["transport.auth_token=t0ken-of-16-chars"]))
     assert isinstance(key, bytes)
     assert decode(encode(Prepare(1, "s"), key), key) == Prepare(1, "s")
+
+
+# -------------------------------------------------------------- the token's way in (issue 24 item 6)
+
+
+def test_an_empty_or_short_token_is_an_error_that_never_shows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an empty token meant "no auth" without a word, and a 1-character token was accepted."""
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"transport\.auth_token is set but empty"):
+        load_config(overrides=["transport.auth_token=''"])
+    with pytest.raises(ConfigError, match=r"transport\.auth_token is 1 characters long \(at least 16\)") as info:
+        load_config(overrides=["transport.auth_token=Q"])
+    assert "'Q'" not in str(info.value)
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "")
+    with pytest.raises(ConfigError, match="LIGHTNING_WEIGHTSYNC_AUTH_TOKEN is set but empty"):
+        auth_token(load_config())
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "short-env")
+    with pytest.raises(ConfigError, match="is 9 characters long"):
+        auth_token(load_config())
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "transport.auth_token=abc: the-hidden-value",  # a mapping, not a string
+        "transport.auth_token=[the-hidden-value, b]",
+        "transport.auth_token='the-hidden-value",  # not valid YAML
+        "transport.auth_token=",
+    ],
+)
+def test_a_bad_token_override_is_an_error_that_never_echoes_it(override: str) -> None:
+    """Before: an override's YAML error quoted the whole override, token included."""
+    with pytest.raises(ConfigError, match=r"transport\.auth_token") as info:
+        load_config(overrides=[override])
+    assert "hidden-value" not in str(info.value), str(info.value)
+
+
+def test_a_number_like_token_is_read_as_written(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: YAML read `0x1F...` as a number (OmegaConf then stored its decimal digits), while the
+    environment kept the text: the two sides derived different keys."""
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    token = "0x1F00000000000000"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"transport:\n  auth_token: {token}\n")
+    assert load_config(path).transport.auth_token == token
+    assert load_config(overrides=[f"transport.auth_token={token}"]).transport.auth_token == token
+    assert load_config(overrides=[f"transport.auth_token='{token}'"]).transport.auth_token == token
+    monkeypatch.setenv(AUTH_TOKEN_ENV, token)
+    assert auth_token(load_config(path)) == auth_token(load_config())
+
+
+def test_the_token_from_a_file_not_the_command_line(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    path.chmod(0o600)
+    assert auth_token(load_config(overrides=[f"transport.auth_token_file={path}"])) == b"from-a-file-0123456789"
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="lightning_weightsync.config"):
+        auth_token(load_config(overrides=[f"transport.auth_token_file={path}"]))
+    assert any("chmod 600" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(overrides=[f"transport.auth_token_file={path}", "transport.auth_token=also-on-the-line-012"])
+    with pytest.raises(ConfigError, match=r"transport\.auth_token_file=.* cannot be read"):
+        auth_token(load_config(overrides=[f"transport.auth_token_file={tmp_path / 'missing'}"]))
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"transport:\n  host: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(path)
+
+
+def test_an_identity_the_wire_would_drop_fails_at_load() -> None:
+    """Before: a 5000-character rollout.identity started fine, and every sender dropped its Register."""
+    from lightning_weightsync.config import MAX_CONFIG_IDENTITY_LEN
+
+    load_config(overrides=["rollout.identity=" + "r" * MAX_CONFIG_IDENTITY_LEN])
+    with pytest.raises(ConfigError, match=r"rollout\.identity is 5000 characters long"):
+        load_config(overrides=["rollout.identity=" + "r" * 5000])
 
 
 # ----------------------------------------------------------------------------------------------- default.yaml
@@ -399,10 +477,10 @@ def test_default_yaml_documents_every_key() -> None:
 def test_to_yaml_redacts_the_auth_token():
     from lightning_weightsync.config import to_yaml
 
-    cfg = load_config(overrides=["transport.auth_token=s3cret"])
+    cfg = load_config(overrides=["transport.auth_token=s3cret-of-16-chars"])
     assert "s3cret" not in to_yaml(cfg) and "<redacted>" in to_yaml(cfg)
-    assert "s3cret" in to_yaml(cfg, redact=False)
-    assert cfg.transport.auth_token == "s3cret"  # the config itself is untouched
+    assert "s3cret-of-16-chars" in to_yaml(cfg, redact=False)
+    assert cfg.transport.auth_token == "s3cret-of-16-chars"  # the config itself is untouched
 
 
 def test_choices_are_enums_written_back_as_typed() -> None:
