@@ -36,7 +36,7 @@ from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_confi
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import MAX_BUCKET_ENTRIES, NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
 from ..protocol.dtypes import dtype_name
-from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor
+from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor, validate_tied
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
@@ -60,6 +60,7 @@ class _Drainable:
         self.exhausted = False
         self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
         self.check = True  # validate each tensor with the receivers' rules (off while draining)
+        self.names: set[str] = set()  # sent in this version: a second one would fail every receiver's merge
 
     def __aiter__(self) -> _Drainable:
         return self
@@ -75,7 +76,7 @@ class _Drainable:
             raise
         if self.check:
             try:
-                _check_outgoing(item)
+                _check_outgoing(item, self.names)
             except WeightSyncError:
                 self.failed = True  # a local failure: the group is fine, the rest is drained
                 raise
@@ -88,20 +89,30 @@ class _Drainable:
                 pass
 
 
-def _check_outgoing(item: object) -> None:
-    """What every receiver would refuse, refused here first (the same `check_tensor`), so the
-    version fails at once naming the tensor instead of every receiver dropping the metadata."""
+def _check_outgoing(item: object, names: set[str]) -> None:
+    """What every receiver would refuse, refused here first (the same `check_tensor`, a name sent twice),
+    and what cannot be sent at all (no dense bytes), so the version fails at once naming the tensor
+    instead of every receiver dropping the metadata or a raw torch error from deep in the split."""
     if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
         raise TypeError(f"weights must yield (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
     if not isinstance(name, str):
         raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r:.80})")
+    fix = "rename or exclude it (trainer.names.rename / trainer.names.exclude)"
     try:
         check_tensor(name, tuple(tensor.shape), dtype_name(tensor.dtype))
     except ProtocolError as exc:
-        raise ProtocolError(
-            f"cannot send {name[:120]!r}: {exc}; rename or exclude it (trainer.names.rename / trainer.names.exclude)"
-        ) from None
+        raise ProtocolError(f"cannot send {name[:120]!r}: {exc}; {fix}") from None
+    if tensor.layout != torch.strided:
+        raise ProtocolError(f"cannot send {name[:120]!r}: a {tensor.layout} tensor has no dense bytes; send "
+                            f"tensor.to_dense(), or {fix}")  # fmt: skip
+    if tensor.device.type == "meta":
+        raise ProtocolError(f"cannot send {name[:120]!r}: it is on the meta device (no data: never materialized, "
+                            f"or offloaded); materialize it, or {fix}")  # fmt: skip
+    if name in names:
+        raise ProtocolError(f"cannot send {name[:120]!r} twice in one version (every receiver would refuse the "
+                            f"second); {fix}")  # fmt: skip
+    names.add(name)
 
 
 class WeightSender(Endpoint):
@@ -220,6 +231,12 @@ class WeightSender(Endpoint):
             # the policy is read per version (a caller may lower min_receivers after losing a rollout)
             self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
             self._steps.ready_timeout_s = float(self.cfg.transport.ready_timeout_s)
+            tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
+            try:
+                validate_tied(BucketMeta(version, 0, False, 0, [], tied_names))  # what every receiver checks
+            except ProtocolError:
+                source.failed = True  # a local failure: the group is fine
+                raise
             peers = await self._steps.gather_ready(version)  # 1-2: Prepare -> Ready
             stats.receivers = len(peers)
             if not peers:
@@ -227,7 +244,6 @@ class WeightSender(Endpoint):
                 await source.drain()
                 return stats
             await self._join(version, peers)  # 3: Plan, and the data-plane group
-            tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
             # 4: bucket metadata, each ahead of its bytes
             await self._stream(source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names)
             acks = await self._steps.collect_acks(version, peers)  # 5: Ack

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, ConfigError
 
 
 def import_torch_npu() -> Any:
@@ -69,10 +70,24 @@ def record_event(device: torch.device) -> Any | None:
 
 
 def empty_bucket(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 bucket; CPU buckets are pinned when a GPU exists so H2D/D2H copies can overlap."""
-    if device.type == "cpu" and torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """A uint8 bucket; CPU buckets are pinned when a GPU exists so H2D/D2H copies can overlap. A bucket
+    this process cannot hold (two of them: double buffering) is a `ConfigError` naming the knob, not an
+    allocator's error (or, on CPU, the OOM killer later: Linux overcommits, so a huge CPU allocation
+    succeeds until it is touched)."""
+    if device.type == "cpu" and 2 * nbytes > psutil.virtual_memory().total:
+        raise ConfigError(
+            f"transport.bucket_size_mb: two buckets of {nbytes / 2**20:.0f} MiB do not fit in this host's "
+            f"{psutil.virtual_memory().total / 2**30:.1f} GiB of memory; lower transport.bucket_size_mb"
+        )
+    try:
+        if device.type == "cpu" and torch.cuda.is_available():
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError and the pinned / device allocators' errors
+        raise ConfigError(
+            f"transport.bucket_size_mb: cannot allocate a bucket of {nbytes / 2**20:.0f} MiB on {device} "
+            f"({str(exc).splitlines()[0][:200]}); lower transport.bucket_size_mb (each side holds two)"
+        ) from None
 
 
 def _nothing() -> None:

@@ -76,8 +76,10 @@ def _with_bad_tensor(version: int, name: str, tensor: torch.Tensor) -> list[tupl
         ("n" * (MAX_NAME_LEN + 1), torch.ones(4), f"over {MAX_NAME_LEN} characters"),
         ("", torch.ones(4), "empty"),
         ("model.deep", torch.ones((1,) * (MAX_NDIM + 1)), f"MAX_NDIM={MAX_NDIM}"),
+        ("model.sparse", torch.eye(4).to_sparse(), "no dense bytes"),
+        ("model.on_meta", torch.empty(4, device="meta"), "meta device"),
     ],
-    ids=["long-name", "empty-name", "17-dims"],
+    ids=["long-name", "empty-name", "17-dims", "sparse", "meta"],
 )
 async def test_unsendable_tensor_fails_the_version_at_once_and_the_next_lands(name, tensor, match) -> None:
     port = free_port()

@@ -292,6 +292,38 @@ async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torc
         assert time.monotonic() - t0 < cfg.transport.timeout_s / 2  # failed at once, never waited on a peer
 
 
+async def _pull(weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+    from lightning_weightsync.engine.sender import _Drainable
+
+    return [name async for name, _ in _Drainable(weights)]
+
+
+@pytest.mark.parametrize(
+    "weights,match",
+    [
+        ([("a", torch.ones(2)), ("b", torch.ones(2)), ("a", torch.zeros(2))], r"cannot send 'a' twice"),
+        ([("s", torch.eye(3).to_sparse())], r"'s': a torch\.sparse_coo tensor has no dense bytes"),
+        ([("m", torch.empty(3, device="meta"))], r"'m': it is on the meta device"),
+    ],
+    ids=["duplicate-name", "sparse-coo", "meta"],
+)
+async def test_the_sender_names_a_tensor_it_cannot_send(weights, match: str) -> None:
+    """Issue 24 item 6: a name sent twice reached every receiver (each refused the version after waiting);
+    sparse and meta tensors failed with torch's error, naming no tensor."""
+    with pytest.raises(ProtocolError, match=match) as info:
+        await _pull(weights)
+    assert "trainer.names" in str(info.value)
+
+
+async def test_the_sender_refuses_tied_names_the_receivers_would_drop() -> None:
+    cfg = engine_cfg(0, trainer__min_receivers=0, transport__timeout_s=60)
+    async with WeightSender(cfg) as sender:
+        with pytest.raises(ProtocolError, match="aliased twice"):
+            await sender.send_weights([("w", torch.ones(2))], version=1, tied={"w": ["x", "x"]})
+        stats = await sender.send_weights([("w", torch.ones(2))], version=2, tied={"w": ["x"]})
+        assert stats.receivers == 0
+
+
 # ----------------------------------------------------------------------------------------------- finding 6
 
 
