@@ -122,9 +122,10 @@ async def test_late_receiver_joins_the_next_version_and_both_get_it_bitwise():
 
 async def test_signed_round_trip():
     """With transport.auth_token the plan (agent metadata, slot addresses) and every release are signed."""
-    cfg = engine_cfg(0, backend="nixl", bucket_size_mb=1 / 128, transport__auth_token="s3cret-01234567")
+    token = "s3cret-0123456789"
+    cfg = engine_cfg(0, backend="nixl", bucket_size_mb=1 / 128, transport__auth_token=token)
     async with WeightSender(cfg) as sender:
-        cfg_r = engine_cfg(sender.port, backend="nixl", bucket_size_mb=1 / 128, transport__auth_token="s3cret-01234567")
+        cfg_r = engine_cfg(sender.port, backend="nixl", bucket_size_mb=1 / 128, transport__auth_token=token)
         async with WeightReceiver(cfg_r) as receiver:
             for version in (1, 2):
                 got, stats = await with_timeout(
