@@ -27,7 +27,7 @@ import psutil
 import pytest
 import zmq
 
-from lightning_weightsync import WeightSender
+from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.protocol.messages import Prepare, Ready, Register, Seal, encode, seal
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
 from lightning_weightsync.transport.control.sender import REFUSE_EVERY_S
@@ -241,3 +241,31 @@ async def test_vllm_http_cannot_point_the_engine_at_another_sender_or_token(tmp_
     finally:
         await attacker.close()
         await trainer.close()
+
+
+# -- every log line an outsider can cause is rate-limited (item 6) ------------------------------------------
+
+
+async def test_garbage_on_the_shm_release_socket_costs_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: one WARNING line per garbage frame (20,000 frames, 20,000 lines in 8 s)."""
+    from tests.support.engine import receive_once, stream, with_timeout
+
+    cfg = engine_cfg(free_port(), backend="shm", bucket_size_mb=1 / 128)
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:
+        assert sender._backend is not None
+        ctx = zmq.Context()
+        flood = ctx.socket(zmq.PUSH)
+        flood.connect(sender._backend.join_spec(0).release_addr)
+        try:
+            for _ in range(2000):
+                flood.send(b"\x93garbage")
+            with caplog.at_level("WARNING", logger="lightning_weightsync.transport.backends"):
+                for version in (1, 2, 3):
+                    await with_timeout(
+                        asyncio.gather(receive_once(receiver), sender.send_weights(stream(version), version=version))
+                    )
+        finally:
+            flood.close(linger=0)
+            ctx.term()
+    lines = [rec.getMessage() for rec in caplog.records if "bad release message" in rec.getMessage()]
+    assert len(lines) == 1, f"{len(lines)} warning lines: {lines[:3]}"

@@ -46,7 +46,7 @@ sender costs no CPU.
 
 Failure detection: the release socket (ZeroMQ PULL) is monitored. Every receiver announces itself on it
 (a signed `Ready`) when it joins; a receiver whose connection drops (its process died: the kernel closes
-the socket; its host went silent: ZeroMQ heartbeats time out) while the sender waits for its release fails
+the socket; its host went silent: TCP keepalive drops the link) while the sender waits for its release fails
 the bucket at once with a `PeerError` naming it, instead of after transport.timeout_s. A receiver whose
 sender died sees its READ fail (or time out after transport.timeout_s).
 
@@ -76,6 +76,8 @@ import zmq
 
 from ...errors import BackendUnavailable, ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ...protocol.messages import (
+    MAX_FRAME_TO_RECEIVER,
+    MAX_FRAME_TO_SENDER,
     BucketDone,
     GroupSpec,
     NixlJoin,
@@ -84,13 +86,13 @@ from ...protocol.messages import (
     decode,
     encode,
 )
+from ..droplog import DropLog
+from ..sockets import network_options
 from .base import NUM_SLOTS, Backend, register_backend
 
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_REGISTRATIONS = 4096  # destination storages kept registered (LRU beyond)
-HEARTBEAT_IVL_MS = 1000  # ZeroMQ heartbeats on the release connection: a silent peer is dropped after
-HEARTBEAT_TIMEOUT_MS = 5000  # ... this long (a killed process is noticed at once: the kernel closes it)
 PROGRESS_POLL_S = 0.001  # a sender waiting for releases drives its UCX worker this often (see below)
 
 
@@ -178,6 +180,7 @@ class NixlBackend(Backend):
         self._fd_of: dict[str, int] = {}  # sender: member identity -> the fd its releases arrive on
         self._gone: set[str] = set()  # sender: members whose release connection dropped
         self._epoch = 0  # bumped by broken()/close(): waits of an abandoned group give up
+        self._drops = DropLog("nixl: dropped a bad release message", log=logger)
         # measured, read by the benchmark: registrations made, their seconds, cache hits
         self.registrations = 0
         self.registration_s = 0.0
@@ -214,8 +217,7 @@ class NixlBackend(Backend):
         self._ctx = zmq.Context.instance()
         socket = self._ctx.socket(zmq.PULL)
         socket.linger = 0
-        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        network_options(socket, max_frame_bytes=MAX_FRAME_TO_SENDER)  # TCP liveness, no ZMTP heartbeats
         try:
             if store_port:
                 socket.bind(f"tcp://{host}:{store_port}")
@@ -279,8 +281,7 @@ class NixlBackend(Backend):
             socket = self._ctx.socket(zmq.PUSH)
             socket.linger = 1000
             socket.sndtimeo = int(self.timeout_s * 1000)  # a gone sender cannot block us forever
-            socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            network_options(socket, max_frame_bytes=MAX_FRAME_TO_RECEIVER)
             try:
                 socket.connect(join.release_addr)
             except zmq.ZMQError as exc:
@@ -483,10 +484,10 @@ class NixlBackend(Backend):
         try:
             msg = decode([bytes(f) for f in frames], self.auth_key)
         except ProtocolError as exc:
-            logger.warning("nixl: dropped a bad release message: %s", exc)
+            self._drops.note("a release connection", exc)
             return
         if not isinstance(msg, (Ready, BucketDone)):
-            logger.warning("nixl: dropped a %s on the release socket", type(msg).__name__)
+            self._drops.note("a release connection", f"a {type(msg).__name__} is not a release")
             return
         try:
             fd = int(frames[-1].get(zmq.SRCFD))

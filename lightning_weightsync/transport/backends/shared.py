@@ -19,8 +19,18 @@ import torch
 import zmq
 
 from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
-from ...protocol.messages import BucketDone, GroupSpec, SharedJoin, decode, encode
+from ...protocol.messages import (
+    MAX_FRAME_TO_RECEIVER,
+    MAX_FRAME_TO_SENDER,
+    BucketDone,
+    GroupSpec,
+    SharedJoin,
+    decode,
+    encode,
+)
+from ..droplog import DropLog
 from ..process import process_alive
+from ..sockets import network_options
 from .base import NUM_SLOTS, Backend
 
 logger = logging.getLogger(__name__)
@@ -39,6 +49,7 @@ class SharedBucketBackend(Backend):
         # overlap the next group's wait on the new thread: a ZeroMQ socket must not be used by both.
         self._socket_lock = threading.Lock()
         self._released: dict[tuple[int, int], set[str]] = {}  # (version, bucket index) -> who released it
+        self._drops = DropLog(f"{self.name}: dropped a bad release message", log=logger)
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
     @abstractmethod
@@ -55,6 +66,7 @@ class SharedBucketBackend(Backend):
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PULL)
         self._socket.linger = 0
+        network_options(self._socket, max_frame_bytes=MAX_FRAME_TO_SENDER)  # anyone on the host may connect
         try:
             port = self._socket.bind_to_random_port(f"tcp://{host}") if store_port == 0 else store_port
             if store_port:
@@ -85,6 +97,7 @@ class SharedBucketBackend(Backend):
             self._socket.close(linger=0)
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUSH)
+        network_options(self._socket, max_frame_bytes=MAX_FRAME_TO_RECEIVER)
         self._socket.linger = 1000
         try:
             self._socket.connect(group.join.release_addr)
@@ -133,7 +146,7 @@ class SharedBucketBackend(Backend):
             try:
                 msg = decode(frames, self.auth_key)
             except ProtocolError as exc:
-                logger.warning("dropped a bad release message: %s", exc)
+                self._drops.note("a release connection", exc)
                 continue
             # Recorded for whichever wait needs it: a wait of an abandoned version still running on an
             # old executor thread may read the next version's releases off the socket.

@@ -15,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +24,12 @@ from zmq.utils import z85
 
 from ...errors import ConfigError, ProtocolError
 from ...protocol.messages import max_frame_bytes
+from ..droplog import DROP_LOG_INTERVAL_S, DropLog
 from ..sockets import heartbeats, network_options
 
 logger = logging.getLogger(__name__)
 
-DROP_LOG_INTERVAL_S = 10.0  # at most one WARNING line per side and interval for dropped messages
+__all__ = ["DROP_LOG_INTERVAL_S", "CurveKeys", "DropLog", "Replay", "TokenHolders", "curve_keys", "endpoint"]
 
 
 def endpoint(host: str, port: int) -> str:
@@ -86,9 +85,7 @@ def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float, *, to_send
     heartbeat that makes a frozen or vanished peer a disconnection after `liveness_s` (the sender's
     ROUTER learns it from the TTL in the receivers' pings: it runs no heartbeat timer of its own)."""
     sock.setsockopt(zmq.LINGER, 0)
-    network_options(
-        sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host
-    )
+    network_options(sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host)
     if not to_sender:
         heartbeats(sock, liveness_s)
 
@@ -102,26 +99,6 @@ def resolve_host(host: str) -> None:
             f"transport.host={host!r} does not resolve ({exc}); set transport.host to the sender's address or a "
             "name this machine can resolve"
         ) from None
-
-
-class DropLog:
-    """Dropped-message reporting that a flood cannot turn into a log flood: the first drop is a
-    WARNING, later ones are counted and summarised in at most one line every `interval_s`."""
-
-    def __init__(self, what: str, interval_s: float = DROP_LOG_INTERVAL_S) -> None:
-        self.what, self.interval_s = what, interval_s
-        self._last = -math.inf
-        self._unreported = 0
-
-    def note(self, peer: str, reason: object) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            more = f" (and {self._unreported} more since the last report)" if self._unreported else ""
-            logger.warning("%s from %s: %s%s", self.what, peer, reason, more)
-            self._last, self._unreported = now, 0
-        else:
-            self._unreported += 1
-            logger.debug("%s from %s: %s", self.what, peer, reason)
 
 
 class Replay(ProtocolError):

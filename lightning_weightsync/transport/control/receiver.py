@@ -74,8 +74,8 @@ class ReceiverControl:
         self._nonce_count = 0
         self._nonce_floor = -1  # a new session must echo a nonce issued after this index
         self._request_id = 0
-        self._drops = DropLog("dropped a control message")
-        self._refusals = DropLog("registration refused")
+        self._drops = DropLog("dropped a control message", log=logger)
+        self._refusals = DropLog("registration refused", log=logger)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None

@@ -125,8 +125,8 @@ class SenderControl:
         self._kept: list[tuple[str, Message]] = []  # read by `_pump` while streaming, for the next `recv`
         self._pumped_at = 0.0
         self._store = StoreServer(f"lws/{self.session}/")  # the data-plane rendezvous, behind this socket
-        self._drops = DropLog("dropped a control message")
-        self._refusals = DropLog("refused a registration")
+        self._drops = DropLog("dropped a control message", log=logger)
+        self._refusals = DropLog("refused a registration", log=logger)
         self._zap: TokenHolders | None = None
         self._auth: Any = None
         self._sync_ctx: zmq.Context[Any] | None = None
