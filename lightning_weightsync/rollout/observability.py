@@ -9,7 +9,8 @@ a trainer silently stopped syncing.
 
 from __future__ import annotations
 
-import http.server
+import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
@@ -134,48 +135,109 @@ class Metrics:
         self.complete.set(1 if sink_state is SinkState.COMPLETE else 0)
 
 
+MAX_HTTP_CONNECTIONS = 512  # open connections the metrics server holds at once; more are closed at once
+HTTP_IDLE_TIMEOUT_S = 5.0  # a connection that has not sent its whole request by then is closed
+HTTP_MAX_HEADER_LINES = 64
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
+
+
 class HealthServer:
-    """`/metrics` and `/healthz` on a small threaded HTTP server (port 0 = OS-chosen)."""
+    """`/metrics` and `/healthz` over HTTP/1.0 (port 0 = OS-chosen), on one thread whatever the load.
+
+    A thread per connection (`ThreadingHTTPServer`) let 1000 idle connections make 1000 threads. Here
+    one asyncio loop serves every connection: at most MAX_HTTP_CONNECTIONS are open, each gets
+    HTTP_IDLE_TIMEOUT_S to send its request, lines are bounded, and a reply closes the connection."""
 
     def __init__(self, host: str, port: int, metrics: Metrics, health: Callable[[], tuple[bool, dict[str, Any]]]):
-        registry = metrics.registry
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    ok, body = health()
-                    self._reply(200 if ok else 503, json.dumps(body).encode(), "application/json")
-                else:
-                    self._reply(404, b"not found: try /metrics or /healthz\n", "text/plain")
-
-            def _reply(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                logger.debug("http: " + format, *args)
-
+        self._registry, self._health = metrics.registry, health
+        self._open = 0
+        self.refused_connections = 0
+        self._loop = asyncio.new_event_loop()  # its own thread: the caller's loop may be running (the daemon's)
+        started: concurrent.futures.Future[asyncio.Server] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(host, port, started), name="weightsync-http", daemon=True
+        )
+        self._thread.start()
         try:
-            self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+            self._server = started.result(timeout=30)
         except OSError as exc:
+            self._thread.join(timeout=10)
             raise ConfigError(
                 f"rollout.metrics_port={port} on rollout.metrics_host={host!r} cannot be bound ({exc.strerror}); "
                 "pick a free port, 0 for any, or null to disable"
             ) from None
-        self.server.daemon_threads = True
-        self.host, self.port = host, int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, name="weightsync-http", daemon=True)
-        self._thread.start()
+        self.host, self.port = host, int(self._server.sockets[0].getsockname()[1])
+
+    def _run(self, host: str, port: int, started: concurrent.futures.Future[asyncio.Server]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            server = self._loop.run_until_complete(asyncio.start_server(self._serve, host, port, limit=8192))
+        except OSError as exc:
+            started.set_exception(exc)
+            self._loop.close()
+            return
+        started.set_result(server)
+        self._loop.run_forever()
+
+    def _route(self, path: str) -> tuple[int, bytes, str]:
+        if path == "/metrics":
+            return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST
+        if path == "/healthz":
+            ok, body = self._health()
+            return (200 if ok else 503), json.dumps(body).encode(), "application/json"
+        return 404, b"not found: try /metrics or /healthz\n", "text/plain"
+
+    async def _request(self, reader: asyncio.StreamReader) -> str:
+        """The path of a GET; the headers are read (bounded) and ignored."""
+        words = (await reader.readline()).decode("latin-1").split()
+        for _ in range(HTTP_MAX_HEADER_LINES):
+            if (await reader.readline()) in (b"\r\n", b"\n", b""):
+                break
+        if len(words) < 2 or words[0] != "GET":
+            raise ValueError("not a GET request")
+        return words[1].split("?", 1)[0]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_HTTP_CONNECTIONS:
+            self.refused_connections += 1
+            writer.close()
+            return
+        self._open += 1
+        try:
+            try:
+                path = await asyncio.wait_for(self._request(reader), HTTP_IDLE_TIMEOUT_S)
+                code, body, content_type = self._route(path)
+            except (ValueError, asyncio.LimitOverrunError):
+                code, body, content_type = 400, b"bad request: GET /metrics or /healthz\n", "text/plain"
+            head = (
+                f"HTTP/1.0 {code} {_REASONS.get(code, '')}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + body)
+            await asyncio.wait_for(writer.drain(), HTTP_IDLE_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            logger.debug("http: connection dropped (%s)", type(exc).__name__)
+        finally:
+            self._open -= 1
+            writer.close()
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:  # the connections still open: each closes its socket on the way out
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
 
 class Progress:

@@ -64,3 +64,29 @@ def test_log_line_uses_fitting_units(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="lightning_weightsync.rollout.observability"):
         log_version(rec, SinkState.COMPLETE, 7)
     assert "16 MiB in 4.098 s (3.9 MiB/s)" in caplog.text
+
+
+def test_idle_connections_cost_the_metrics_server_no_threads() -> None:
+    """Issue 24 item 6: a thread per connection, so 1000 idle connections made 1000 threads. Real sockets:
+    300 connections that never send a request; the server keeps one thread and still answers /healthz."""
+    import socket
+    import threading
+    import urllib.request
+
+    from lightning_weightsync.rollout.observability import HealthServer
+
+    server = HealthServer("127.0.0.1", 0, Metrics(), lambda: (True, {"ok": True}))
+    idle: list[socket.socket] = []
+    try:
+        before = threading.active_count()
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10) as reply:
+            assert reply.status == 200 and b'"ok": true' in reply.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as reply:
+            assert b"weightsync_" in reply.read()
+        assert threading.active_count() <= before, f"{threading.active_count() - before} threads for idle connections"
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
