@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_weightsync.config import load_config
+from lightning_weightsync.config import AUTH_TOKEN_ENV, auth_token, load_config
 from lightning_weightsync.errors import BackendUnavailable, ConfigError
-from lightning_weightsync.rollout.vllm.launch import launch, serve_command, write_config
+from lightning_weightsync.rollout.vllm.launch import config_dir, launch, serve_command, write_config
 
 
 def test_serve_command_selects_our_engine_dev_routes_and_config() -> None:
@@ -33,13 +35,31 @@ def test_serve_command_refuses_no_model_and_a_second_weight_transfer_config() ->
         serve_command(cfg, "p")
 
 
-def test_the_config_file_is_private_and_keeps_the_secret() -> None:
-    path = write_config(load_config(overrides=["transport.auth_token=s3cret", "vllm.model=m"]))
-    try:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert OmegaConf.load(path).transport.auth_token == "s3cret"  # the engine needs it to verify messages
-    finally:
-        os.unlink(path)
+def test_the_config_file_is_private_holds_no_token_and_is_cleaned_up(tmp_path, monkeypatch) -> None:
+    """Issue 24 item 6: the launcher's 0600 copy of the token was never removed. Now the token goes to the
+    server's environment, the file (in this user's 0700 directory) holds none, and the files of servers that
+    are gone are removed by the next launch."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    cfg = load_config(overrides=["transport.auth_token=s3cret-0123456789", "vllm.model=m"])
+    stale = config_dir() / "rollout-999999999.yaml"  # a pid no process has
+    stale.write_text("transport: {}\n")
+    path, env = write_config(cfg)
+    assert not stale.exists()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(config_dir().stat().st_mode) == 0o700
+    assert "s3cret" not in Path(path).read_text() and OmegaConf.load(path).transport.auth_token is None
+    assert env == {AUTH_TOKEN_ENV: "s3cret-0123456789"}  # the engine gets it from the environment
+    monkeypatch.setenv(AUTH_TOKEN_ENV, env[AUTH_TOKEN_ENV])
+    assert auth_token(load_config(path)) == b"s3cret-0123456789"
+    assert Path(path).exists()  # this launcher's own file stays (the server it execs reads it, maybe again)
+
+
+def test_serve_command_warns_when_vllm_would_listen_everywhere(caplog) -> None:
+    with caplog.at_level("WARNING", logger="lightning_weightsync.rollout.vllm.launch"):
+        serve_command(load_config(overrides=["vllm.model=m", "vllm.serve_args=[--host,10.0.0.5]"]), "p")
+        assert not caplog.records
+        serve_command(load_config(overrides=["vllm.model=m"]), "p")
+    assert any("no --host" in r.getMessage() for r in caplog.records)
 
 
 def test_launch_without_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
