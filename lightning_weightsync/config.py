@@ -196,6 +196,9 @@ class SinkConfig:
     """`package.module:function` (callable sink) or the model (vllm)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Sink-specific keyword options, passed through."""
+    file_mode: int | None = None
+    """safetensors sink: permission bits of the files it writes, e.g. 0600 (YAML octal) so only this user
+    reads the weights; null = the process umask decides (usually 0644)."""
 
 
 @dataclass
@@ -577,6 +580,12 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.every_n_steps={tr.every_n_steps} must be >= 1")
     if tr.min_receivers < 0:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
+    mode = ro.sink.file_mode
+    if mode is not None and not (0 <= mode <= 0o777 and mode & 0o600 == 0o600):
+        raise ConfigError(
+            f"rollout.sink.file_mode={mode:o} (octal) must be permission bits the owner can read and write, e.g. "
+            "0600 or 0640; null = the umask decides"
+        )
     if ro.sink.keep_last < 1:
         raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
     _check_identity(ro.identity)

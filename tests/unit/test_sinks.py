@@ -674,3 +674,25 @@ async def test_safetensors_sink_template_abort_leaves_nothing(tmp_path: Path) ->
 def test_factory_import_error_mentions_pythonpath() -> None:
     with pytest.raises(ConfigError, match="PYTHONPATH"):
         load_callable("no_such_module_anywhere:build", "rollout.sink.factory")
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["file", "template-dir"])
+async def test_safetensors_sink_writes_with_the_configured_mode(tmp_path: Path, template: bool) -> None:
+    """Issue 24 item 6: the weights files were 0644 (the umask) with no way to keep them to this user."""
+    import stat
+
+    args = [*st_args(tmp_path / "out"), "rollout.sink.file_mode=0600"]
+    if template:
+        (tmp_path / "tpl").mkdir()
+        (tmp_path / "tpl" / "config.json").write_text("{}")
+        args.append(f"rollout.sink.template_dir={tmp_path / 'tpl'}")
+    sink = build_sink(load_config(overrides=args))
+    await drive(sink, odd_weights(1), 1)
+    assert sink.latest_path is not None
+    written = [p for p in sink.latest_path.parent.iterdir()] if template else [sink.latest_path]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in written}
+    assert set(modes.values()) == {0o600}, modes
+    if template:
+        assert stat.S_IMODE(sink.latest_path.parent.stat().st_mode) == 0o700
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.file_mode=44 \(octal\)"):
+        load_config(overrides=[*st_args(tmp_path), "rollout.sink.file_mode=044"])

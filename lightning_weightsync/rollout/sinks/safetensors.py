@@ -187,6 +187,8 @@ class SafetensorsSink(Sink):
                 f"rollout.sink.template_dir={str(self.template)!r} is not a directory; give a checkpoint directory "
                 "holding config.json (and tokenizer files), e.g. the one the trainer's model came from"
             )
+        mode = cfg.rollout.sink.get("file_mode")
+        self.file_mode: int | None = None if mode is None else int(mode)  # None: the umask decides
         self._stage: Path | None = None  # the version's temp directory (template mode)
         self._file: BinaryIO | None = None
         self._tmp: Path | None = None
@@ -218,14 +220,22 @@ class SafetensorsSink(Sink):
             self._stage = self.dir / f".step_{version}.{os.getpid()}.tmpdir"
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage.mkdir()
+            if self.file_mode is not None:  # a directory's search bit wherever its read bit is set
+                os.chmod(self._stage, self.file_mode | (self.file_mode & 0o444) >> 2)
             self._tmp = self._stage / WEIGHTS_NAME
         else:
             self._tmp = self.dir / f".step_{version}.safetensors.{os.getpid()}.tmp"
         self._reserve = max(MIN_HEADER_RESERVE, (self._last_header_len * 5 // 4 + 4095) // 8 * 8)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._chmod(self._file.fileno())
         self._file.seek(8 + self._reserve)
         self._entries = {}
         self._data_len = 0
+
+    def _chmod(self, fd: int) -> None:
+        """rollout.sink.file_mode, set on the open file before a byte of the weights is in it."""
+        if self.file_mode is not None:
+            os.fchmod(fd, self.file_mode)
 
     def _destination(self, meta: TensorMeta) -> torch.Tensor | None:
         if meta.dtype not in SAFETENSORS_DTYPES:
@@ -282,6 +292,7 @@ class SafetensorsSink(Sink):
             try:
                 f.flush()
                 with open(tmp2, "wb") as out, open(tmp, "rb") as src:
+                    self._chmod(out.fileno())
                     out.write(struct.pack("<Q", len(padded)))
                     out.write(padded)
                     src.seek(8 + self._reserve)
@@ -317,6 +328,8 @@ class SafetensorsSink(Sink):
             if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES) and src.name not in WEIGHT_INDEXES:
                 dst = stage / src.name
                 shutil.copy2(src, dst)
+                if self.file_mode is not None:
+                    os.chmod(dst, self.file_mode)
                 _fsync_file(dst)
         _fsync_dir(stage)
         final = self.dir / f"step_{version}"
