@@ -232,9 +232,21 @@ def _import_from_cwd() -> None:
         sys.path.append(cwd)
 
 
+def _warn_token_on_the_command_line(overrides: Sequence[str]) -> None:
+    """A token given as `transport.auth_token=...` is in this process's argv: every user on the host reads
+    it with `ps`. Said once, on stderr, never echoing it."""
+    if any(o.split("=", 1)[0].strip() == "transport.auth_token" for o in overrides):
+        print(
+            f"{PROG}: warning: transport.auth_token on the command line is visible to every user of this host "
+            "(ps); pass it with transport.auth_token_file=<file, chmod 600> or $LIGHTNING_WEIGHTSYNC_AUTH_TOKEN",
+            file=sys.stderr,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _import_from_cwd()
+    _warn_token_on_the_command_line(getattr(args, "overrides", None) or [])
     try:
         return int(args.func(args))
     except ConfigError as exc:

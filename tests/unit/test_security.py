@@ -542,3 +542,14 @@ def test_vllm_init_overrides_allow_waits_and_refuse_interpolations() -> None:
     for bad in ("transport.timeout_s=${oc.env:LIGHTNING_WEIGHTSYNC_AUTH_TOKEN}", "no-equals-sign", 42):
         with pytest.raises(ConfigError, match=r"init_info\.overrides"):
             check_init_overrides([bad])
+
+
+def test_the_cli_warns_that_a_token_on_the_command_line_shows_in_ps(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_weightsync.cli import main
+
+    assert main(["config", "show", "transport.auth_token=visible-in-ps-0123"]) == 0
+    captured = capsys.readouterr()
+    assert "visible to every user" in captured.err and "auth_token_file" in captured.err
+    assert "visible-in-ps-0123" not in captured.err and "visible-in-ps-0123" not in captured.out  # masked
+    assert main(["config", "show", "transport.port=1234"]) == 0
+    assert "visible to every user" not in capsys.readouterr().err
