@@ -164,3 +164,21 @@ def test_stalled_receiver_is_named_in_the_senders_error() -> None:
     assert "stalled or dead: " in text and "stuck (" in text, text
     named = text.split("stalled or dead: ", 1)[1].split("; the others", 1)[0]
     assert "healthy (" not in named, text  # the one that kept up is not blamed
+
+
+async def test_a_stream_of_more_empty_tensors_than_a_bucket_may_list_lands() -> None:
+    """Issue 24 item 4: a bucket's metadata is bounded (MAX_BUCKET_ENTRIES chunks, so MAXMSGSIZE can be
+    derived). Empty tensors do not move the bucket offset, so the sender must start a new bucket by count
+    as well, or its metadata grows past what every receiver accepts."""
+    from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
+
+    weights = [(f"empty.{i}", torch.empty(0, 3)) for i in range(2 * MAX_BUCKET_ENTRIES + 5)]
+    weights.insert(MAX_BUCKET_ENTRIES // 2, ("w", torch.arange(16, dtype=torch.float32)))
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=1 / 128, transport__timeout_s=30)
+    async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:
+        got, stats = await with_timeout(
+            asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)), 120
+        )
+    assert_bitwise(got, weights)
+    assert stats.num_buckets >= 3

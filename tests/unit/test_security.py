@@ -40,43 +40,9 @@ from lightning_weightsync.protocol.messages import (
     validate,
 )
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
+from tests.support.control import BUCKET, KEY, prepare, record_sends, registered, started_sender, until
 from tests.support.engine import engine_cfg, with_timeout
 from tests.support.mp import LOAD_SLACK_S, free_port
-
-KEY = b"issue-10-token"
-BUCKET = 1 << 16
-
-
-async def _until(predicate: Any, sender: SenderControl | None = None, timeout_s: float = 10.0) -> None:
-    """Pump the sender's socket (registrations are handled inside `recv`) until `predicate()`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        if sender is not None:
-            await sender.recv(0.05)
-        else:
-            await asyncio.sleep(0.05)
-
-
-async def _started_sender(key: bytes | None = KEY, port: int = 0) -> SenderControl:
-    sender = SenderControl("127.0.0.1", port, key, BUCKET)
-    await sender.start()
-    return sender
-
-
-async def _registered(sender: SenderControl, identity: str, key: bytes | None = KEY) -> ReceiverControl:
-    receiver = ReceiverControl("127.0.0.1", sender.port, key, identity, "cpu")
-    await receiver.start()
-    await _until(lambda: identity in sender.peers, sender)
-    return receiver
-
-
-async def _prepare(sender: SenderControl, receiver: ReceiverControl, version: int) -> Prepare:
-    await sender.send(receiver.identity, Prepare(version, sender.session, sender.peers[receiver.identity].nonce))
-    msg = await receiver.recv(5)
-    assert isinstance(msg, Prepare) and msg.version == version, msg
-    return msg
-
 
 # ----------------------------------------------------------------------------------------------- CURVE keys
 
@@ -95,8 +61,8 @@ def test_curve_keys_come_from_the_token() -> None:
 async def test_unauthenticated_peer_cannot_take_over_an_identity() -> None:
     """Before: a plain DEALER with the receiver's identity took its ROUTER route (handover) and got
     its signed messages; the real receiver was cut off. Now it never completes a handshake."""
-    sender = await _started_sender()
-    receiver = await _registered(sender, "rollout-0")
+    sender = await started_sender()
+    receiver = await registered(sender, "rollout-0")
     ctx = zmq.asyncio.Context()
     thief = ctx.socket(zmq.DEALER)
     thief.setsockopt(zmq.IDENTITY, b"rollout-0")
@@ -112,10 +78,10 @@ async def test_unauthenticated_peer_cannot_take_over_an_identity() -> None:
     try:
         for sock in (thief, wrong):
             await sock.send_multipart(encode(Register("rollout-0", "evil", 1, "cpu"), KEY))
-        await _until(lambda: sender.rejected_handshakes >= 2, sender)
+        await until(lambda: sender.rejected_handshakes >= 2, sender)
         assert sender.peers["rollout-0"].instance == receiver.instance  # still the real one
         for version in (1, 2):
-            await _prepare(sender, receiver, version)  # the real receiver keeps getting its messages
+            await prepare(sender, receiver, version)  # the real receiver keeps getting its messages
         assert not await thief.poll(500) and not await wrong.poll(100)  # and the thief gets nothing
     finally:
         thief.close(0)
@@ -127,16 +93,16 @@ async def test_unauthenticated_peer_cannot_take_over_an_identity() -> None:
 
 @pytest.mark.parametrize("key", [KEY, None], ids=["token", "no-token"])
 async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | None) -> None:
-    sender = await _started_sender(key)
-    first = await _registered(sender, "rollout-0", key)
+    sender = await started_sender(key)
+    first = await registered(sender, "rollout-0", key)
     second = ReceiverControl("127.0.0.1", sender.port, key, "rollout-0", "cpu")
     await second.start()
     try:
-        await _until(lambda: sender.refused_registrations >= 1, sender)
+        await until(lambda: sender.refused_registrations >= 1, sender)
         assert sender.peers["rollout-0"].instance == first.instance
         assert await second.recv(2) is None and second.refused is not None
         assert "rollout.identity" in second.refused and "held by a connected receiver" in second.refused
-        await _prepare(sender, first, 1)  # the first is not cut off
+        await prepare(sender, first, 1)  # the first is not cut off
         with pytest.raises(WeightSyncError, match="refuses us"):
             await ReceiverSession(second, "rollout-0").wait_prepare(0.2, 0.5)
         # once the first is gone (no goodbye: its connection just closes), the identity is free again
@@ -145,8 +111,8 @@ async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | N
         first._sock = None
         await asyncio.sleep(0.3)
         await second.register()
-        await _until(lambda: sender.peers["rollout-0"].instance == second.instance, sender)
-        await _prepare(sender, second, 2)
+        await until(lambda: sender.peers["rollout-0"].instance == second.instance, sender)
+        await prepare(sender, second, 2)
     finally:
         await first.close()
         await second.close()
@@ -156,29 +122,16 @@ async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | N
 # ----------------------------------------------------------------------------------------------- finding 3
 
 
-def _record_sends(sock: Any) -> tuple[Any, list[list[bytes]]]:
-    """Make `sock` keep a copy of every multipart message it sends; returns its real send (to replay
-    a copy on the same authenticated connection) and the copies."""
-    original, sent = sock.send_multipart, []
-
-    def recording_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
-        sent.append(list(frames))
-        return original(frames, *args, **kwargs)
-
-    sock.send_multipart = recording_send
-    return original, sent
-
-
 async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() -> None:
     """Before: an Ack/Ready captured in one run verified in a later run reusing the version."""
     port = free_port()
-    first_run = await _started_sender(port=port)
-    receiver = await _registered(first_run, "rollout-0")
+    first_run = await started_sender(port=port)
+    receiver = await registered(first_run, "rollout-0")
     assert receiver._sock is not None
-    original_send, captured = _record_sends(receiver._sock)
+    original_send, captured = record_sends(receiver._sock)
     old_prepare: list[bytes] = []
     try:
-        await _prepare(first_run, receiver, 1)
+        await prepare(first_run, receiver, 1)
         old_prepare = seal(Prepare(1, first_run.session, first_run.peers["rollout-0"].nonce), KEY,
                            Seal(first_run.session, first_run.session, 99, False))  # fmt: skip
         await receiver.send(Ready("rollout-0", 1))
@@ -188,11 +141,11 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
         old_ready, old_ack = captured[-2], captured[-1]
         await first_run.close()
 
-        second_run = await _started_sender(port=port)  # a restarted trainer, same port, new session
+        second_run = await started_sender(port=port)  # a restarted trainer, same port, new session
         try:
             await receiver.register()
-            await _until(lambda: "rollout-0" in second_run.peers, second_run)
-            await _prepare(second_run, receiver, 1)  # version numbering starts over
+            await until(lambda: "rollout-0" in second_run.peers, second_run)
+            await prepare(second_run, receiver, 1)  # version numbering starts over
             for frames in (old_ready, old_ack):
                 await original_send(frames)  # replayed on the receiver's own (authenticated) connection
             assert await second_run.recv(1) is None  # nothing got through ...
@@ -208,8 +161,8 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
             assert await receiver.recv(1) is None and receiver.replayed_messages == 1
             # ... and a sender message of this run delivered twice (same seq) is a replay for the receiver
             assert second_run._sock is not None
-            sender_send, sent = _record_sends(second_run._sock)
-            await _prepare(second_run, receiver, 2)
+            sender_send, sent = record_sends(second_run._sock)
+            await prepare(second_run, receiver, 2)
             await sender_send(sent[-1])
             assert await receiver.recv(1) is None and receiver.replayed_messages == 2
         finally:
@@ -329,8 +282,8 @@ async def test_the_sender_refuses_tied_names_the_receivers_would_drop() -> None:
 
 async def test_too_few_ready_receivers_get_an_abort() -> None:
     """Before: a receiver that answered Ready waited transport.timeout_s for a plan that never came."""
-    sender = await _started_sender(None)
-    receiver = await _registered(sender, "rollout-0", None)
+    sender = await started_sender(None)
+    receiver = await registered(sender, "rollout-0", None)
     try:
         gather = asyncio.ensure_future(
             SenderSession(
@@ -353,7 +306,7 @@ async def test_too_few_ready_receivers_get_an_abort() -> None:
 
 
 async def test_dropped_message_warnings_are_rate_limited_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
-    sender = await _started_sender(None)
+    sender = await started_sender(None)
     ctx = zmq.asyncio.Context()
     flood = ctx.socket(zmq.DEALER)
     flood.setsockopt(zmq.LINGER, 0)
@@ -362,7 +315,7 @@ async def test_dropped_message_warnings_are_rate_limited_with_a_count(caplog: py
         with caplog.at_level(logging.WARNING, logger="lightning_weightsync.transport.control"):
             for _ in range(500):
                 await flood.send_multipart([b"\x93garbage"])
-            await _until(lambda: sender.dropped_messages >= 500, sender)
+            await until(lambda: sender.dropped_messages >= 500, sender)
         lines = [r for r in caplog.records if "dropped a control message" in r.getMessage()]
         assert len(lines) == 1, [r.getMessage() for r in lines]
         assert sender.dropped_messages == 500
@@ -455,10 +408,10 @@ async def test_rendezvous_store_lives_behind_the_control_plane() -> None:
 
     import torch.distributed as dist
 
-    sender = await _started_sender()
-    receiver = await _registered(sender, "rollout-0")
+    sender = await started_sender()
+    receiver = await registered(sender, "rollout-0")
     try:
-        await _prepare(sender, receiver, 1)  # the receiver now seals for this sender session
+        await prepare(sender, receiver, 1)  # the receiver now seals for this sender session
         namespace = f"lws/{sender.session}/1"
         local, remote = sender.rendezvous_store(namespace, 10), receiver.rendezvous_store(namespace, 10)
         tensors = [torch.arange(64, dtype=torch.float32), torch.zeros(64)]
