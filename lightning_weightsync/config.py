@@ -625,8 +625,8 @@ def _check_token(token: str, source: str) -> None:
     if len(token) < MIN_TOKEN_LEN:
         raise ConfigError(
             f"{source} is {len(token)} characters long (at least {MIN_TOKEN_LEN}): a short token is guessed "
-            "offline from one handshake; generate one with python -c \"import secrets; "
-            "print(secrets.token_urlsafe(32))\""
+            'offline from one handshake; generate one with python -c "import secrets; '
+            'print(secrets.token_urlsafe(32))"'
         )
 
 

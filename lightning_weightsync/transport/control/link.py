@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DROP_LOG_INTERVAL_S", "CurveKeys", "DropLog", "Replay", "TokenHolders", "curve_keys", "endpoint"]
 
-
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
