@@ -146,10 +146,8 @@ PLANTS = [
     Plant("sockets: no MAXMSGSIZE", f"{PKG}/transport/sockets.py",
           "    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)\n", "",
           (HOSTILE, "-k", "huge_frame and no-token")),
-    Plant("sockets: ZMTP heartbeats back on (as before issue 24)", f"{PKG}/transport/sockets.py",
-          "    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)",
-          "    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)\n    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)\n"
-          "    sock.setsockopt(zmq.HEARTBEAT_TTL, 6000)", (HOSTILE, "-k", "register_flood")),
+    Plant("sockets: the control sockets' receive high-water mark back", f"{PKG}/transport/sockets.py",
+          "    sock.setsockopt(zmq.RCVHWM, 0)\n", "", (HOSTILE, "-k", "register_flood")),
     Plant("shm: a warning line per garbage release frame", f"{PKG}/transport/backends/shared.py",
           '                self._drops.note("a release connection", exc)',
           '                logger.warning("dropped a bad release message: %s", exc)', (HOSTILE, "-k", "shm")),

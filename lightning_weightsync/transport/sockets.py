@@ -10,17 +10,16 @@ libzmq 4.3.5 (the one in pyzmq's wheels) aborts the whole process with
 3. before the application drains the pipe, the engine writes: its own heartbeat timer fires
    (`timer_event` -> `out_event`, every HEARTBEAT_IVL, unconditionally), or a PING the peer had sent
    is decoded from the bytes already read (`restart_input` -> `process_heartbeat_message`).
-`out_event` asserts `!_io_error`. So:
-- A socket that listens (the sender's ROUTER, the release PULLs: whoever reaches the port) keeps its
-  RCVHWM (memory stays bounded) and sends no ZMTP heartbeats: no timer. Step 3 then needs a PING in
-  the peer's stream, which only a peer past the handshake can send (with `transport.auth_token`: a
-  token holder); docs/security.md has the measurements.
-- A receiver's DEALER talks only to the sender it was configured with (authenticated by CURVE), so it
-  has no RCVHWM: its reading never stops, step 1 never happens, and it may keep the ZMTP heartbeat,
-  which is what bounds how long a frozen or vanished peer counts as connected (`liveness_s`): its pings
-  time out a frozen sender, and the TTL they carry makes the sender's ROUTER drop a frozen receiver.
-- Every socket also has TCP keepalive and TCP_MAXRT (`TCP_USER_TIMEOUT`) at the same bound, in the
-  kernel, for the links no ZMTP ping covers (a stranger's, a release connection's).
+`out_event` asserts `!_io_error`. Step 1 is what we can rule out: a control socket (the sender's ROUTER,
+a receiver's DEALER) has no RCVHWM, so its engine never stops reading and `_io_error` is never set,
+whatever a peer sends, pings or resets. That lets both ends keep the ZMTP heartbeat, which is what
+bounds how long a frozen or vanished peer counts as connected (`liveness_s`: no FIN ever comes from a
+SIGSTOPped process or a cut link). The price: what an authenticated peer sends while the application
+does not read waits in memory (docs/security.md: with `transport.auth_token` only a token holder can
+send anything; a stranger gets no further than one handshake frame, bounded below). The shm / nixl
+release sockets keep their RCVHWM and run no heartbeat instead: no timer, and no PING from our peers.
+Every socket also has TCP keepalive and TCP_MAXRT (`TCP_USER_TIMEOUT`) at the same bound, in the
+kernel, for the links no ZMTP ping covers.
 
 `ZMQ_MAXMSGSIZE`: the largest legal frame the socket can receive (`protocol.messages.max_frame_bytes`).
 libzmq checks a frame's declared size before it allocates, handshake commands included, so a stranger
@@ -34,7 +33,7 @@ from typing import Any
 import zmq
 
 DEFAULT_LIVENESS_S = 5.0  # a peer silent this long is disconnected (`transport.liveness_s`)
-LINK_HEARTBEATS_PER_TIMEOUT = 4  # a receiver's ZMTP pings per liveness bound
+LINK_HEARTBEATS_PER_TIMEOUT = 4  # ZMTP pings per liveness bound on a control connection
 
 
 def network_options(
@@ -57,8 +56,8 @@ def network_options(
 
 
 def heartbeats(sock: zmq.Socket[Any], liveness_s: float) -> None:
-    """ZMTP heartbeats on a socket that connects to one authenticated peer, with its reading never
-    stopped (RCVHWM 0), so libzmq's heartbeat timer can never meet a stopped, reset connection."""
+    """ZMTP heartbeats (a peer silent for `liveness_s` is disconnected), on a socket whose reading
+    never stops (RCVHWM 0), so libzmq's heartbeat cannot meet a stopped, reset connection."""
     timeout_ms = max(100, int(liveness_s * 1000))
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(25, timeout_ms // LINK_HEARTBEATS_PER_TIMEOUT))

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DROP_LOG_INTERVAL_S", "CurveKeys", "DropLog", "Replay", "TokenHolders", "curve_keys", "endpoint"]
 
+
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -80,13 +81,13 @@ class TokenHolders:
 
 def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float, *, to_sender: bool) -> None:
     """A control socket's options (`transport/sockets.py` says why each): no linger, frames no larger
-    than the largest legal message this end receives, TCP liveness, and on a receiver's DEALER the ZMTP
-    heartbeat that makes a frozen or vanished peer a disconnection after `liveness_s` (the sender's
-    ROUTER learns it from the TTL in the receivers' pings: it runs no heartbeat timer of its own)."""
+    than the largest legal message this end receives, TCP liveness, and the ZMTP heartbeat that makes a
+    frozen or vanished peer a disconnection after `liveness_s`, on a socket whose reading never stops."""
     sock.setsockopt(zmq.LINGER, 0)
-    network_options(sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host)
-    if not to_sender:
-        heartbeats(sock, liveness_s)
+    network_options(
+        sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host
+    )
+    heartbeats(sock, liveness_s)
 
 
 def resolve_host(host: str) -> None:
