@@ -421,11 +421,11 @@ async def test_rendezvous_store_lives_behind_the_control_plane() -> None:
             group.broadcast(tensors[r], 0).wait()
 
         both = asyncio.gather(asyncio.to_thread(rank, 0, local), asyncio.to_thread(rank, 1, remote))
-        await with_timeout(sender.serve_while(asyncio.ensure_future(both)), 30)
+        await with_timeout(sender.serve_until(asyncio.ensure_future(both), 30), 35)
         assert torch.equal(tensors[1], tensors[0])
 
         async def served(fn: Any) -> Any:
-            return await sender.serve_while(asyncio.ensure_future(asyncio.to_thread(fn)))
+            return await sender.serve_until(asyncio.ensure_future(asyncio.to_thread(fn)), 30)
 
         assert await served(lambda: remote.add("counter", 2)) == 2
         assert await served(lambda: remote.add("counter", 3)) == 5

@@ -65,7 +65,6 @@ from .store import StoreServer
 
 logger = logging.getLogger(__name__)
 PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
-POLL_CAP_MS = 1000  # a socket poll raced against other work is renewed at least this often
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
 MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
 REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
@@ -441,24 +440,6 @@ class SenderControl:
     def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store:
         """The sender's view of the rendezvous store: local; receivers reach it via `StoreRequest`."""
         return dist.PrefixStore(prefix, self._store.store)
-
-    async def serve_while(self, work: asyncio.Future[Any]) -> Any:
-        """Await `work` (e.g. the sender's group join on the executor) while answering the
-        receivers' rendezvous requests; other messages that arrive meanwhile are dropped."""
-        while not work.done() and self._sock is not None:
-            # wake on whichever comes first: a fixed poll interval here cost every version that much
-            # after the join was done (10 ms a version with a reused group)
-            readable = asyncio.ensure_future(self._sock.poll(POLL_CAP_MS))
-            try:
-                await asyncio.wait({work, readable}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not readable.done():
-                    readable.cancel()
-            if readable.done() and not readable.cancelled() and readable.result():
-                got = await self._read_one()
-                if got is not None:
-                    logger.debug("ignoring %s from %s while joining the group", type(got[1]).__name__, got[0])
-        return await work
 
     async def serve_until(self, work: asyncio.Future[Any], timeout_s: float) -> Any:
         """Await `work` (a transfer on the data-plane thread) for at most `timeout_s`, reading the socket
