@@ -32,7 +32,9 @@ MAX_BUCKET_ENTRIES = 4096
 of 0 bytes, so a stream of them would make one bucket's metadata (and the largest legal control message,
 `protocol.messages.MAX_FRAME_TO_RECEIVER`) unbounded. The split starts a new bucket after this many; real
 streams (hundreds of tensors per bucket at most) never reach it."""
-NamedTensors = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+NamedTensors = (
+    Iterable[tuple[str, "torch.Tensor | TensorShard"]] | AsyncIterable[tuple[str, "torch.Tensor | TensorShard"]]
+)
 Chunks = Iterable[tuple["TensorMeta", torch.Tensor]] | AsyncIterable[tuple["TensorMeta", torch.Tensor]]
 
 
@@ -66,6 +68,25 @@ class TensorMeta:
     @property
     def is_last(self) -> bool:
         return self.chunk_offset + self.chunk_size == self.nbytes
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """A contiguous byte range of a tensor that one sender owns (sharded send mode: an FSDP2 `Shard(0)`
+    local shard, a slice of an FSDP1 flat parameter). `shape` and `dtype` are the whole tensor's;
+    `byte_offset` is where `data`'s bytes start in it. Its chunks carry offsets into the whole tensor, so
+    a receiver places them straight where they belong, whichever sender they came from."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    byte_offset: int
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        whole = math.prod(self.shape) * itemsize(self.dtype)
+        size = self.data.numel() * self.data.element_size()
+        if self.byte_offset < 0 or self.byte_offset + size > whole:
+            raise ValueError(f"shard [{self.byte_offset}, +{size}) is outside the tensor's {whole} bytes")
 
 
 async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
@@ -144,13 +165,30 @@ class _BucketPlan:
         self.count += 1
         return self.filled
 
-    def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
-        if not isinstance(tensor, torch.Tensor):
+    def chunks(self, name: str, tensor: torch.Tensor | TensorShard) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
+        base = 0  # where these bytes start in the whole tensor (a shard's offset)
+        if isinstance(tensor, TensorShard):
+            base, data, shape, dtype = tensor.byte_offset, as_bytes(tensor.data), tensor.shape, tensor.dtype
+        elif isinstance(tensor, torch.Tensor):
+            data, shape, dtype = as_bytes(tensor), tuple(tensor.shape), tensor.dtype
+        else:
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        data = as_bytes(tensor)
-        shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, data.numel()
+        nbytes = data.numel()
+        if base:
+            yield from (
+                (TensorMeta(m.name, m.shape, m.dtype, m.chunk_offset + base, m.chunk_size, m.offset), d)
+                for m, d in self._chunks(name, data, shape, dtype, nbytes, math.prod(shape) * itemsize(dtype))
+            )
+        else:
+            yield from self._chunks(name, data, shape, dtype, nbytes, nbytes)
+
+    def _chunks(
+        self, name: str, data: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, whole: int
+    ) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
+        """`nbytes` of `data` from a tensor of `whole` bytes (more for a shard: large tensors go alone by
+        their whole size, the rule `chunk_goes_alone` reads from the metadata)."""
         bucket_size = self.bucket_size
-        if self.alone_from is not None and nbytes >= self.alone_from:
+        if self.alone_from is not None and whole >= self.alone_from:
             # a bucket per chunk, each at offset 0; the packed bucket around them goes on filling where it
             # was, so small tensors before and after a large one share a bucket (and a broadcast)
             for chunk_offset in range(0, nbytes, bucket_size):
