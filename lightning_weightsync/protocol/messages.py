@@ -35,6 +35,7 @@ MAX_IDENTITY_LEN = 256  # a receiver's identity (config: rollout.identity, short
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
 MAX_MEMBERS = 4096  # receivers in one group
+MAX_SENDERS = 1024  # trainer ranks that send one version (sharded send mode)
 MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
 NCCL_UNIQUE_ID_BYTES = 128
 MAX_NIXL_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata: ~0.5 KiB over UCX on one host, more with RDMA NICs
@@ -167,12 +168,25 @@ class GroupSpec(msgspec.Struct, frozen=True):
         return len(self.members) + 1
 
 
+class SenderAddress(msgspec.Struct, array_like=True, frozen=True):
+    """Another trainer rank that sends part of a version (sharded send mode): its control endpoint."""
+
+    host: str
+    port: int
+
+
 class Plan(msgspec.Struct, tag="plan", frozen=True):
-    """Sender -> receiver: the group of this version and your rank in it."""
+    """Sender -> receiver: the group of this version and your rank in it.
+
+    `senders` (sharded send mode): the other trainer ranks that send their own part of this version;
+    the receiver connects to each (same token), takes part in its own Prepare/Plan/buckets for the same
+    version, and the version is complete when every tensor is tiled by the union of all their chunks.
+    Sender 0 is the one this plan comes from; `senders[i]` is sender i + 1 (`BucketMeta.sender`)."""
 
     version: int
     rank: int
     group: GroupSpec
+    senders: list[SenderAddress] = []
 
     @property
     def session(self) -> str:
@@ -193,6 +207,7 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     nbytes: int
     entries: list[Entry]
     tied: dict[str, list[str]] = {}
+    sender: int = 0  # which sender of the version (sharded send mode) this bucket comes from
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -450,12 +465,25 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
         validate_group(msg.group)
         if not (0 <= msg.rank < msg.group.world_size):
             raise ProtocolError(f"rank {msg.rank} not in world of size {msg.group.world_size}")
+        validate_senders(msg.senders)
     elif isinstance(msg, BucketMeta):
         validate_bucket(msg, bucket_size)
     elif isinstance(msg, BucketDone):
         _check_nonneg("bucket_index", msg.bucket_index)
     else:
         _validate_control(msg)
+
+
+def validate_senders(senders: Sequence[SenderAddress]) -> None:
+    """A plan's other senders: bounded count, real ports, hosts of bounded length, none listed twice."""
+    if len(senders) > MAX_SENDERS:
+        raise ProtocolError(f"plan lists {len(senders)} other senders (limit {MAX_SENDERS})")
+    for address in senders:
+        _check_text("sender host", address.host, 256)
+        if not address.host or not (1 <= address.port <= 65535):
+            raise ProtocolError(f"plan has a bad sender address {address.host[:256]!r}:{address.port}")
+    if len({(a.host, a.port) for a in senders}) != len(senders):
+        raise ProtocolError("plan lists a sender twice")
 
 
 def validate_group(group: GroupSpec) -> None:
@@ -519,6 +547,8 @@ def _validate_nixl_join(join: NixlJoin) -> None:
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
     _check_nonneg("bucket_index", msg.bucket_index)
+    if not (0 <= msg.sender <= MAX_SENDERS):
+        raise ProtocolError(f"bucket from sender {msg.sender} (at most {MAX_SENDERS} other senders)")
     _check_nonneg("bucket nbytes", msg.nbytes)
     if bucket_size is not None and msg.nbytes > bucket_size:
         raise ProtocolError(f"bucket declares {msg.nbytes} bytes > bucket_size {bucket_size}")
@@ -587,7 +617,7 @@ def _entry_bytes() -> int:
 def _to_receiver_bytes() -> int:
     """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
     tied = 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
-    bucket = 4 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied
+    bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied
     joins = (
         _text_bytes(256) + _INT_BYTES,  # StoreJoin
         5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin
@@ -596,7 +626,9 @@ def _to_receiver_bytes() -> int:
         + _text_bytes(256),  # NixlJoin
     )  # fmt: skip
     members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
+    senders = 5 + MAX_SENDERS * (5 + _text_bytes(256) + _INT_BYTES)
     plan = 2 * _INT_BYTES + _text_bytes(MAX_TEXT_LEN) + _text_bytes(64) + 2 * _INT_BYTES + members + max(joins)
+    plan += senders
     text = _text_bytes(MAX_IDENTITY_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256)
     store = 2 * _INT_BYTES + MAX_STORE_VALUE_LEN + 5
     return max(bucket, plan + _STRUCT_BYTES, text, store) + _STRUCT_BYTES

@@ -31,6 +31,7 @@ from lightning_weightsync.protocol.messages import (
     MAX_NAME_LEN,
     MAX_NDIM,
     MAX_NIXL_METADATA_BYTES,
+    MAX_SENDERS,
     MAX_SLOTS,
     MAX_STORE_KEY_LEN,
     MAX_STORE_VALUE_LEN,
@@ -57,6 +58,7 @@ from lightning_weightsync.protocol.messages import (
     Refuse,
     Register,
     Seal,
+    SenderAddress,
     SharedJoin,
     StoreJoin,
     StoreReply,
@@ -845,8 +847,8 @@ def _largest_to_receiver() -> dict[str, Message]:
     nixl = NixlJoin(_wide(256), b"m" * MAX_NIXL_METADATA_BYTES, "VRAM", [region] * MAX_SLOTS, "tcp://" + _wide(250))
     group = GroupSpec(_wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(64), 1 << 40, members, nixl)
     return {
-        "bucket": BucketMeta((1 << 63) - 1, 0, True, 1 << 40, entry, tied),
-        "plan": Plan((1 << 63) - 1, 1, group),
+        "bucket": BucketMeta((1 << 63) - 1, 0, True, 1 << 40, entry, tied, MAX_SENDERS),
+        "plan": Plan((1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)]),
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), _wide(256)),
         "store-reply": StoreReply((1 << 63) - 1, True, b"v" * MAX_STORE_VALUE_LEN),
     }
@@ -885,3 +887,28 @@ def test_a_bucket_of_more_than_max_bucket_entries_is_refused() -> None:
     validate(BucketMeta(1, 0, True, 0, entries[:-1]))
     with pytest.raises(ProtocolError, match="MAX_BUCKET_ENTRIES"):
         validate(BucketMeta(1, 0, True, 0, entries))
+
+
+@pytest.mark.parametrize(
+    "senders, match",
+    [
+        ([SenderAddress("", 5)], "bad sender address"),
+        ([SenderAddress("h", 0)], "bad sender address"),
+        ([SenderAddress("h", 70000)], "bad sender address"),
+        ([SenderAddress("h" * 257, 5)], "sender host"),
+        ([SenderAddress("h", 5), SenderAddress("h", 5)], "a sender twice"),
+        ([SenderAddress(f"h{i}", 5) for i in range(MAX_SENDERS + 1)], "other senders"),
+    ],
+)
+def test_a_plan_with_bad_other_senders_is_refused(senders: list, match: str) -> None:
+    plan = _plan()
+    validate(Plan(plan.version, plan.rank, plan.group, [SenderAddress("ok", 1)]))
+    with pytest.raises(ProtocolError, match=match):
+        validate(Plan(plan.version, plan.rank, plan.group, senders))
+
+
+@pytest.mark.parametrize("sender", [-1, MAX_SENDERS + 1])
+def test_a_bucket_from_an_impossible_sender_is_refused(sender: int) -> None:
+    validate(BucketMeta(1, 0, True, 0, [], {}, MAX_SENDERS))
+    with pytest.raises(ProtocolError, match="from sender"):
+        validate(BucketMeta(1, 0, True, 0, [], {}, sender))
