@@ -65,6 +65,13 @@ class SinkType(Choice):
 
 # `raise` is a keyword, hence the functional form: the member's name must equal its value, because
 # OmegaConf writes a member's name back to YAML.
+class SendMode(Choice):
+    """`trainer.send_mode`: which trainer ranks send (docs/concepts.md, "Send modes")."""
+
+    gather = "gather"
+    sharded = "sharded"
+
+
 FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
 
@@ -139,6 +146,11 @@ class TransportConfig:
     of `ps` and of config files. Used when transport.auth_token is null."""
     device: str | None = None
     """Device of the transfer buckets (cpu, cuda:1, npu:0); null = the backend's natural device."""
+    sender_host: str | None = None
+    """trainer.send_mode=sharded: the address every trainer rank but 0 binds and receivers reach it at
+    (this rank's host); null = transport.host. $LIGHTNING_WEIGHTSYNC_SENDER_HOST overrides it per rank."""
+    sender_port: int = 0
+    """trainer.send_mode=sharded: the control port of every trainer rank but 0; 0 = OS-chosen."""
 
 
 @dataclass
@@ -171,6 +183,9 @@ class TrainerConfig:
     """Registered receivers a version waits for (up to transport.timeout_s); 0 = whoever is there."""
     on_failure: FailurePolicy = FailurePolicy["raise"]
     """raise: stop training on a failed sync; warn: log it, skip the version, keep training."""
+    send_mode: SendMode = SendMode.gather
+    """gather: every tensor is all-gathered to global rank 0, which sends it; sharded: every rank sends the
+    bytes of the FSDP shards it owns (no all-gather), receivers tile them. Unsharded models always gather."""
     include_buffers: bool = True
     """Also send persistent buffers."""
     names: NamesConfig = field(default_factory=NamesConfig)
@@ -567,6 +582,9 @@ def validate_config(cfg: DictConfig) -> None:
         )
     _port("transport.port", t.port, allow_zero=True)
     _port("transport.store_port", t.store_port, allow_zero=True)
+    _port("transport.sender_port", t.sender_port, allow_zero=True)
+    if t.sender_host is not None and not t.sender_host:
+        raise ConfigError("transport.sender_host is empty; set this rank's address, or null for transport.host")
     _port("rollout.metrics_port", ro.metrics_port, allow_zero=True)
     if not ro.metrics_host:
         raise ConfigError(

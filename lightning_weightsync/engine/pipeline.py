@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from ..errors import PeerError, WeightSyncError, WeightSyncTimeout
+from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.messages import BucketMeta, Plan
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
@@ -79,8 +79,10 @@ class BucketPipeline:
         timeout_s: float,
         destinations: Destinations | None = None,
         on_bucket: Callable[[BucketMeta], None] | None = None,
+        sender: int = 0,
     ) -> None:
         self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
+        self.sender = sender  # which sender of a sharded version this stream comes from (its buckets say so)
         self.steps, self.backend, self.executor, self.timeout_s = steps, backend, executor, timeout_s
         self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
         self.ready = asyncio.Queue()
@@ -108,6 +110,11 @@ class BucketPipeline:
             while True:
                 await self.ahead.acquire()
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
+                if meta.sender != self.sender:
+                    raise ProtocolError(
+                        f"version {meta.version}: bucket {index} says it is from sender {meta.sender}, but came from "
+                        f"sender {self.sender} ({self.steps.control.address})"
+                    )
                 if index == 0:
                     self.tied = {name: list(aliases) for name, aliases in meta.tied.items()}
                 target = self._direct_target(meta)

@@ -23,6 +23,7 @@ from ..config import auth_token, bucket_size_bytes, load_config
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import merge_weight_chunks
 from ..protocol.messages import BucketMeta, Plan, Prepare
+from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
 from ..transport.device import resolve_device
@@ -30,6 +31,7 @@ from ..transport.executor import SerialExecutor
 from .endpoint import Endpoint
 from .pipeline import BucketPipeline, Destinations, Into
 from .session import ReceiverSession
+from .sharded import OtherSenders, tile
 from .stats import ReceiveStats
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class WeightReceiver(Endpoint):
         self._pipeline: BucketPipeline | None = None
         self.preallocate = preallocate
         self.preallocated_bytes = 0
+        self._others = OtherSenders(self)  # sharded versions: the other senders' streams
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -203,6 +206,10 @@ class WeightReceiver(Endpoint):
         when a wait expires; in both cases nothing of the version may be applied.
         """
         plan = await self.wait_version(wait_s)
+        if plan.senders:
+            async for item in self._receive_sharded(plan, into, auto_ack):
+                yield item
+            return
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
         destinations = Destinations(into) if into is not None else None
@@ -254,6 +261,54 @@ class WeightReceiver(Endpoint):
         if auto_ack:
             await self._send_ack(plan.version, True, None)
 
+    async def _receive_sharded(
+        self, plan: Plan, into: Into | None, auto_ack: bool
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """A version several senders send parts of (`engine/sharded.py`): their streams at once, tiled."""
+        stats = ReceiveStats(version=plan.version)
+        start = time.perf_counter()
+        destinations = Destinations(into) if into is not None else None
+        assert self._backend is not None and self._executor is not None
+        pipelines: list[BucketPipeline] = []
+        try:
+            others = await self._others.join(plan)
+            parts = [(self, plan), *others]
+            for index, (part, part_plan) in enumerate(parts):
+                assert part._backend is not None and part._executor is not None
+                pipelines.append(
+                    BucketPipeline(
+                        part_plan, steps=part._steps, backend=part._backend, executor=part._executor,
+                        timeout_s=self.timeout_s, destinations=destinations,
+                        on_bucket=self.on_bucket if index == 0 else None, sender=index,
+                    )
+                )  # fmt: skip
+            self._pipeline = pipelines[0]
+            addresses = [part._control.address for part, _ in parts]
+            merger = TilingMerger(plan.group.bucket_size, destinations, self.output_device, addresses)
+            async for name, tensor in tile(pipelines, merger, stats):
+                stats.num_tensors += 1
+                yield name, tensor
+        except BaseException as exc:
+            # any part failed (or the consumer stopped): the whole version fails here, on every sender alike
+            for pipeline in pipelines:
+                pipeline.cancel()
+            self._pipeline = None
+            self._fail_group()
+            self._others.fail()
+            reason = (
+                "consumer stopped before the version was complete" if isinstance(exc, GeneratorExit) else explain(exc)
+            )
+            if not isinstance(exc, asyncio.CancelledError):
+                await self._send_ack(plan.version, False, reason)
+            raise
+        self._pipeline = None
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        self.last_complete_version = plan.version
+        self._control.last_version = plan.version
+        if auto_ack:
+            await self._send_ack(plan.version, True, None)
+
     async def ack(self, ok: bool = True, error: str | None = None) -> None:
         """Acknowledge the version just received (with `receive_weights(auto_ack=False)`)."""
         if self.version is None:
@@ -264,7 +319,12 @@ class WeightReceiver(Endpoint):
         if self._acked:
             return
         self._acked = True
+        await self._others.ack(version, ok, error)  # a sharded version: every sender hears the same
         await self._steps.ack(version, ok, error)  # 5
+
+    async def close(self) -> None:
+        await self._others.close()
+        await super().close()
 
 
 __all__ = ["ReceiveStats", "WeightReceiver"]

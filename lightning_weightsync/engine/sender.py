@@ -26,7 +26,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +35,16 @@ from omegaconf import DictConfig
 
 from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.chunks import MAX_BUCKET_ENTRIES, NamedTensors, aiter_any, chunk_goes_alone, split_weight_chunks
+from ..protocol.chunks import (
+    MAX_BUCKET_ENTRIES,
+    NamedTensors,
+    TensorShard,
+    aiter_any,
+    chunk_goes_alone,
+    split_weight_chunks,
+)
 from ..protocol.dtypes import dtype_name
-from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, check_tensor, validate_tied
+from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, SenderAddress, check_tensor, validate_tied
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
@@ -89,18 +97,40 @@ class _Drainable:
                 pass
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """This sender's part in a sharded version (`trainer.send_mode: sharded`): every trainer rank sends the
+    bytes it owns, each over its own data-plane group, and receivers tile the union.
+
+    `index` 0 coordinates: it gathers the receivers (`trainer.min_receivers`, as always), hands their
+    identities to `on_members` (which passes them to the other ranks; called exactly once per version,
+    with [] when it gathered none or failed first, so no rank waits for it), and lists `others` in its
+    plan so that each receiver also connects to them. Index i > 0 serves exactly `members`, the
+    coordinator's receivers, and marks its buckets as sender i."""
+
+    index: int
+    others: tuple[SenderAddress, ...] = ()
+    on_members: Callable[[list[str]], None] | None = None
+    members: tuple[str, ...] = ()
+
+
 def _check_outgoing(item: object, names: set[str]) -> None:
     """What every receiver would refuse, refused here first (the same `check_tensor`, a name sent twice),
     and what cannot be sent at all (no dense bytes), so the version fails at once naming the tensor
     instead of every receiver dropping the metadata or a raw torch error from deep in the split."""
-    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], (torch.Tensor, TensorShard))):
         raise TypeError(f"weights must yield (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
+    shape, dtype = (
+        (tensor.shape, tensor.dtype) if isinstance(tensor, TensorShard) else (tuple(tensor.shape), tensor.dtype)
+    )
+    if isinstance(tensor, TensorShard):
+        tensor = tensor.data
     if not isinstance(name, str):
         raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r:.80})")
     fix = "rename or exclude it (trainer.names.rename / trainer.names.exclude)"
     try:
-        check_tensor(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        check_tensor(name, shape, dtype_name(dtype))
     except ProtocolError as exc:
         raise ProtocolError(f"cannot send {name[:120]!r}: {exc}; {fix}") from None
     if tensor.layout != torch.strided:
@@ -197,6 +227,7 @@ class WeightSender(Endpoint):
         version: int,
         stable_tensors: bool = False,
         tied: Mapping[str, Iterable[str]] | None = None,
+        sharding: Sharding | None = None,
     ) -> SendStats:
         """Send one version; raises `WeightSyncError` (after draining `weights`) on failure.
 
@@ -207,6 +238,8 @@ class WeightSender(Endpoint):
         one, so a direct broadcast may still read a tensor while the next is produced (overlap).
         `tied`: {name sent: other names of that tensor} (tied embeddings, sent once); it travels
         with the first bucket so every sink can restore the tie.
+        `sharding`: this sender's part in a sharded version (see `Sharding`); `weights` may then
+        yield `(name, TensorShard)` items, the byte ranges this rank owns.
         """
         iterable = hasattr(weights, "__iter__") or hasattr(weights, "__aiter__")
         if isinstance(weights, (Mapping, str, bytes)) or not iterable:
@@ -227,6 +260,19 @@ class WeightSender(Endpoint):
         stats = SendStats(version=version)
         start = time.perf_counter()
         peers: list[Peer] = []
+        told = False  # sharded coordinator: whether the other ranks heard who the receivers are
+
+        def tell(members: list[str]) -> None:
+            nonlocal told
+            if sharding is not None and sharding.on_members is not None and not told:
+                told = True
+                sharding.on_members(members)
+
+        only = frozenset(sharding.members) if sharding is not None and sharding.index > 0 else None
+        # a shard's chunks end before its tensor's last byte, so "the caller may reuse this tensor now" cannot be
+        # read from the metadata: shards are the module's own local storage, untouched during a sync (stable)
+        stable_tensors = stable_tensors or sharding is not None
+        index = sharding.index if sharding is not None else 0
         try:
             # the policy is read per version (a caller may lower min_receivers after losing a rollout)
             self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
@@ -237,17 +283,26 @@ class WeightSender(Endpoint):
             except ProtocolError:
                 source.failed = True  # a local failure: the group is fine
                 raise
-            peers = await self._steps.gather_ready(version)  # 1-2: Prepare -> Ready
+            if only is not None and not only:
+                logger.info("version %d: the coordinating sender gathered no receivers; nothing sent", version)
+                await source.drain()
+                return stats
+            peers = await self._steps.gather_ready(version, only)  # 1-2: Prepare -> Ready
+            tell([p.identity for p in peers])
             stats.receivers = len(peers)
             if not peers:
                 logger.info("version %d: no receivers registered; nothing sent", version)
                 await source.drain()
                 return stats
-            await self._join(version, peers)  # 3: Plan, and the data-plane group
+            others = list(sharding.others) if sharding is not None and index == 0 else []
+            await self._join(version, peers, others)  # 3: Plan, and the data-plane group
             # 4: bucket metadata, each ahead of its bytes
-            await self._stream(source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names)
+            await self._stream(
+                source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names, sender=index
+            )
             acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
+            tell([])
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
             await source.drain()
             raise
@@ -270,7 +325,7 @@ class WeightSender(Endpoint):
         )  # fmt: skip
         return stats
 
-    async def _join(self, version: int, peers: list[Peer]) -> None:
+    async def _join(self, version: int, peers: list[Peer], others: list[SenderAddress] | None = None) -> None:
         """Tell every receiver its rank, then build (or reuse) the data-plane group."""
         assert self._backend is not None and self._executor is not None
         members = tuple(p.key for p in peers)
@@ -286,7 +341,7 @@ class WeightSender(Endpoint):
             members=[Member(p.identity, p.pid) for p in peers],
             join=self._backend.join_spec(self._generation),
         )
-        await self._steps.send_plans(version, peers, group)
+        await self._steps.send_plans(version, peers, group, others or [])
         joined = self._executor.submit(self._backend.join, group, 0, version)
         try:  # the backend bounds the join by timeout_s itself; a member that is gone ends it sooner
             await self._steps.while_connected(joined, self.timeout_s, f"version {version}: joining the group")
@@ -316,6 +371,7 @@ class WeightSender(Endpoint):
         *,
         stable_tensors: bool = False,
         tied: dict[str, list[str]] | None = None,
+        sender: int = 0,
     ) -> None:
         """Split, pack, publish, broadcast, swap: the bucket sequence of one version.
 
@@ -345,7 +401,8 @@ class WeightSender(Endpoint):
             index, bucket_index = bucket_index, bucket_index + 1
             first_tied = tied if index == 0 and tied else {}
             backend.fence(bucket_slot)
-            await self._steps.publish(peers, BucketMeta(version, index, is_last, nbytes, bucket_entries, first_tied))
+            meta = BucketMeta(version, index, is_last, nbytes, bucket_entries, first_tied, sender)
+            await self._steps.publish(peers, meta)
             stats.num_buckets += bool(bucket_entries)
             return executor.submit_started(backend.start_broadcast, bucket_slot, nbytes, index, data)
 
@@ -515,9 +572,12 @@ class BlockingWeightSender:
         version: int,
         stable_tensors: bool = False,
         tied: Mapping[str, Iterable[str]] | None = None,
+        sharding: Sharding | None = None,
     ) -> SendStats:
         """`WeightSender.send_weights`, run to completion on this object's loop (`interrupt()` stops it)."""
-        coro = self.sender.send_weights(weights, version=version, stable_tensors=stable_tensors, tied=tied)
+        coro = self.sender.send_weights(
+            weights, version=version, stable_tensors=stable_tensors, tied=tied, sharding=sharding
+        )
         if self._loop.is_closed():
             return self._run(coro)  # raises: closed
         with self._lock:

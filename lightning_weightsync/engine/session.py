@@ -23,7 +23,7 @@ import time
 from typing import TypeVar
 
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready
+from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready, SenderAddress
 from ..transport.control import Peer, ReceiverControl, SenderControl
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,11 @@ class SenderSession:
         self.missing_why = ""
 
     # 1-2 -------------------------------------------------------------------------------------
-    async def gather_ready(self, version: int) -> list[Peer]:
+    async def gather_ready(self, version: int, only: frozenset[str] | None = None) -> list[Peer]:
         """Ask every registered receiver to join `version`; return those that answered in time.
+
+        `only` (a sharded version's other senders): exactly these receivers, the ones the coordinating
+        sender gathered; others registered here are not asked, and all of these must answer.
 
         Waits up to `timeout_s` for at least `min_receivers` (up to `liveness_s` when the rollouts it
         served are gone: see the class docstring); a registered receiver that does not answer within
@@ -81,15 +84,15 @@ class SenderSession:
         asked: dict[str, float] = {}
         self.version, self.early, self.members = version, {}, []
         try:
-            return await self._gather_ready(version, asked)
+            return await self._gather_ready(version, asked, only)
         except asyncio.CancelledError as exc:  # the trainer is stopping: nobody who answered waits for a plan
             for identity in asked:
                 with contextlib.suppress(PeerError):
                     await self.control.send(identity, Abort(version, explain(exc)[:1000]))
             raise
 
-    async def _gather_ready(self, version: int, asked: dict[str, float]) -> list[Peer]:
-        control, min_receivers = self.control, self.min_receivers
+    async def _gather_ready(self, version: int, asked: dict[str, float], only: frozenset[str] | None) -> list[Peer]:
+        control, min_receivers = self.control, self.min_receivers if only is None else len(only)
         started = time.monotonic()
         deadline = started + self.timeout_s
         say_at = started + min(self.liveness_s, WAITING_LOG_EVERY_S)
@@ -97,6 +100,8 @@ class SenderSession:
         while True:
             now = time.monotonic()
             for identity in list(control.peers):
+                if only is not None and identity not in only:
+                    continue
                 if identity not in asked:
                     try:
                         await control.send(identity, Prepare(version, self.session, control.peers[identity].nonce))
@@ -111,7 +116,7 @@ class SenderSession:
                     )
                     control.forget(identity)
                     del asked[identity]
-            waiting = [i for i in control.peers if i not in ready]
+            waiting = [i for i in control.peers if i not in ready and (only is None or i in only)]
             if len(ready) >= min_receivers and not waiting:
                 members = sorted(ready.values(), key=lambda p: p.identity)
                 self.members = [p.identity for p in members]
@@ -169,10 +174,13 @@ class SenderSession:
                 ready[identity].group_generation = msg.generation
 
     # 3 ---------------------------------------------------------------------------------------
-    async def send_plans(self, version: int, peers: list[Peer], group: GroupSpec) -> None:
-        """Every member's rank (1..N, in the order of `peers`) and the group to join."""
+    async def send_plans(
+        self, version: int, peers: list[Peer], group: GroupSpec, others: list[SenderAddress] | None = None
+    ) -> None:
+        """Every member's rank (1..N, in the order of `peers`), the group to join, and (sharded send mode)
+        the other senders of the version."""
         for rank, peer in enumerate(peers, start=1):
-            await self.control.send(peer.identity, Plan(version, rank, group))
+            await self.control.send(peer.identity, Plan(version, rank, group, others or []))
 
     async def while_connected(self, work: asyncio.Future[T], timeout_s: float, what: str) -> T:
         """`work` (the group's join, or a broadcast, on the data-plane thread: it completes only with

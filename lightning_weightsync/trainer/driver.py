@@ -39,9 +39,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import FailurePolicy
+from ..config import FailurePolicy, SendMode
 from ..errors import ConfigError, WeightSyncError
-from .gather import NamedTensor, iter_full_parameters, yields_stable_tensors
+from .gather import DTensor, NamedTensor, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .names import tied_names
 
@@ -72,6 +72,10 @@ def all_ranks_max_each(values: list[int], device: torch.device | None) -> list[i
     flags = torch.tensor(values, dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [int(v) for v in flags.tolist()]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def show_logs() -> None:
@@ -221,38 +225,56 @@ class SyncDriver:
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
         # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
         self.rollouts: RolloutControl | None = None
+        # trainer.send_mode=sharded (trainer/sharded.py): every rank has a sender; their endpoints, by rank
+        self.sharded = SendMode(cfg.trainer.send_mode) is SendMode.sharded and _world_size() > 1
+        self.addresses: list[tuple[str, int]] = []
+        self._mode_logged = False
 
     # -- life cycle -------------------------------------------------------------------------------
+    def _sender_cfg(self) -> DictConfig:
+        """Rank 0 binds transport.host:port; in sharded mode every other rank its own sender_host:sender_port."""
+        if self.is_sender:
+            return self.cfg
+        from omegaconf import OmegaConf
+
+        t = self.cfg.transport
+        host = os.environ.get("LIGHTNING_WEIGHTSYNC_SENDER_HOST") or t.sender_host or t.host
+        return OmegaConf.merge(self.cfg, {"transport": {"host": host, "port": int(t.sender_port)}})  # type: ignore[return-value]
+
     def start(self) -> None:
-        """Bind the sender on rank 0; every rank raises if that fails (a bad port is never 'warn')."""
+        """Bind the sender on rank 0 (on every rank in sharded mode); every rank raises if that fails (a bad
+        port is never 'warn')."""
         show_logs()
         error: BaseException | None = None
-        if self.is_sender and self.sender is None:
+        if (self.is_sender or self.sharded) and self.sender is None:
             from ..engine.sender import BlockingWeightSender
 
-            sender = BlockingWeightSender(self.cfg)
+            cfg = self._sender_cfg()
+            sender = BlockingWeightSender(cfg)
             try:
                 sender.start()
                 self.sender = sender
-                logger.info("weight sender listening on %s:%d", self.cfg.transport.host, sender.port)
-                if self.rollouts is None:
+                logger.info("weight sender listening on %s:%d", cfg.transport.host, sender.port)
+                if self.rollouts is None and self.is_sender:
                     from .rollout_control import RolloutControl
 
                     self.rollouts = RolloutControl.from_config(self.cfg)
             except Exception as exc:
                 error = exc
                 sender.close()
-                t = self.cfg.transport
                 logger.error(
-                    "global rank %d: the weight sender could not start on %s:%s (transport.host / transport.port): %s",
-                    self.rank, t.host, t.port, exc,
+                    "global rank %d: the weight sender could not start on %s:%s (transport.host / transport.port; "
+                    "sender_host / sender_port on ranks but 0 in sharded mode): %s",
+                    self.rank, cfg.transport.host, cfg.transport.port, exc,
                 )  # fmt: skip
         if all_ranks_max(FATAL if error is not None else OK, self.device) != OK:
             if error is not None:
                 raise error
-            raise SyncFailed(
-                f"global rank {self.rank}: the weight sender on global rank {SENDER_RANK} failed to start; see its log"
-            )
+            raise SyncFailed(f"global rank {self.rank}: a weight sender failed to start; see the failing rank's log")
+        if self.sharded and self.sender is not None:
+            from .sharded import exchange_addresses
+
+            self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -297,17 +319,35 @@ class SyncDriver:
         finally:
             self.record.last_stall_seconds = time.perf_counter() - started
 
+    def sends_sharded(self, module: nn.Module) -> bool:
+        """Whether this sync sends in sharded mode: configured, started, and an FSDP2-sharded model (others
+        fall back to the gather, said once)."""
+        if not self.sharded or not self.addresses:
+            return False
+        fsdp2 = any(isinstance(p, DTensor) for p in module.parameters())
+        if not fsdp2 and not self._mode_logged:
+            self._mode_logged = True
+            logger.warning(
+                "trainer.send_mode=sharded, but the model has no FSDP2 (DTensor) parameters: sending in gather mode "
+                "(global rank %d sends everything)", SENDER_RANK,
+            )  # fmt: skip
+        return fsdp2
+
     def _sync(self, module: nn.Module, version: int) -> bool:
         self._syncs += 1
-        sender = self.sender if self.is_sender else None
+        sharded = self.sends_sharded(module)
+        sender = self.sender if (self.is_sender or sharded) else None
         if self.is_sender and sender is None:
             raise WeightSyncError("SyncDriver.sync() before start()")
         if sender is not None:
             sender.clear_interrupt()
-        weights = self.weights(module)
         watch = SyncStopWatch(rank=self.rank, sync_id=self._syncs, on_stop=sender.interrupt if sender else None)
         with watch:
-            error = self._send_or_drain(module, version, weights, sender)
+            if sharded:
+                assert sender is not None
+                error = self._send_sharded(module, version, sender)
+            else:
+                error = self._send_or_drain(module, version, self.weights(module), sender)
             code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
             # 3. agree: the outcome, and whether a rank was stopped by a signal (and which)
             agreed, signum, signalled = all_ranks_max_each([code, *watch.seen()], self.device)
@@ -368,6 +408,48 @@ class SyncDriver:
         except Exception as exc:
             for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' gathers
                 pass
+            return exc
+        return None
+
+    def _send_sharded(self, module: nn.Module, version: int, sender: BlockingWeightSender) -> Exception | None:
+        """Every rank sends its own bytes (trainer/sharded.py); rank 0 coordinates the version and tells the
+        others which receivers it gathered. Returns this rank's failure (None: its part went out)."""
+        from ..engine.sender import Sharding
+        from ..protocol.messages import SenderAddress
+        from .sharded import MembersRelay, iter_local_shards
+
+        tr = self.cfg.trainer
+        weights = iter_local_shards(
+            module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=self.prefix
+        )
+        relay = MembersRelay(self.device)
+        tied = self.tied(module)
+        self.last_stats = None
+        if self.is_sender:
+            sharding = Sharding(0, others=tuple(SenderAddress(h, p) for h, p in self.addresses[1:]), on_members=relay)
+
+            def send() -> SendStats:
+                return sender.send_weights(weights, version=version, tied=tied, sharding=sharding)
+
+            try:
+                if self.rollouts is not None:
+                    self.last_stats = self.rollouts.run_version(version, send)
+                else:
+                    self.last_stats = send()
+            except ConfigError:
+                raise
+            except Exception as exc:
+                return exc
+            finally:
+                relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
+            return None
+        members = relay.receive()
+        try:
+            sharding = Sharding(self.rank, members=tuple(members))
+            self.last_stats = sender.send_weights(weights, version=version, sharding=sharding)
+        except ConfigError:
+            raise
+        except Exception as exc:
             return exc
         return None
 

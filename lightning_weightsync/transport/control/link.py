@@ -84,9 +84,7 @@ def link_options(sock: zmq.Socket[Any], host: str, liveness_s: float, *, to_send
     than the largest legal message this end receives, TCP liveness, and the ZMTP heartbeat that makes a
     frozen or vanished peer a disconnection after `liveness_s`, on a socket whose reading never stops."""
     sock.setsockopt(zmq.LINGER, 0)
-    network_options(
-        sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host
-    )
+    network_options(sock, max_frame_bytes=max_frame_bytes(to_sender=to_sender), liveness_s=liveness_s, ipv6=":" in host)
     heartbeats(sock, liveness_s)
 
 

@@ -1,0 +1,175 @@
+"""Sharded send mode, the trainer's half: what each rank owns, and what the ranks tell each other.
+
+    every rank:  iter_local_shards(model)    its own bytes of every tensor, no collective at all:
+                 FSDP2 `Shard(0)` parameters -> the local shard, at its byte offset in the whole tensor
+                 (uneven shards as torch.chunk cuts them; an empty local shard is skipped)
+                 everything else (replicated DTensors, buffers, unsharded parameters) -> the whole tensor,
+                 from one owner: the i-th such tensor from rank i mod world (every rank walks the same
+                 module tree in the same order, so every rank agrees on the owner without asking)
+    at start:    exchange_addresses          each rank's control endpoint, to every rank (rank 0 lists
+                                             the others in its plans)
+    per version: MembersRelay                rank 0's gathered receivers, to every other rank (each serves
+                                             exactly those)
+
+The two exchanges are tiny collectives on the trainer's own default process group (JSON in a uint8
+tensor: nothing is pickled), run while every rank is inside the same sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..protocol.chunks import TensorShard
+from .gather import DTensor, _walk_tensors, resolve_dtype
+from .names import NameMapper
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_BYTES = 512  # a rank's JSON [host, port] fits (hosts are bounded at 256 on the wire)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def exchange_addresses(host: str, port: int, device: torch.device | None) -> list[tuple[str, int]]:
+    """Every rank's control endpoint, in rank order (an all-gather: call on every rank)."""
+    mine = json.dumps([host, port]).encode()
+    if len(mine) > ADDRESS_BYTES:
+        raise ConfigError(f"transport.sender_host {host[:80]!r} is too long ({len(mine)} bytes)")
+    _rank, world = _world()
+    if world == 1:
+        return [(host, port)]
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=device)
+    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf)
+    out = []
+    for part in parts:
+        raw = bytes(part.cpu().tolist()).rstrip(b"\0")
+        got_host, got_port = json.loads(raw)
+        out.append((str(got_host), int(got_port)))
+    return out
+
+
+def _broadcast_json(value: Any, device: torch.device | None) -> Any:
+    """`value` from rank 0 on every rank (None elsewhere going in)."""
+    rank, _ = _world()
+    payload = json.dumps(value).encode() if rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if rank == 0 and payload:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().tolist()))
+
+
+class MembersRelay:
+    """Rank 0's receivers of one version, to every other rank, exactly once per sync.
+
+    Rank 0 calls it from inside its send (once it gathered the receivers), or `finish()` afterwards
+    when the send never got that far ([]: the other ranks send nothing); the other ranks call
+    `receive()` before they send. One broadcast per sync on every rank, whatever failed."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self.sent = False
+
+    def __call__(self, members: list[str]) -> None:
+        if not self.sent:
+            self.sent = True
+            _broadcast_json(list(members), self.device)
+
+    def finish(self) -> None:
+        self(list())
+
+    def receive(self) -> list[str]:
+        got = _broadcast_json(None, self.device)
+        if not isinstance(got, list) or not all(isinstance(m, str) for m in got):
+            raise ConfigError("the sharded members exchange returned garbage (trainer ranks out of step?)")
+        return got
+
+
+def _shard0_offset(tensor: Any) -> int:
+    """First row of this rank's `Shard(0)` local shard, as torch.chunk (and FSDP2) cut the rows."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(tensor.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ConfigError(
+            f"trainer.send_mode=sharded sends FSDP2 Shard(0) parameters on a 1-D mesh; this one is placed "
+            f"{placements} on a {tensor.device_mesh.ndim}-D mesh; use trainer.send_mode=gather"
+        )
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    return int(offset[0])
+
+
+def iter_local_shards(
+    module: nn.Module,
+    *,
+    include_buffers: bool = True,
+    names_cfg: Mapping[str, Any] | Any | None = None,
+    dtype: torch.dtype | str | None = None,
+    prefix: str | None = None,
+) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
+    """This rank's part of every tensor `iter_full_parameters` would send (same names, same exclusions,
+    same cast), as `(name, TensorShard)` for a local shard or `(name, tensor)` for a whole tensor this
+    rank owns. No collectives: every rank walks the same tree and decides alike."""
+    mapper = NameMapper.from_config(names_cfg, prefix=prefix)
+    cast = resolve_dtype(dtype)
+    rank, world = _world()
+    emitted: dict[str, str] = {}
+    whole_index = 0  # tensors sent whole, counted in module order: the i-th goes from rank i mod world
+    for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):
+        name = mapper(raw)
+        if name is None:
+            continue
+        if name in emitted:
+            raise ConfigError(
+                f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
+                "fix trainer.names.rename / rename_regex / strip_prefixes"
+            )
+        emitted[name] = raw
+        target = cast if cast is not None and tensor.is_floating_point() else None
+        if isinstance(tensor, DTensor) and any(type(p).__name__ == "Shard" for p in tensor.placements):
+            first_row = _shard0_offset(tensor)
+            local = tensor.to_local().detach()
+            if local.numel() == 0:
+                continue  # fewer rows than ranks: this rank holds none of it
+            if target is not None and local.dtype != target:
+                local = local.to(target)
+            shape = tuple(tensor.shape)
+            row_bytes = (local.numel() // local.shape[0]) * local.element_size()
+            yield name, TensorShard(shape, local.dtype, first_row * row_bytes, local.contiguous())
+            continue
+        owner, whole_index = whole_index % world, whole_index + 1
+        if owner != rank:
+            continue
+        if isinstance(tensor, DTensor):
+            if any(type(p).__name__ != "Replicate" for p in tensor.placements):
+                raise ConfigError(
+                    f"trainer.send_mode=sharded: {raw!r} is placed {tuple(tensor.placements)} (only Shard(0) and "
+                    "Replicate are sent without a collective); use trainer.send_mode=gather"
+                )
+            full = tensor.to_local()  # replicated: the local tensor is the whole one
+        else:
+            full = tensor
+        full = full.detach()
+        if target is not None and full.dtype != target:
+            full = full.to(target)
+        yield name, full
+
+
+__all__ = ["MembersRelay", "exchange_addresses", "iter_local_shards"]
