@@ -379,7 +379,20 @@ class ReceiverSession:
             "trainer dead or stalled?)"
         )
         while True:
-            msg = await self.control.recv_before(deadline, awaited)
+            # in slices, so that a sender whose connection is gone (its process died between two buckets: no
+            # broadcast is pending to fail) is noticed within `liveness_s`, not at the deadline
+            msg = await self.control.recv(min(LIVENESS_POLL_S, max(deadline - time.monotonic(), 0.0)))
+            if msg is None:
+                linked, since = self.control.sender_link()
+                if not linked and since >= self.control.liveness_s:
+                    raise PeerError(
+                        f"version {version}: the sender at {self.control.address} is gone (its connection dropped "
+                        f"{since:.1f}s ago, transport.liveness_s={self.control.liveness_s}s) while bucket "
+                        f"{bucket_index}'s metadata was awaited"
+                    )
+                if time.monotonic() >= deadline:
+                    raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.control.address} in time")
+                continue
             if isinstance(msg, BucketMeta) and msg.version == version:
                 if msg.bucket_index != bucket_index:
                     raise ProtocolError(

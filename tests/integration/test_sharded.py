@@ -5,6 +5,8 @@ FSDP2 on CPU, real receivers, real ZeroMQ sockets and gloo data-plane groups (on
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -141,3 +143,162 @@ def test_every_fsdp2_rank_sends_its_shards_and_receivers_get_the_model_bitwise(
                 ):
                     problems.append(f"v{version}: {name} differs")
     assert not problems, problems
+
+
+# -- a sender that dies mid-version: named on every receiver, nothing half-applied, the next version lands ------
+
+KILL_TIMEOUT_S = 60.0
+LIVENESS_S = 2.0
+FAULT_WORLD = 3
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {
+        "w0": torch.randn(33, 40, generator=gen),  # 5 KiB a shard: direct buckets, each broadcast at once
+        "w1": torch.randn(17, generator=gen),
+        "w2": torch.randn(29, 31, generator=gen).to(torch.bfloat16),
+        "w3": torch.randn(64, 24, generator=gen),
+    }
+
+
+def _rows(tensor: torch.Tensor, rank: int, world: int):
+    from lightning_weightsync.protocol.chunks import TensorShard
+
+    parts = torch.chunk(tensor, world, dim=0)
+    if rank >= len(parts) or parts[rank].numel() == 0:
+        return None
+    first = sum(p.shape[0] for p in parts[:rank])
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
+
+
+def _fault_sender(rank: int, trainer_port: int, port: int, versions: list[int], die_in: int | None, flag: str) -> Any:
+    """One trainer rank of a sharded sender group, without FSDP: it owns torch.chunk row shards."""
+    from lightning_weightsync import WeightSender
+    from lightning_weightsync.engine.sender import Sharding
+    from lightning_weightsync.errors import ConfigError
+    from lightning_weightsync.protocol.messages import SenderAddress
+    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
+
+    if flag:  # phase B: a restarted trainer, once the first one is gone
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    store = dist.TCPStore("127.0.0.1", trainer_port, FAULT_WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=FAULT_WORLD)
+    cfg = load_config(
+        overrides=[f"transport.port={port if rank == 0 else 0}", "transport.timeout_s=60",
+                   f"transport.liveness_s={LIVENESS_S}", "transport.bucket_size_mb=0.001",
+                   "transport.direct_min_mb=0.002", "trainer.min_receivers=1"]
+    )  # fmt: skip
+
+    async def main() -> list[str]:
+        outcomes = []
+        sender = WeightSender(cfg)
+        for _ in range(50):  # phase B's rank 0 binds the port the first trainer's rank 0 just released
+            try:
+                await sender.start()
+                break
+            except ConfigError:
+                await sender.close()
+                sender = WeightSender(cfg)
+                await asyncio.sleep(0.2)
+        addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+        try:
+            for version in versions:
+
+                def mine(version: int = version):
+                    for i, (name, tensor) in enumerate(_weights(version).items()):
+                        if version == die_in and i == 3:
+                            time.sleep(0.5)  # its first tensors' buckets are out (metadata and bytes) ...
+                            os._exit(3)  # ... and the rest never come
+                        shard = _rows(tensor, rank, FAULT_WORLD)
+                        if shard is not None:
+                            yield name, shard
+
+                relay = MembersRelay(torch.device("cpu"))
+                try:
+                    if rank == 0:
+                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
+                        sharding = Sharding(0, others=others, on_members=relay)
+                    else:
+                        sharding = Sharding(rank, members=tuple(relay.receive()))
+                    await sender.send_weights(mine(), version=version, sharding=sharding)
+                    outcomes.append("ok")
+                except Exception as exc:
+                    outcomes.append(f"failed: {exc}")
+                finally:
+                    relay.finish() if rank == 0 else None
+        finally:
+            await sender.close()
+        return outcomes
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if die_in is None:
+            dist.destroy_process_group()
+
+
+def _fault_receiver(port: int, flag: str) -> list[Any]:
+    from lightning_weightsync.rollout.consume import consume_version
+    from lightning_weightsync.rollout.sinks.module import ModuleSink
+
+    cfg = load_config(
+        overrides=[f"transport.port={port}", "transport.timeout_s=60", f"transport.liveness_s={LIVENESS_S}",
+                   "transport.heartbeat_interval_s=0.2", "rollout.identity=rollout-0"]
+    )  # fmt: skip
+    module = torch.nn.Module()
+    for name, tensor in _weights(0).items():
+        module.register_parameter(name, torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False))
+    sink = ModuleSink(cfg, module=module)
+
+    async def main() -> list[Any]:
+        out: list[Any] = []
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(3):
+                started = time.monotonic()
+                try:
+                    record = await consume_version(receiver, sink)
+                    out.append(("ok", record.version))
+                except Exception as exc:
+                    out.append(("failed", str(exc), time.monotonic() - started))
+                    open(flag, "w").close()  # the restarted trainer may start
+                out.append(save({n: p.detach().clone() for n, p in module.named_parameters()}))
+        return out
+
+    return asyncio.run(asyncio.wait_for(main(), 2 * KILL_TIMEOUT_S))
+
+
+def _fault_role(role: int, trainer_ports: tuple[int, int], port: int, flag: str) -> Any:
+    if role == 2 * FAULT_WORLD:
+        return _fault_receiver(port, flag)
+    phase, rank = divmod(role, FAULT_WORLD)
+    if phase == 0:
+        return _fault_sender(rank, trainer_ports[0], port, [1, 2], 2 if rank == 2 else None, "")
+    return _fault_sender(rank, trainer_ports[1], port, [3], None, flag)
+
+
+def test_a_sender_killed_mid_version_fails_it_named_nothing_half_applied_and_the_next_version_lands(tmp_path) -> None:
+    flag = str(tmp_path / "phase-a-done")
+    trainer_ports, port = (free_port(), free_port()), free_port()
+    args = [(role, trainer_ports, port, flag) for role in range(2 * FAULT_WORLD + 1)]
+    results = run_workers(_fault_role, args, timeout_s=3 * KILL_TIMEOUT_S, doomed=[2])
+    received = results[-1]
+    v1, after1, v2, after2, v3, after3 = received
+    assert v1 == ("ok", 1), v1
+    assert v2[0] == "failed", v2
+    print("version 2 on the receiver:", v2)
+    # named: which sender, and bounded by liveness, not by transport.timeout_s (60 s)
+    assert "127.0.0.1" in v2[1] and v2[2] < 30, v2
+    # nothing of version 2 was applied: the model is exactly version 1
+    problems = [n for n, t in load(after2).items() if not torch.equal(t, load(after1)[n])]
+    assert not problems, f"version 2 was half-applied: {problems}"
+    assert v3 == ("ok", 3), v3
+    want = _weights(3)
+    problems = [n for n, t in load(after3).items() if not torch.equal(t.view(torch.uint8), want[n].view(torch.uint8))]
+    assert not problems, problems
+    # the survivors of the first trainer were told too (a named failure, not a hang)
+    for rank in (0, 1):
+        assert results[rank][0] == "ok" and results[rank][1].startswith("failed"), results[rank]
