@@ -1,0 +1,207 @@
+"""Sharded send mode over real, rate-limited links: does N senders' bandwidth add up? (issue 19)
+
+Every trainer rank runs in its own network namespace behind its own veth link, rate-limited with
+`tc qdisc ... tbf` (this kernel has no netem; tbf works), the receiver in another (unlimited) one, all
+joined by a bridge (tests/support/netlab.py; needs root). The ranks form a gloo trainer group over the
+lab network and send one synthetic stream per version (tensors of `--tensor-mb`, row-sharded over the
+ranks as FSDP2 cuts them) in sharded mode; the receiver tiles and checks every version bitwise.
+
+For 1, 2 and 4 senders at the same per-link rate it prints the aggregate throughput (bytes of a version
+over rank 0's time for it: Prepare to the last ack) and its ratio to N x the single-sender figure from
+the same run; the trainer's stall per sync is each rank's time in `send_weights` (the slowest rank's).
+
+    sudo .venv/bin/python benchmarks/sharded_links.py --rate-mbit 100 --mb 48 --versions 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.netlab import Lab, netlab, skip_reason  # noqa: E402
+
+TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothing else binds there
+
+
+def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(version)
+    rows = 1024
+    cols = max(1, int(tensor_mb * 2**20 / 4 / rows))
+    count = max(1, round(mb / tensor_mb))
+    return {f"layers.{i}.weight": torch.randn(rows, cols, generator=gen) for i in range(count)}
+
+
+def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tensor_mb: float, versions: int,
+                 out: str) -> None:  # fmt: skip
+    import asyncio
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_weightsync import WeightSender, load_config
+    from lightning_weightsync.engine.sender import Sharding
+    from lightning_weightsync.protocol.messages import SenderAddress
+    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
+    from tests.integration.test_sharded import _rows
+
+    store = dist.TCPStore(master, TRAINER_PORT, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    cfg = load_config(
+        overrides=[f"transport.host={host}", f"transport.port={PORT}", "transport.timeout_s=300",
+                   "transport.bucket_size_mb=8", "trainer.min_receivers=1"]
+    )  # fmt: skip
+
+    async def main() -> None:
+        async with WeightSender(cfg) as sender:
+            addresses = exchange_addresses(host, sender.port, torch.device("cpu"))
+            for version in range(1, versions + 1):
+                mine = [(n, s) for n, t in stream(version, mb, tensor_mb).items() if (s := _rows(t, rank, world))]
+                relay = MembersRelay(torch.device("cpu"))
+                dist.barrier()
+                started = time.perf_counter()
+                if rank == 0:
+                    others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
+                    try:
+                        stats = await sender.send_weights(mine, version=version,
+                                                          sharding=Sharding(0, others=others, on_members=relay))
+                    finally:
+                        relay.finish()
+                else:
+                    sharding = Sharding(rank, members=tuple(relay.receive()))
+                    stats = await sender.send_weights(mine, version=version, sharding=sharding)
+                seconds = time.perf_counter() - started
+                with open(out, "a") as f:
+                    f.write(json.dumps({"rank": rank, "version": version, "seconds": seconds,
+                                        "nbytes": stats.nbytes}) + "\n")  # fmt: skip
+
+    asyncio.run(main())
+    dist.destroy_process_group()
+
+
+def bench_receiver(master: str, mb: float, tensor_mb: float, versions: int, out: str) -> None:
+    import asyncio
+
+    import torch
+
+    from lightning_weightsync import WeightReceiver, load_config
+
+    cfg = load_config(
+        overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
+                   "rollout.identity=rollout-0", "transport.heartbeat_interval_s=0.2"]
+    )  # fmt: skip
+
+    async def main() -> None:
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(versions):
+                got = {n: t.clone() async for n, t in receiver.receive_weights()}
+                want = stream(int(receiver.version), mb, tensor_mb)
+                ok = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+                with open(out, "a") as f:
+                    f.write(json.dumps({"version": receiver.version, "bitwise": ok}) + "\n")
+
+    asyncio.run(main())
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versions: int) -> dict[str, Any]:
+    names = [f"t{rank}" for rank in range(world)]
+    for name in (*names, "r"):
+        lab.add(name)
+    for name in names:  # each trainer rank's uplink: its egress inside its namespace
+        node = lab.nodes[name]
+        burst = max(64 * 1024, rate_mbit * 1_000_000 // 8 // 100)  # ~10 ms of traffic
+        lab_run("ip", "netns", "exec", node.ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+    master = lab.nodes["t0"].ip
+    out = lab.workdir / f"senders-{world}.jsonl"
+    received = lab.workdir / f"receiver-{world}.jsonl"
+    code = (f"from benchmarks.sharded_links import bench_receiver as f; f({master!r}, {mb}, {tensor_mb}, {versions}, "
+            f"{str(received)!r})")  # fmt: skip
+    procs = [lab.spawn("r", code, lab.workdir / f"r-{world}.log")]
+    for rank, name in enumerate(names):
+        code = (f"from benchmarks.sharded_links import bench_sender as f; f({rank}, {world}, {master!r}, "
+                f"{lab.nodes[name].ip!r}, {mb}, {tensor_mb}, {versions}, {str(out)!r})")  # fmt: skip
+        procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{world}.log"))
+    deadline = time.monotonic() + 600
+    while len(_lines(received)) < versions and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except Exception:
+            lab.kill(proc)
+    got, sent = _lines(received), _lines(out)
+    if len(got) < versions:
+        logs = "\n".join(p.read_text()[-2000:] for p in sorted(lab.workdir.glob(f"*-{world}.log")))
+        raise RuntimeError(f"{world} senders: {len(got)} of {versions} versions received\n{logs}")
+    steady = [e for e in sent if e["version"] > 1] or sent  # version 1 builds the groups
+    rank0 = [e for e in steady if e["rank"] == 0]
+    per_version: dict[int, float] = {}
+    for e in steady:
+        per_version[e["version"]] = max(per_version.get(e["version"], 0.0), e["seconds"])
+    total = sum(e["nbytes"] for e in steady) / len(rank0)
+    seconds = sum(e["seconds"] for e in rank0) / len(rank0)
+    for node in list(lab.nodes):  # the next run adds its own nodes
+        lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
+        lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
+        del lab.nodes[node]
+    return {
+        "senders": world,
+        "bitwise": all(e["bitwise"] for e in got),
+        "MB/s": total / seconds / 1e6,
+        "seconds": seconds,
+        "stall_s": sum(per_version.values()) / len(per_version),
+    }
+
+
+def lab_run(*cmd: str, check: bool = True) -> None:
+    import subprocess
+
+    subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=int, default=100, help="each trainer rank's link rate (tbf)")
+    parser.add_argument("--mb", type=float, default=48.0, help="MB per version")
+    parser.add_argument("--tensor-mb", type=float, default=4.0)
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--senders", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args(argv)
+    reason = skip_reason()
+    if reason:
+        print(f"cannot run: {reason}")
+        return 2
+    rows = []
+    with netlab() as lab:
+        for world in args.senders:
+            rows.append(run(lab, world, args.rate_mbit, args.mb, args.tensor_mb, args.versions))
+            print(json.dumps(rows[-1]), flush=True)
+    base = next((r["MB/s"] for r in rows if r["senders"] == 1), None)
+    print(f"\nper-link rate {args.rate_mbit} Mbit/s ({args.rate_mbit / 8:.1f} MB/s), {args.mb} MB a version")
+    print("| senders | aggregate MB/s | vs N x 1 sender | s a version | stall a sync (slowest rank) | bitwise |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['MB/s'] / (r['senders'] * base):.2f}" if base else "-"
+        print(f"| {r['senders']} | {r['MB/s']:.1f} | {ratio} | {r['seconds']:.2f} | {r['stall_s']:.2f} s | "
+              f"{r['bitwise']} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
