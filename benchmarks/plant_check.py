@@ -204,8 +204,8 @@ PLANTS = [
           "            or dest.dtype != meta.dtype\n", "",
           ("tests/integration/test_session.py", "-k", "wrong_dtype")),
     Plant("split: a tensor of exactly direct_min bytes packed", f"{PKG}/protocol/chunks.py",
-          "if self.alone_from is not None and nbytes >= self.alone_from:",
-          "if self.alone_from is not None and nbytes > self.alone_from:",
+          "if self.alone_from is not None and whole >= self.alone_from:",
+          "if self.alone_from is not None and whole > self.alone_from:",
           ("tests/integration/test_session.py", "-k", "exactly_direct_min")),
     # -- durability and consistency of the sinks
     Plant("safetensors: no fsync before the rename", f"{PKG}/rollout/sinks/safetensors.py",

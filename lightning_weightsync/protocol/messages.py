@@ -547,9 +547,9 @@ def _validate_nixl_join(join: NixlJoin) -> None:
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
     _check_nonneg("bucket_index", msg.bucket_index)
+    _check_nonneg("bucket nbytes", msg.nbytes)
     if not (0 <= msg.sender <= MAX_SENDERS):
         raise ProtocolError(f"bucket from sender {msg.sender} (at most {MAX_SENDERS} other senders)")
-    _check_nonneg("bucket nbytes", msg.nbytes)
     if bucket_size is not None and msg.nbytes > bucket_size:
         raise ProtocolError(f"bucket declares {msg.nbytes} bytes > bucket_size {bucket_size}")
     if len(msg.entries) > MAX_BUCKET_ENTRIES:

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..config import FailurePolicy, SendMode
 from ..errors import ConfigError, WeightSyncError
-from .gather import DTensor, NamedTensor, iter_full_parameters, yields_stable_tensors
+from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .names import tied_names
 
@@ -324,14 +324,14 @@ class SyncDriver:
         fall back to the gather, said once)."""
         if not self.sharded or not self.addresses:
             return False
-        fsdp2 = any(isinstance(p, DTensor) for p in module.parameters())
-        if not fsdp2 and not self._mode_logged:
+        sharded = is_sharded(module)
+        if not sharded and not self._mode_logged:
             self._mode_logged = True
             logger.warning(
-                "trainer.send_mode=sharded, but the model has no FSDP2 (DTensor) parameters: sending in gather mode "
-                "(global rank %d sends everything)", SENDER_RANK,
+                "trainer.send_mode=sharded, but the model is not FSDP-sharded: sending in gather mode (global rank %d "
+                "sends everything)", SENDER_RANK,
             )  # fmt: skip
-        return fsdp2
+        return sharded
 
     def _sync(self, module: nn.Module, version: int) -> bool:
         self._syncs += 1

@@ -28,8 +28,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..protocol.chunks import TensorShard
-from .gather import DTensor, _walk_tensors, resolve_dtype
-from .names import NameMapper
+from .gather import DTensor, _fsdp1_units, _walk_tensors, resolve_dtype
+from .names import NameMapper, own_tensors, walk_modules
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,9 @@ def iter_local_shards(
     rank, world = _world()
     emitted: dict[str, str] = {}
     whole_index = 0  # tensors sent whole, counted in module order: the i-th goes from rank i mod world
+    if _fsdp1_units(module):
+        yield from _fsdp1_local_shards(module, include_buffers, mapper, cast, rank, world)
+        return
     for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):
         name = mapper(raw)
         if name is None:
@@ -170,6 +173,71 @@ def iter_local_shards(
         if target is not None and full.dtype != target:
             full = full.to(target)
         yield name, full
+
+
+def _fsdp1_local_shards(
+    module: nn.Module, include_buffers: bool, mapper: NameMapper, cast: torch.dtype | None, rank: int, world: int
+) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
+    """FSDP1: each unit's flat parameter holds, on this rank, a slice of the concatenation of its original
+    parameters; `_shard_param_infos` says which elements of which parameter it is. Those slices go as
+    shards; tied aliases (`_shared_param_infos`) are the primary's bytes, sent once under the primary's
+    name (the first in module order, as the gather does); everything FSDP does not manage (buffers, ignored
+    parameters) goes whole from one owner, as for FSDP2."""
+    paths = {id(mod): path for path, mod in walk_modules(module, (), lambda _: False)}
+    managed: set[tuple[int, str]] = set()  # (module, attribute) of every parameter a flat parameter holds
+    emitted: dict[str, str] = {}
+
+    def named(raw: str) -> str | None:
+        name = mapper(raw)
+        if name is not None and name in emitted:
+            raise ConfigError(
+                f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
+                "fix trainer.names.rename / rename_regex / strip_prefixes"
+            )
+        if name is not None:
+            emitted[name] = raw
+        return name
+
+    for _, unit in _fsdp1_units(module):
+        handle = getattr(unit, "_handle", None)
+        if handle is None:
+            continue
+        if handle.world_size != world and handle.uses_sharded_strategy:
+            raise ConfigError(
+                f"trainer.send_mode=sharded: an FSDP1 unit is sharded over {handle.world_size} of {world} ranks (hybrid "
+                "sharding: every replica group holds the same shards); use trainer.send_mode=gather"
+            )
+        if not handle.uses_sharded_strategy and rank != 0:
+            continue  # NO_SHARD: every rank holds everything; rank 0 sends it
+        flat = handle.flat_param
+        for info in flat._shared_param_infos:
+            managed.add((id(info.module), info.param_name))
+        local = flat.detach()
+        for info, shard, shape in zip(flat._param_infos, flat._shard_param_infos, flat._shapes, strict=True):
+            managed.add((id(info.module), info.param_name))
+            name = named(".".join((*paths[id(info.module)], info.param_name)))
+            if name is None or not shard.in_shard or not shard.numel_in_shard:
+                continue
+            data = local[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+            if cast is not None and data.is_floating_point() and data.dtype != cast:
+                data = data.to(cast)
+            yield name, TensorShard(tuple(shape), data.dtype, shard.intra_param_start_idx * data.element_size(), data)
+    whole_index, seen = 0, set()
+    for path, mod in walk_modules(module, (), lambda _: False):
+        for attr, tensor in own_tensors(mod, include_buffers):
+            if (id(mod), attr) in managed or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            name = named(".".join((*path, attr)))
+            if name is None:
+                continue
+            owner, whole_index = whole_index % world, whole_index + 1
+            if owner != rank:
+                continue
+            full = tensor.detach()
+            if cast is not None and full.is_floating_point() and full.dtype != cast:
+                full = full.to(cast)
+            yield name, full
 
 
 __all__ = ["MembersRelay", "exchange_addresses", "iter_local_shards"]

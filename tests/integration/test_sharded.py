@@ -25,16 +25,23 @@ WORKER_TIMEOUT_S = 150
 VERSIONS = 2
 
 
-def _model(tied: bool) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
+def _model(tied: bool, fsdp: str) -> torch.nn.Module:
     torch.manual_seed(0)
     net = Net(vocab=101, dim=7)  # 101 rows: uneven over 2 and 4 ranks; the embedding is larger than the bucket
     if tied:
         net.head.weight = net.embed.weight  # tied embeddings: sent once, under the first name
-    for block in net.blocks:
-        fully_shard(block)
-    return fully_shard(net)
+    if fsdp == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in net.blocks:
+            fully_shard(block)
+        return fully_shard(net)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    orig = fsdp == "fsdp1-orig"  # use_orig_params=True: the parameters are views into the local flat shard
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = FSDP(block, use_orig_params=orig, device_id=torch.device("cpu"))
+    return FSDP(net, use_orig_params=orig, device_id=torch.device("cpu"))
 
 
 def _cfg(port: int, receivers: int, *extra: str) -> Any:
@@ -52,14 +59,16 @@ def _cfg(port: int, receivers: int, *extra: str) -> Any:
     )
 
 
-def _trainer(rank: int, world: int, trainer_port: int, port: int, receivers: int, tied: bool, dtype: str) -> Any:
+def _trainer(
+    rank: int, world: int, trainer_port: int, port: int, receivers: int, tied: bool, dtype: str, fsdp: str
+) -> Any:
     import faulthandler
 
     faulthandler.dump_traceback_later(WORKER_TIMEOUT_S - 10, exit=True)
     store = dist.TCPStore("127.0.0.1", trainer_port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        model = _model(tied)
+        model = _model(tied, fsdp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         extra = [f"trainer.dtype={dtype}"] if dtype != "null" else []
         driver = SyncDriver(_cfg(port, receivers, *extra), rank=rank, device=torch.device("cpu"), prefix=None)
@@ -99,25 +108,31 @@ def _receiver(index: int, port: int) -> list[bytes]:
     return asyncio.run(asyncio.wait_for(main(), WORKER_TIMEOUT_S - 20))
 
 
-def _role(role: int, world: int, trainer_port: int, port: int, receivers: int, tied: bool, dtype: str) -> Any:
+def _role(
+    role: int, world: int, trainer_port: int, port: int, receivers: int, tied: bool, dtype: str, fsdp: str
+) -> Any:
     if role < world:
-        return _trainer(role, world, trainer_port, port, receivers, tied, dtype)
+        return _trainer(role, world, trainer_port, port, receivers, tied, dtype, fsdp)
     return _receiver(role - world, port)
 
 
 @pytest.mark.parametrize(
-    "world, receivers, tied, dtype",
+    "fsdp, world, receivers, tied, dtype",
     [
-        pytest.param(2, 1, False, "null", id="2-ranks-1-receiver"),
-        pytest.param(2, 2, True, "bfloat16", id="2-ranks-2-receivers-tied-bf16"),
-        pytest.param(4, 2, True, "null", id="4-ranks-2-receivers-tied", marks=pytest.mark.slow),
+        pytest.param("fsdp2", 2, 1, False, "null", id="fsdp2-2-ranks-1-receiver"),
+        pytest.param("fsdp2", 2, 2, True, "bfloat16", id="fsdp2-2-ranks-2-receivers-tied-bf16"),
+        pytest.param("fsdp2", 4, 2, True, "null", id="fsdp2-4-ranks-2-receivers-tied", marks=pytest.mark.slow),
+        pytest.param("fsdp1", 2, 2, True, "null", id="fsdp1-2-ranks-2-receivers-tied"),
+        pytest.param("fsdp1-orig", 4, 1, False, "bfloat16", id="fsdp1-orig-4-ranks-bf16", marks=pytest.mark.slow),
+        pytest.param("fsdp1-orig", 2, 1, True, "null", id="fsdp1-orig-2-ranks-tied"),
+        pytest.param("fsdp1", 4, 2, False, "null", id="fsdp1-4-ranks-2-receivers", marks=pytest.mark.slow),
     ],
 )
-def test_every_fsdp2_rank_sends_its_shards_and_receivers_get_the_model_bitwise(
-    world: int, receivers: int, tied: bool, dtype: str
+def test_every_fsdp_rank_sends_its_shards_and_receivers_get_the_model_bitwise(
+    fsdp: str, world: int, receivers: int, tied: bool, dtype: str
 ) -> None:
     trainer_port, port = free_port(), free_port()
-    args = [(role, world, trainer_port, port, receivers, tied, dtype) for role in range(world + receivers)]
+    args = [(role, world, trainer_port, port, receivers, tied, dtype, fsdp) for role in range(world + receivers)]
     results = run_workers(_role, args, timeout_s=WORKER_TIMEOUT_S)
     expected = results[0]["expected"]
     assert len(results[0]["addresses"]) == world
