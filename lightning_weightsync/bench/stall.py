@@ -1,4 +1,5 @@
-"""Trainer stall: how long a 2-rank FSDP2 Lightning run is blocked per sync, against a raw broadcast.
+"""Trainer stall: how long a 2-rank FSDP2 Lightning run is blocked per sync, against a raw broadcast,
+and in sharded send mode (every rank sends its own shards) against the gather mode.
 
 The training loop is blocked for the whole `WeightSyncCallback` sync: every rank gathers (FSDP2
 all-gathers one full tensor at a time), rank 0 sends, all ranks agree on the outcome. The callback
@@ -107,12 +108,15 @@ def run(
         ]  # fmt: skip
         stack.enter_context(process_group(daemon_cmd, stdout=daemon_log, stderr=subprocess.STDOUT))
         rows = _train(work, common, steps, model_arg)
+        # the same, every rank sending its own shards (trainer.send_mode=sharded: no all-gather at all)
+        sharded_rows = _train(work, common, steps, model_arg, "trainer.send_mode=sharded")
         daemon_log.flush()
         # the rollout's own view: seconds from its first bucket to its commit, per version
         applied = [float(m) for m in re.findall(r"applied: .*? in ([0-9.]+) s", (work / "daemon.log").read_text())]
     nbytes = sum(p.numel() * p.element_size() for p in _model_params(model))
     stalls = [float(r["weightsync/stall_seconds"]) for r in rows]
     gather_only = [float(r["weightsync/stall_seconds"]) for r in gather_rows]
+    sharded = [float(r["weightsync/stall_seconds"]) for r in sharded_rows]
     raw = raw_broadcast_seconds(nbytes, int(bucket_mb * MiB))
     steady = stalls[1:] or stalls  # version 0 forms the group
     report = {
@@ -126,6 +130,9 @@ def run(
         "median_stall_s": _median(steady),
         "median_gather_only_s": _median(gather_only[1:] or gather_only),
         "stall_over_raw": _median(steady) / raw,
+        "sharded_stall_s": sharded,
+        "median_sharded_stall_s": _median(sharded[1:] or sharded),
+        "sharded_over_gather": _median(sharded[1:] or sharded) / _median(steady),
     }
     if json_out:
         print(json.dumps(report, indent=2))
@@ -134,7 +141,10 @@ def run(
             f"trainer stall, 2-rank FSDP2 (gloo) tiny LM of {report['model_mb']:.0f} MiB, {bucket_mb:g} MiB buckets:\n"
             f"  median stall per sync {report['median_stall_s'] * 1e3:.0f} ms; the same training with no rollout "
             f"(gather only) {report['median_gather_only_s'] * 1e3:.0f} ms\n"
-            f"  raw gloo broadcast of the same bytes {raw * 1e3:.0f} ms; stall / raw = {report['stall_over_raw']:.1f}x"
+            f"  raw gloo broadcast of the same bytes {raw * 1e3:.0f} ms; stall / raw = "
+            f"{report['stall_over_raw']:.1f}x\n"
+            f"  trainer.send_mode=sharded (every rank sends its shards, no all-gather): median stall "
+            f"{report['median_sharded_stall_s'] * 1e3:.0f} ms = {report['sharded_over_gather']:.2f} x the gather mode's"
         )
         if applied:
             print(f"  the rollout's receive (first bucket to commit), median: {_median(applied) * 1e3:.0f} ms")

@@ -131,8 +131,11 @@ def _torchrun() -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp2_by_hand", [False, True], ids=["accelerate_ddp", "fsdp2_by_hand"])
-def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool) -> None:
+@pytest.mark.parametrize(
+    "fsdp2_by_hand, mode", [(False, "gather"), (True, "gather"), (True, "sharded")],
+    ids=["accelerate_ddp", "fsdp2_by_hand", "fsdp2_by_hand-sharded"],
+)  # fmt: skip
+def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool, mode: str) -> None:
     port = free_port()
     steps, accumulate = 3, 2
     final = tmp_path / "final.safetensors"
@@ -141,7 +144,7 @@ def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool)
         "--config", str(RECIPE.with_suffix(".yaml")),
         f"transport.port={port}", "transport.timeout_s=60", f"recipe.steps={steps}",
         f"recipe.accumulate_grad_batches={accumulate}", f"recipe.fsdp2_by_hand={str(fsdp2_by_hand).lower()}",
-        f"recipe.save_final={final}",
+        f"recipe.save_final={final}", f"trainer.send_mode={mode}",
     ]  # fmt: skip
     with spawned(receiver_main, port, steps + 1, str(tmp_path)) as receiver:
         with popen(cmd, cwd=str(tmp_path)) as proc:
@@ -152,6 +155,8 @@ def test_torchrun_two_processes_to_receiver(tmp_path: Path, fsdp2_by_hand: bool)
     # one version per optimizer step (+ version 0); accumulation micro-steps add none
     assert received_versions(tmp_path) == [0, 1, 2, 3]
     assert f"{steps} steps ({steps * accumulate} micro-batches), last synced version {steps}" in out
+    # sharded: both ranks sent their own part of every version (gather mode: rank 0 alone)
+    assert out.count(f"version {steps} sent:") == (2 if mode == "sharded" else 1), out[-3000:]
     got = assert_same_weights(tmp_path / "received.safetensors", final)
     init = build_model().state_dict()
     assert sorted(got) == sorted(init)  # wrapper names (DDP's `module.`) dropped

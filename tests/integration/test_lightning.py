@@ -231,14 +231,16 @@ def _wait(proc: Any, timeout_s: float = 30) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["model_parallel", "ddp"])
+@pytest.mark.parametrize("strategy", ["model_parallel", "ddp", "model_parallel-sharded"])
 def test_two_process_run_every_step_to_receiver(tmp_path: Path, strategy: str) -> None:
     port = free_port()
     steps, accumulate = 3, 2
+    strategy, _, mode = strategy.partition("-")  # sharded: every FSDP2 rank sends its own shards
     with spawned(receiver_main, port, steps + 1, str(tmp_path)) as receiver:
         out = _train(
             tmp_path, port, f"recipe.steps={steps}", f"recipe.accumulate_grad_batches={accumulate}",
             f"recipe.save_final={tmp_path / 'final.safetensors'}", f"recipe.strategy={strategy}",
+            f"trainer.send_mode={mode or 'gather'}",
         )  # fmt: skip
         _wait(receiver)
     # every optimizer step (plus version 0), no extra sync for the accumulation micro-batches
@@ -250,6 +252,8 @@ def test_two_process_run_every_step_to_receiver(tmp_path: Path, strategy: str) -
     assert not torch.equal(final["embed.weight"], init["embed.weight"])
     assert int(final["steps_seen"]) == steps * accumulate  # an int buffer, synced too
     assert f"{steps} steps, last synced version {steps}" in out
+    # sharded: both ranks sent their own part of every version (gather mode: rank 0 alone)
+    assert out.count(f"version {steps} sent:") == (2 if mode else 1), out[-3000:]
     rows = list(csv.DictReader((next((tmp_path / "runs").rglob("metrics.csv"))).open()))
     logged = [int(float(r["weightsync/version"])) for r in rows if r.get("weightsync/version")]
     assert logged == [0, 1, 2, 3]
