@@ -188,7 +188,10 @@ def _rows(tensor: torch.Tensor, rank: int, world: int):
     return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
 
 
-def _fault_sender(rank: int, trainer_port: int, port: int, versions: list[int], die_in: int | None, flag: str) -> Any:
+def _fault_sender(
+    rank: int, trainer_port: int, port: int, versions: list[int], die_in: int | None, flag: str,
+    claim: int | None = None,
+) -> Any:  # fmt: skip
     """One trainer rank of a sharded sender group, without FSDP: it owns torch.chunk row shards."""
     from lightning_weightsync import WeightSender
     from lightning_weightsync.engine.sender import Sharding
@@ -238,7 +241,7 @@ def _fault_sender(rank: int, trainer_port: int, port: int, versions: list[int], 
                         others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
                         sharding = Sharding(0, others=others, on_members=relay)
                     else:
-                        sharding = Sharding(rank, members=tuple(relay.receive()))
+                        sharding = Sharding(rank if claim is None else claim, members=tuple(relay.receive()))
                     await sender.send_weights(mine(), version=version, sharding=sharding)
                     outcomes.append("ok")
                 except Exception as exc:
@@ -317,3 +320,33 @@ def test_a_sender_killed_mid_version_fails_it_named_nothing_half_applied_and_the
     # the survivors of the first trainer were told too (a named failure, not a hang)
     for rank in (0, 1):
         assert results[rank][0] == "ok" and results[rank][1].startswith("failed"), results[rank]
+
+
+def _lying_role(role: int, trainer_port: int, port: int) -> Any:
+    if role == FAULT_WORLD:
+        cfg = load_config(
+            overrides=[f"transport.port={port}", "transport.timeout_s=60", "rollout.identity=rollout-0",
+                       f"transport.liveness_s={LIVENESS_S}", "transport.heartbeat_interval_s=0.2"]
+        )  # fmt: skip
+
+        async def main() -> str:
+            async with WeightReceiver(cfg) as receiver:
+                try:
+                    async for _ in receiver.receive_weights():
+                        pass
+                except Exception as exc:
+                    return f"failed: {exc}"
+            return "received"
+
+        return asyncio.run(asyncio.wait_for(main(), KILL_TIMEOUT_S))
+    # rank 1 marks its buckets as sender 2's: the wire names the sender, and the stream it came on must agree
+    return _fault_sender(role, trainer_port, port, [1], None, "", claim=2 if role == 1 else None)
+
+
+def test_a_bucket_claiming_another_sender_is_rejected_and_the_version_fails() -> None:
+    trainer_port, port = free_port(), free_port()
+    results = run_workers(_lying_role, [(role, trainer_port, port) for role in range(FAULT_WORLD + 1)],
+                          timeout_s=2 * KILL_TIMEOUT_S)  # fmt: skip
+    received = results[-1]
+    assert received.startswith("failed") and "says it is from sender 2, but came from sender 1" in received, received
+    assert all(r[0].startswith("failed") for r in results[:FAULT_WORLD]), results  # every sender was nacked
