@@ -125,6 +125,19 @@ class SenderSession:
                 self.served = dict.fromkeys(self.members, version)
                 self.missing_since = None
                 return members
+            if only is not None and now - started > self.ready_timeout_s:
+                # the coordinating sender gathered these receivers, so they are alive: one that has not reached
+                # this rank by now cannot (the address it was given is not this rank's, as the rollouts see it)
+                missing = sorted(only - set(ready))
+                reason = (
+                    f"version {version}: receivers {missing} did not reach this sender at {control.address} within "
+                    f"transport.ready_timeout_s={self.ready_timeout_s}s; transport.sender_host (or "
+                    "LIGHTNING_WEIGHTSYNC_SENDER_HOST) must be this rank's address as the rollouts see it"
+                )
+                for identity in asked:
+                    with contextlib.suppress(PeerError):
+                        await control.send(identity, Abort(version, reason[:1000]))
+                raise WeightSyncTimeout(reason)
             gone = sorted(i for i in self.served if i not in control.peers)
             short = len(ready) + len(waiting) < min_receivers  # even if every registered one answers
             if short and gone and self.missing_since is None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import OmegaConf
 
-from ..errors import ProtocolError, WeightSyncError, explain
+from ..errors import ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import Plan
 from ..protocol.tiling import TilingMerger
@@ -76,7 +76,17 @@ class OtherSenders:
 
     async def _version(self, sub: WeightReceiver, version: int) -> Plan:
         """`sub`'s sender's plan for exactly `version` (it is told which receivers to wait for)."""
-        got = await sub.wait_version(wait_s=sub.timeout_s)
+        wait_s = float(self.owner.cfg.transport.ready_timeout_s)
+        try:  # the coordinator already started the version: this sender is there now, or unreachable
+            got = await sub.wait_version(wait_s=wait_s)
+        except WeightSyncTimeout as exc:
+            linked, _ = sub.sender_link()
+            why = "its version did not start" if linked else "no connection to it"
+            raise WeightSyncTimeout(
+                f"version {version}: the sender at {sub._control.address} that the coordinator listed: {why} within "
+                f"transport.ready_timeout_s={wait_s}s (is transport.sender_host that rank's address as this rollout "
+                f"sees it?): {exc}"
+            ) from None
         if got.version != version or got.senders:
             await sub._send_ack(got.version, False, f"expected version {version} of a sharded version")
             raise ProtocolError(

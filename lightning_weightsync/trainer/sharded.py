@@ -204,8 +204,8 @@ def _fsdp1_local_shards(
             continue
         if handle.world_size != world and handle.uses_sharded_strategy:
             raise ConfigError(
-                f"trainer.send_mode=sharded: an FSDP1 unit is sharded over {handle.world_size} of {world} ranks (hybrid "
-                "sharding: every replica group holds the same shards); use trainer.send_mode=gather"
+                f"trainer.send_mode=sharded: an FSDP1 unit is sharded over {handle.world_size} of {world} ranks "
+                "(hybrid sharding: every replica group holds the same shards); use trainer.send_mode=gather"
             )
         if not handle.uses_sharded_strategy and rank != 0:
             continue  # NO_SHARD: every rank holds everything; rank 0 sends it

@@ -208,7 +208,7 @@ def _fault_sender(
     cfg = load_config(
         overrides=[f"transport.port={port if rank == 0 else 0}", "transport.timeout_s=60",
                    f"transport.liveness_s={LIVENESS_S}", "transport.bucket_size_mb=0.001",
-                   "transport.direct_min_mb=0.002", "trainer.min_receivers=1"]
+                   "transport.direct_min_mb=0.002", "trainer.min_receivers=1", "transport.ready_timeout_s=3"]
     )  # fmt: skip
 
     async def main() -> list[str]:
@@ -222,7 +222,8 @@ def _fault_sender(
                 await sender.close()
                 sender = WeightSender(cfg)
                 await asyncio.sleep(0.2)
-        addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+        advertised = sender.port + 1 if claim == -1 else sender.port  # -1: tells the others a port nobody serves
+        addresses = exchange_addresses("127.0.0.1", advertised, torch.device("cpu"))
         try:
             for version in versions:
 
@@ -241,7 +242,7 @@ def _fault_sender(
                         others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
                         sharding = Sharding(0, others=others, on_members=relay)
                     else:
-                        sharding = Sharding(rank if claim is None else claim, members=tuple(relay.receive()))
+                        sharding = Sharding(rank if not claim or claim < 0 else claim, members=tuple(relay.receive()))
                     await sender.send_weights(mine(), version=version, sharding=sharding)
                     outcomes.append("ok")
                 except Exception as exc:
@@ -322,11 +323,12 @@ def test_a_sender_killed_mid_version_fails_it_named_nothing_half_applied_and_the
         assert results[rank][0] == "ok" and results[rank][1].startswith("failed"), results[rank]
 
 
-def _lying_role(role: int, trainer_port: int, port: int) -> Any:
+def _lying_role(role: int, trainer_port: int, port: int, lie: int = 2) -> Any:
     if role == FAULT_WORLD:
         cfg = load_config(
             overrides=[f"transport.port={port}", "transport.timeout_s=60", "rollout.identity=rollout-0",
-                       f"transport.liveness_s={LIVENESS_S}", "transport.heartbeat_interval_s=0.2"]
+                       f"transport.liveness_s={LIVENESS_S}", "transport.heartbeat_interval_s=0.2",
+                       "transport.ready_timeout_s=3"]
         )  # fmt: skip
 
         async def main() -> str:
@@ -340,7 +342,7 @@ def _lying_role(role: int, trainer_port: int, port: int) -> Any:
 
         return asyncio.run(asyncio.wait_for(main(), KILL_TIMEOUT_S))
     # rank 1 marks its buckets as sender 2's: the wire names the sender, and the stream it came on must agree
-    return _fault_sender(role, trainer_port, port, [1], None, "", claim=2 if role == 1 else None)
+    return _fault_sender(role, trainer_port, port, [1], None, "", claim=lie if role == 1 else None)
 
 
 def test_a_bucket_claiming_another_sender_is_rejected_and_the_version_fails() -> None:
@@ -350,3 +352,17 @@ def test_a_bucket_claiming_another_sender_is_rejected_and_the_version_fails() ->
     received = results[-1]
     assert received.startswith("failed") and "says it is from sender 2, but came from sender 1" in received, received
     assert all(r[0].startswith("failed") for r in results[:FAULT_WORLD]), results  # every sender was nacked
+
+
+def test_a_sender_the_rollouts_cannot_reach_fails_the_version_within_ready_timeout_naming_the_knob() -> None:
+    """Rank 1 advertises an address nobody serves (a wrong transport.sender_host): the receiver and rank 1
+    both fail the version within transport.ready_timeout_s (3 s here), not transport.timeout_s (60 s)."""
+    trainer_port, port = free_port(), free_port()
+    started = time.monotonic()
+    results = run_workers(_lying_role, [(role, trainer_port, port, -1) for role in range(FAULT_WORLD + 1)],
+                          timeout_s=2 * KILL_TIMEOUT_S)  # fmt: skip
+    elapsed = time.monotonic() - started
+    received = results[-1]
+    assert received.startswith("failed") and "no connection to it" in received and "sender_host" in received, received
+    assert results[1][0].startswith("failed") and "sender_host" in results[1][0], results[1]
+    assert elapsed < 40, elapsed  # process start-up included; the transfer timeout would be 60 s
