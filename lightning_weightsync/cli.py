@@ -28,7 +28,7 @@ PROG = "lightning-weightsync"
 EXIT_USAGE = 2
 
 FIX_CONFIG = f"fix the value in --config or as key=value; `{PROG} config show` prints the resolved config"
-FIX_BACKEND = "install the extra named above, or pick another transport.backend / rollout.sink.type"
+FIX_BACKEND = "install the extra named above, or pick another transport.backend / rollout.sink.type / rollout.engine"
 FIX_CONNECTION = (
     "check that the trainer is running and that transport.host / transport.port (and transport.auth_token) "
     "match on both sides"
@@ -62,15 +62,14 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from .config import SinkType, load_config
+    from .config import load_config
     from .rollout.daemon import run_daemon
+    from .rollout_engines import rollout_engine
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(args.log_level)
-    if cfg.rollout.sink.type is SinkType.vllm:  # a vLLM server that generates and receives (rollout/vllm/launch.py)
-        from .rollout.vllm.launch import launch
-
-        return launch(cfg)
+    if str(cfg.rollout.engine) != "none":  # an engine's server that generates and receives (rollout/<engine>/)
+        return rollout_engine(cfg.rollout.engine).launch(cfg)
     run_daemon(cfg, stats_path=args.stats_jsonl, dump_path=args.dump_on_exit)
     _exit_past_stuck_groups()
     return 0
@@ -112,7 +111,9 @@ SINK_HELP = f"""sinks (rollout.sink.type=...; docs/configuration.md has every kn
   safetensors  write <dir>/step_<version>.safetensors (or checkpoint directories):
                rollout.sink.dir=DIR [rollout.sink.keep_last=3] [rollout.sink.template_dir=HF_DIR]
   callable     hand each version to your function: rollout.sink.target=package.module:function
-  vllm         exec `vllm serve` that receives every version: rollout.sink.target=MODEL
+rollout engines (rollout.engine=...; instead of the daemon, a server whose workers receive themselves):
+  vllm         exec `vllm serve` that receives every version: vllm.model=MODEL [vllm.serve_args=[...]]
+  sglang       exec SGLang's launch_server with our weight loader: sglang.model=MODEL [sglang.serve_args=[...]]
 
 example: {PROG} rollout --config recipe.yaml rollout.sink.type=safetensors rollout.sink.dir=/tmp/versions
 """  # config.SinkType's members, each with what it needs (a test keeps the two in step)

@@ -24,6 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import ConfigError
 from .protocol.messages import MAX_IDENTITY_LEN
+from .rollout_engines import ROLLOUT_ENGINES
 from .transport.backends import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -54,13 +55,17 @@ class ApplyMode(Choice):
 
 
 class SinkType(Choice):
-    """`rollout.sink.type`: where a rollout puts each version (`rollout/sinks/`, registered under these
-    names; `vllm` is served by the vLLM integration in `rollout/vllm/`)."""
+    """`rollout.sink.type`: where a rollout daemon puts each version (`rollout/sinks/`, registered under
+    these names). A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
 
     module = "module"
     safetensors = "safetensors"
-    vllm = "vllm"
     callable = "callable"
+
+
+# Like BackendName: the engines are named once, by `register_rollout_engine` (rollout_engines.py).
+RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
+RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
 
 
 # `raise` is a keyword, hence the functional form: the member's name must equal its value, because
@@ -92,6 +97,14 @@ class PauseMode(Choice):
     abort = "abort"
     wait = "wait"
     keep = "keep"
+
+
+class SGLangPauseMode(Choice):
+    """`sglang.pause_mode`: SGLang's `/pause_generation` modes (io_struct.py `PauseGenerationReqInput`)."""
+
+    abort = "abort"
+    retract = "retract"
+    in_place = "in_place"
 
 
 CAST_DTYPES = tuple(d.value for d in CastDtype)
@@ -220,6 +233,9 @@ class SinkConfig:
 class RolloutConfig:
     """The rollout daemon."""
 
+    engine: RolloutEngineName = RolloutEngineName["none"]  # type: ignore[valid-type]
+    """none: the daemon receives into rollout.sink; vllm | sglang: `lightning-weightsync rollout` starts that
+    engine's server, whose workers receive by themselves (configured in the engine's section)."""
     apply: ApplyMode = ApplyMode.atomic
     """atomic: visible once whole; streaming: written in place as it arrives (lowest memory)."""
     sink: SinkConfig = field(default_factory=SinkConfig)
@@ -249,9 +265,28 @@ class VLLMConfig:
     request_timeout_s: float = 600.0
     """Seconds: bound on each HTTP call to a vLLM server (update_weights spans the whole transfer)."""
     model: str | None = None
-    """Rollout side: the model `vllm serve` serves; null = rollout.sink.target."""
+    """Rollout side: the model `vllm serve` serves."""
     serve_args: list[str] = field(default_factory=list)
     """Rollout side: extra `vllm serve` arguments, e.g. ["--port", "8000", "--tensor-parallel-size", "2"]."""
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang rollouts: the servers the trainer drives (trainer side) and the server the launcher starts."""
+
+    urls: list[str] = field(default_factory=list)
+    """Trainer side: base URLs of the SGLang servers driven around every version; [] = none."""
+    pause_mode: SGLangPauseMode = SGLangPauseMode.retract
+    """What SGLang does with running requests while a version loads: abort | retract | in_place (retract:
+    they re-prefill on the new weights; in_place keeps their old KV, so the cache is not flushed)."""
+    flush_cache: bool = True
+    """After each version, flush the KV/radix cache computed with the old weights (not with in_place)."""
+    request_timeout_s: float = 600.0
+    """Seconds: bound on each HTTP call to an SGLang server (the update itself spans the whole transfer)."""
+    model: str | None = None
+    """Rollout side: the model SGLang serves (its --model-path)."""
+    serve_args: list[str] = field(default_factory=list)
+    """Rollout side: extra `python -m sglang.launch_server` arguments, e.g. ["--port", "30000", "--tp-size", "2"]."""
 
 
 @dataclass
@@ -260,6 +295,7 @@ class WeightSyncConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     recipe: dict[str, Any] = field(default_factory=dict)
     """A recipe script's own knobs (steps, lr, ...): free-form here, validated by that script's schema at
     start-up (`examples/recipe.py`), so one recipe YAML serves the trainer script and the rollout CLI."""
@@ -608,11 +644,17 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
     _check_identity(ro.identity)
     _check_token_knobs(t)
-    _positive("vllm.request_timeout_s", cfg.vllm.request_timeout_s)
-    for url in cfg.vllm.urls:
-        if not str(url).startswith(("http://", "https://")):
-            raise ConfigError(f"vllm.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
+    for name in ROLLOUT_ENGINES:
+        _check_engine_section(name, cfg[name])
     _check_bounds(cfg)
+
+
+def _check_engine_section(name: str, section: Any) -> None:
+    """The knobs every rollout engine's section has: its servers' URLs and the bound on one request."""
+    _positive(f"{name}.request_timeout_s", section.request_timeout_s)
+    for url in section.urls:
+        if not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"{name}.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
 
 
 def _check_identity(identity: str | None) -> None:

@@ -233,7 +233,7 @@ def test_bad_factory_path_in_a_real_daemon_process(tmp_path: Path) -> None:
             r"invalid config keys transport\.prot \(did you mean transport\.port\?\), rollout\.nope: not fields",
         ),
         # the launcher execs `vllm serve`; without vLLM it names the extra
-        (["rollout", "rollout.sink.type=vllm", "vllm.model=m"], r"no `vllm` executable.*lightning_weightsync\[vllm\]"),
+        (["rollout", "rollout.engine=vllm", "vllm.model=m"], r"no `vllm` executable.*lightning_weightsync\[vllm\]"),
     ],
 )
 def test_config_errors_are_one_line_with_a_fix(argv: list[str], pattern: str, capsys: pytest.CaptureFixture) -> None:
@@ -244,13 +244,17 @@ def test_config_errors_are_one_line_with_a_fix(argv: list[str], pattern: str, ca
 def test_rollout_help_lists_every_sink_type_with_what_it_needs(capsys: pytest.CaptureFixture) -> None:
     """Issue 25 item 9: `rollout --help` named no sink type, so a new user could not find the knobs."""
     from lightning_weightsync.config import SinkType
+    from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
 
     with pytest.raises(SystemExit):
         cli.main(["rollout", "--help"])
     text = capsys.readouterr().out
-    sinks = text.split("sinks (rollout.sink.type", 1)[-1].split("\nexample")[0].splitlines()[1:]
+    sinks = text.split("sinks (rollout.sink.type", 1)[-1].split("\nrollout engines")[0].splitlines()[1:]
     listed = {line.split()[0] for line in sinks if line.strip() and line[2:3] != " "}  # one line starts each
     assert listed == {t.value for t in SinkType}, text
+    engines = text.split("\nrollout engines", 1)[-1].split("\nexample")[0].splitlines()[1:]
+    listed = {line.split()[0] for line in engines if line.strip() and line[2:3] != " "}
+    assert listed == set(ROLLOUT_ENGINES), text  # every registered engine, with what it needs
     for knob in ("rollout.sink.factory=", "rollout.sink.dir=", "rollout.sink.target="):
         assert knob in text, knob
 

@@ -1,6 +1,11 @@
 """The package tree is the architecture: an import only ever points down the layers.
 
-    errors <- protocol <- transport <- config <- engine <- trainer | rollout <- examples <- bench <- cli, __init__
+    errors <- protocol | rollout_engines <- transport <- config <- engine <- trainer | rollout <- examples <- bench
+        <- cli, __init__
+
+`rollout_engines` names the rollout engines by module path; the trainer loads an engine's
+`rollout/<engine>/client.py` through it, and those client modules import nothing of the rollout layer
+(tests/unit/test_rollout_engines.py).
 
 `config` sits above `transport` because validation asks the backend registry which names exist.
 Trainer and rollout never import each other; they meet only through the engine and the wire. Every
@@ -23,6 +28,7 @@ PKG = "lightning_weightsync"
 # layer of each top-level name under the package; equal numbers are siblings that must not import each other
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "rollout_engines": 1,  # the engine registry: names and module paths, imported by config and trainer
     "protocol": 1,
     "transport": 2,
     "config": 3,

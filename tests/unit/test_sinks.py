@@ -510,14 +510,17 @@ def test_load_callable_resolves_dotted_attributes() -> None:
 
 
 def test_every_daemon_sink_type_is_registered_once() -> None:
-    """`rollout.sink.type` choices and the sink registry cannot drift: every choice but `vllm` (served by
-    vLLM's own workers, not the daemon) has exactly one registered class."""
+    """`rollout.sink.type` choices and the sink registry cannot drift: every choice has exactly one
+    registered class, and a rollout engine is no sink type (it is `rollout.engine`, with no special case
+    here)."""
     from lightning_weightsync.config import SinkType
     from lightning_weightsync.rollout.sinks import SINKS
+    from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
 
-    assert set(SINKS) == set(SinkType) - {SinkType.vllm}
-    with pytest.raises(ConfigError, match=r"rollout\.sink\.type=vllm is not a daemon sink"):
-        build_sink(load_config(overrides=["rollout.sink.type=vllm"]))
+    assert set(SINKS) == set(SinkType)
+    assert not set(ROLLOUT_ENGINES) & {t.value for t in SinkType}
+    with pytest.raises(ConfigError, match=r"rollout\.sink\.type"):
+        load_config(overrides=["rollout.sink.type=vllm"])
 
 
 def test_only_sinks_that_hold_tensors_offer_a_snapshot() -> None:

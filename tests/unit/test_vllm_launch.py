@@ -1,4 +1,4 @@
-"""`lightning-weightsync rollout rollout.sink.type=vllm`: the `vllm serve` command it execs."""
+"""`lightning-weightsync rollout rollout.engine=vllm`: the `vllm serve` command it execs."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ def test_serve_command_selects_our_engine_dev_routes_and_config() -> None:
                     '{"backend": "lightning_weightsync"}', "--port", "8001", "--tensor-parallel-size", "2"]  # fmt: skip
     assert json.loads(argv[4]) == {"backend": "lightning_weightsync"}
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "LIGHTNING_WEIGHTSYNC_CONFIG": "/tmp/sync.yaml"}
-    # rollout.sink.target is the fallback model
-    assert serve_command(load_config(overrides=["rollout.sink.target=m"]), "p")[0][2] == "m"
 
 
 def test_serve_command_refuses_no_model_and_a_second_weight_transfer_config() -> None:

@@ -115,7 +115,7 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
 
 
 def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path) -> None:
-    """`lightning-weightsync rollout rollout.sink.type=vllm` replaces itself with `vllm serve` (a recording
+    """`lightning-weightsync rollout rollout.engine=vllm` replaces itself with `vllm serve` (a recording
     stand-in executable named `vllm` first on PATH; the real one needs a GPU)."""
     import os
     import subprocess
@@ -130,7 +130,7 @@ def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path
     )
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    cmd = [sys.executable, "-m", "lightning_weightsync.cli", "rollout", "rollout.sink.type=vllm", "vllm.model=m",
+    cmd = [sys.executable, "-m", "lightning_weightsync.cli", "rollout", "rollout.engine=vllm", "vllm.model=m",
            "vllm.serve_args=[--port,8123]", "transport.port=29777"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

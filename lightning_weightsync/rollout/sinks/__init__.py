@@ -2,12 +2,11 @@
 
 - `module`: a live torch module built by `rollout.sink.factory` (loaded in place);
 - `safetensors`: `<rollout.sink.dir>/step_<version>.safetensors`, the last `keep_last` kept;
-- (`vllm` is not a daemon sink: `lightning-weightsync rollout rollout.sink.type=vllm` starts a vLLM
-  server whose workers receive themselves, see `rollout/vllm/launch.py`);
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
 Each sink registers itself under its `SinkType` with `@register_sink` (base.py); `build_sink(cfg)`
-reads that registry, and a unit test keeps it equal to the `SinkType` choices.
+reads that registry, and a unit test keeps it equal to the `SinkType` choices. (A rollout engine such
+as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines.py`.)
 """
 
 from __future__ import annotations
@@ -25,12 +24,6 @@ def build_sink(cfg: DictConfig) -> Sink:
     kind = SinkType(cfg.rollout.sink.type)
     cls = SINKS.get(kind)
     if cls is None:
-        if kind is SinkType.vllm:
-            raise ConfigError(
-                "rollout.sink.type=vllm is not a daemon sink: vLLM workers receive by themselves through the "
-                "lightning_weightsync weight-transfer engine; start them with `lightning-weightsync rollout "
-                "rollout.sink.type=vllm ...` (docs/backends.md)"
-            )
         raise ConfigError(f"rollout.sink.type={kind} has no sink; choose one of: {', '.join(map(str, SINKS))}")
     return cls(cfg)
 

@@ -12,9 +12,9 @@ an engine-core `collective_rpc`:
     shutdown_weight_transfer_engine()/exit -> shutdown
 
 Between two versions the worker generates; nothing of ours blocks it. Our `WeightReceiver` lives
-on its own asyncio loop in a daemon thread (`_LoopThread`), so it keeps its ZeroMQ registration and
-heartbeats alive while the worker is busy; `receive_weights` runs exactly one version, pulling
-merged tensors from that loop and handing them to `model.load_weights` one at a time on the
+on its own asyncio loop in a daemon thread (`LoopThread`, `rollout/engine_worker.py`), so it keeps
+its ZeroMQ registration and heartbeats alive while the worker is busy; `receive_weights` runs exactly
+one version, pulling merged tensors from that loop and handing them to `model.load_weights` one at a time on the
 worker's thread (vLLM's own name mapping, fusing and tensor-parallel sharding apply). On GPU the
 buckets are on the worker's device (`transport.device` = the engine's `device`), so nothing makes
 a host hop. Memory beyond the model: two buckets, taken when the engine is built (before vLLM sizes
@@ -26,29 +26,21 @@ update_weights (running while our sender broadcasts) -> finish_weight_update(wei
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import queue
-import socket
-import threading
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from ...errors import ConfigError, SinkError
-from ...protocol.chunks import TensorMeta
-from ...transport.device import handoff
-from ..consume import Call, consume_version
+from ..consume import consume_version
+from ..engine_worker import CONFIG_ENV, LoopThread, ModelLoadSink, worker_identity, worker_rank
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CONFIG_ENV = "LIGHTNING_WEIGHTSYNC_CONFIG"
-"""Path of the weightsync YAML the engine reads in every vLLM worker (`launch.py` sets it)."""
 BACKEND_NAME = "lightning_weightsync"
 """The name registered with vLLM's `WeightTransferEngineFactory` (`--weight-transfer-config`)."""
 
@@ -111,119 +103,6 @@ class UpdateInfo:
     timeout_s: float | None = None
 
 
-class _LoopThread:
-    """An asyncio loop in a daemon thread, so the receiver heartbeats while the worker generates."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._device = device
-        self._thread = threading.Thread(target=self._run, name="weightsync-loop", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # buckets and broadcasts default to the worker's GPU
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def run_here(self, make: Callable[[Call], Coroutine[Any, Any, T]]) -> T:
-        """Run `make(call)` on the loop; the sink methods it `await call(...)`s run on this thread.
-
-        The receive loop needs the event loop (sockets, heartbeats, the pipeline), while vLLM's model
-        may only be touched from the worker thread that called us: this thread serves those calls
-        until the coroutine is done."""
-        Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[], None], Future[Any]]
-        jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-
-        async def call(fn: Callable[..., Any], *args: Any) -> Any:
-            job: Future[Any] = Future()
-            jobs.put((fn, args, handoff(args), job))  # the tensors are ready on vLLM's stream before use
-            return await asyncio.wrap_future(job)
-
-        done = asyncio.run_coroutine_threadsafe(make(call), self.loop)
-        done.add_done_callback(lambda _: jobs.put(None))
-        while (item := jobs.get()) is not None:
-            fn, args, adopt, job = item
-            if not job.set_running_or_notify_cancel():
-                continue
-            try:
-                adopt()
-                job.set_result(fn(*args))
-            except BaseException as exc:
-                job.set_exception(exc)
-        return done.result()
-
-    def cancel_all(self, timeout_s: float = 10.0) -> None:
-        async def cancel() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.call(cancel(), timeout_s)
-        except Exception as exc:  # best effort: tearing down
-            logger.debug("cancelling the receiver's tasks: %s", exc)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-class ModelLoadSink:
-    """The shared receive loop's sink for a vLLM worker: each tensor goes to `model.load_weights`
-    (vLLM's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
-    version is whole only when the loop commits, and `touched` says whether a failed one reached
-    the model. `expected`: the version the trainer announced; another one arriving is refused (a
-    stale or foreign sender) and drained."""
-
-    def __init__(self, model: torch.nn.Module, expected: int | None) -> None:
-        self.model = model
-        self.expected = expected
-        self.touched = False
-
-    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
-        if self.expected is not None and version != self.expected:
-            raise SinkError(f"the trainer announced version {self.expected} but version {version} arrived")
-
-    def destination(self, meta: TensorMeta) -> torch.Tensor | None:
-        return None  # load_weights copies (and shards) from a whole tensor
-
-    def accept(self, name: str, tensor: torch.Tensor) -> None:
-        self.touched = True
-        try:
-            self.model.load_weights([(name, tensor)])
-        except Exception as exc:
-            raise SinkError(f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}") from exc
-
-    def commit(self, version: int) -> None:
-        """Nothing staged: the tensors are in the model (vLLM's finish_weight_update post-processes)."""
-
-    def abort(self, version: int, reason: str) -> None:
-        """The engine repairs the model on its own thread (`_abandon_layerwise_reload`)."""
-
-
-def worker_rank() -> int:
-    """This worker's rank in vLLM's world group (0 when torch.distributed is not up)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return 0
-
-
-def worker_identity(base: str | None, rank: int) -> str:
-    """`<rollout.identity or hostname>-<pid>-w<rank>`: unique per worker process, also across servers
-    on one host and across servers started from one YAML with one `rollout.identity` (the pid is the
-    worker's own), so two workers never register under one name."""
-    return f"{base or socket.gethostname()}-{os.getpid()}-w{rank}"
-
-
 class WeightSyncEngineBody:
     """Everything the `lightning_weightsync` vLLM engine does; `engine.py` mixes it in front of
     vLLM's `WeightTransferEngine`, whose `__init__` sets `config`, `vllm_config`, `device`,
@@ -249,7 +128,7 @@ class WeightSyncEngineBody:
         self.version: int | None = None  # the version the model holds, when whole
         self.incomplete = False  # a version broke after it touched the model
         self.last_report: dict[str, Any] = {}
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._receiver: Any = None
         self._reload_active = False
         self.identity: str | None = None
@@ -344,7 +223,7 @@ class WeightSyncEngineBody:
         if not self._config_path and not overrides:
             raise ConfigError(
                 f"lightning_weightsync engine: no config; set ${CONFIG_ENV} to the weightsync YAML in the "
-                "environment of `vllm serve` (`lightning-weightsync rollout rollout.sink.type=vllm` does it)"
+                "environment of `vllm serve` (`lightning-weightsync rollout rollout.engine=vllm` does it)"
             )
         cfg = load_config(self._config_path or None, overrides)
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
@@ -353,7 +232,7 @@ class WeightSyncEngineBody:
             base=cfg,
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
-        loop = _LoopThread(device)
+        loop = LoopThread(device)
         receiver = WeightReceiver(cfg, preallocate=True)  # the slots before vLLM sizes its KV cache
         try:
             loop.call(receiver.start(), timeout_s=float(cfg.transport.timeout_s))
@@ -422,6 +301,7 @@ __all__ = [
     "CONFIG_ENV",
     "INIT_OVERRIDES",
     "InitInfo",
+    "ModelLoadSink",
     "UpdateInfo",
     "WeightSyncEngineBody",
     "check_init_overrides",

@@ -1,0 +1,151 @@
+"""What every rollout engine's receiving worker shares (vLLM's engine, SGLang's weight loader).
+
+An engine's worker owns the model on its own thread and calls us there: vLLM's GPU worker in its
+`collective_rpc`, SGLang's scheduler in `update_weights_from_tensor`. Our `WeightReceiver` lives on its
+own asyncio loop in a daemon thread (`LoopThread`), so it keeps its ZeroMQ registration and heartbeats
+alive while the worker generates; a version runs the shared receive loop (`rollout/consume.py`) on that
+loop, and each merged tensor is handed back to the worker's thread for `model.load_weights`
+(`ModelLoadSink`): the engine's own name mapping, fusing and tensor-parallel sharding apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import SinkError
+from ..protocol.chunks import TensorMeta
+from ..transport.device import handoff
+from .consume import Call
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CONFIG_ENV = "LIGHTNING_WEIGHTSYNC_CONFIG"
+"""Path of the weightsync YAML the receiver reads in every engine worker (the engine's launcher sets it)."""
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, so the receiver heartbeats while the worker generates."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._device = device
+        self._thread = threading.Thread(target=self._run, name="weightsync-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # buckets and broadcasts default to the worker's GPU
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def run_here(self, make: Callable[[Call], Coroutine[Any, Any, T]]) -> T:
+        """Run `make(call)` on the loop; the sink methods it `await call(...)`s run on this thread.
+
+        The receive loop needs the event loop (sockets, heartbeats, the pipeline), while the engine's model
+        may only be touched from the worker thread that called us: this thread serves those calls
+        until the coroutine is done."""
+        Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[], None], Future[Any]]
+        jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+
+        async def call(fn: Callable[..., Any], *args: Any) -> Any:
+            job: Future[Any] = Future()
+            jobs.put((fn, args, handoff(args), job))  # the tensors are ready on the worker's stream before use
+            return await asyncio.wrap_future(job)
+
+        done = asyncio.run_coroutine_threadsafe(make(call), self.loop)
+        done.add_done_callback(lambda _: jobs.put(None))
+        while (item := jobs.get()) is not None:
+            fn, args, adopt, job = item
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                adopt()
+                job.set_result(fn(*args))
+            except BaseException as exc:
+                job.set_exception(exc)
+        return done.result()
+
+    def cancel_all(self, timeout_s: float = 10.0) -> None:
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.call(cancel(), timeout_s)
+        except Exception as exc:  # best effort: tearing down
+            logger.debug("cancelling the receiver's tasks: %s", exc)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class ModelLoadSink:
+    """The shared receive loop's sink for an engine worker: each tensor goes to `model.load_weights`
+    (the engine's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
+    version is whole only when the loop commits, and `touched` says whether a failed one reached
+    the model. `expected`: the version the trainer announced; another one arriving is refused (a
+    stale or foreign sender) and drained."""
+
+    def __init__(self, model: torch.nn.Module, expected: int | None) -> None:
+        self.model = model
+        self.expected = expected
+        self.touched = False
+
+    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
+        if self.expected is not None and version != self.expected:
+            raise SinkError(f"the trainer announced version {self.expected} but version {version} arrived")
+
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        return None  # load_weights copies (and shards) from a whole tensor
+
+    def accept(self, name: str, tensor: torch.Tensor) -> None:
+        self.touched = True
+        try:
+            self.model.load_weights([(name, tensor)])
+        except Exception as exc:
+            raise SinkError(f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}") from exc
+
+    def commit(self, version: int) -> None:
+        """Nothing staged: the tensors are in the model (the engine post-processes when its session ends)."""
+
+    def abort(self, version: int, reason: str) -> None:
+        """The engine repairs the model on its own thread (`_abandon_layerwise_reload`)."""
+
+
+def worker_rank() -> int:
+    """This worker's rank in the engine's default process group (vLLM: its world; SGLang: the TP group of
+    a dp_size 1 server); 0 when torch.distributed is not up."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def worker_identity(base: str | None, rank: int) -> str:
+    """`<rollout.identity or hostname>-<pid>-w<rank>`: unique per worker process, also across servers
+    on one host and across servers started from one YAML with one `rollout.identity` (the pid is the
+    worker's own), so two workers never register under one name."""
+    return f"{base or socket.gethostname()}-{os.getpid()}-w{rank}"
+
+
+__all__ = ["CONFIG_ENV", "LoopThread", "ModelLoadSink", "worker_identity", "worker_rank"]

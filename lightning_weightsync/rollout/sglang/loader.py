@@ -1,0 +1,129 @@
+"""SGLang's custom weight loader: one version from our sender into `model.load_weights`, on each TP rank.
+
+SGLang runs it as `load_weights(model, named_tensors)` on every TP rank's scheduler thread when the
+trainer posts `/update_weights_from_tensor` with `load_format` set to this function's import path (the
+server must list it in `--custom-weight-loader`; `launch.py` does). `named_tensors` is the empty list
+the trainer sent: the bytes come over our data plane instead. The first call starts this rank's
+`WeightReceiver` from `$LIGHTNING_WEIGHTSYNC_CONFIG` (SGLang imports the loader only then, so the first
+version waits, within transport.timeout_s, for every rank to register); it stays registered, with its
+heartbeats on its own loop thread, while the scheduler generates. Each call runs exactly one version
+through the shared receive loop (`rollout/consume.py`); tensors are handed back to this thread one at
+a time (`ModelLoadSink`), so memory beyond the model is two buckets plus one merged tensor, and SGLang's
+own name mapping and TP sharding apply. The model holds exactly what the trainer sent (bitwise).
+
+Never raises: SGLang dispatches this call without an exception handler and quits the server on one
+(scheduler.py:2253, 6370-6373). A failed version is logged and nacked with its reason (the trainer's
+error names it); the trainer then closes the session and marks the weight version incomplete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+from ..consume import consume_version
+from ..engine_worker import CONFIG_ENV, LoopThread, ModelLoadSink, worker_identity, worker_rank
+
+logger = logging.getLogger(__name__)
+
+
+class RankReceiver:
+    """This TP rank's receiver and its loop thread, started once per process."""
+
+    def __init__(self, device: torch.device, config_path: str | None = None) -> None:
+        from ...config import load_config
+        from ...engine.receiver import WeightReceiver
+
+        path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
+        if not path:
+            raise ConfigError(
+                f"lightning_weightsync SGLang loader: ${CONFIG_ENV} is not set in the server's environment; start "
+                "it with `lightning-weightsync rollout rollout.engine=sglang ...`"
+            )
+        cfg = load_config(path)
+        self.rank = worker_rank()
+        self.identity = worker_identity(cfg.rollout.identity, self.rank)
+        overrides = [f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"]
+        cfg = load_config(base=cfg, overrides=overrides)
+        self.loop = LoopThread(device)
+        self.receiver = WeightReceiver(cfg, preallocate=True)
+        try:
+            self.loop.call(self.receiver.start(), timeout_s=float(cfg.transport.timeout_s))
+        except BaseException:
+            self.loop.stop()
+            raise
+        self.version: int | None = None  # the version the model holds, when whole
+        self.last_report: dict[str, Any] = {}
+        logger.info("lightning_weightsync SGLang loader: rank %d is %s on %s", self.rank, self.identity, device)
+
+    def receive_into(self, model: torch.nn.Module) -> bool:
+        """One version into `model`; True when it was loaded whole."""
+        sink = ModelLoadSink(model, None)  # SGLang passes no version: whichever the sender sends next
+        try:
+            record = self.loop.run_here(lambda call: consume_version(self.receiver, sink, call=call))
+        except Exception as exc:
+            version = self.receiver.version
+            self.last_report = {"ok": False, "version": version, "error": str(exc), "touched": sink.touched}
+            logger.error(
+                "%s: version %s failed (%s)%s", self.identity, self.receiver.version, exc,
+                "; the model holds part of it until the next version" if sink.touched else "",
+            )  # fmt: skip
+            return False
+        self.version = record.version
+        self.last_report = {"ok": True, "version": record.version, "nbytes": record.nbytes, "seconds": record.seconds}
+        logger.info(
+            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
+            self.identity, record.version, record.num_tensors, record.nbytes / 1e6, record.seconds,
+        )  # fmt: skip
+        return True
+
+    def close(self) -> None:
+        self.loop.cancel_all()
+        try:
+            self.loop.call(self.receiver.close(), timeout_s=30)
+        except Exception as exc:  # best effort: the server is going away
+            logger.warning("closing the weight receiver failed: %s", exc)
+        self.loop.stop()
+
+
+_rank: RankReceiver | None = None
+_lock = threading.Lock()
+
+
+def rank_receiver(device: torch.device) -> RankReceiver:
+    """This process's receiver (one per TP rank: SGLang runs a scheduler process per rank)."""
+    global _rank
+    with _lock:
+        if _rank is None:
+            _rank = RankReceiver(device)
+        return _rank
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def load_weights(model: torch.nn.Module, named_tensors: Sequence[Any]) -> None:
+    """SGLang's custom-loader signature (`loader(model, named_tensors)`): receive one version into `model`."""
+    if len(named_tensors):
+        logger.error(
+            "lightning_weightsync SGLang loader: got %d tensors over SGLang's own path; this loader receives from "
+            "the trainer's sender only (send an empty list); ignored",
+            len(named_tensors),
+        )
+        return
+    try:
+        rank_receiver(_device(model)).receive_into(model)
+    except Exception:  # never into SGLang's scheduler loop (see the module docstring)
+        logger.exception("lightning_weightsync SGLang loader: the receiver could not start; no version loaded")
+
+
+__all__ = ["RankReceiver", "load_weights", "rank_receiver"]

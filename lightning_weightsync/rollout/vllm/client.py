@@ -1,0 +1,234 @@
+"""The trainer side of vLLM rollouts: each version's update session over vLLM's own API.
+
+vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/online/api_router.py for
+`vllm serve`, `LLM` / `AsyncLLM` methods in process). Each server's workers run our engine
+(`engine.py`), whose `receive_weights` takes one version from our sender. Per version
+(`trainer/rollout_control.py` runs the steps on every rollout at once):
+
+    POST /pause?mode=<vllm.pause_mode>                         (generation stops stepping)
+    POST /start_weight_update
+    POST /update_weights {"update_info": {"version": v}}       <- in a thread: it returns when the
+                                                                  workers received our broadcast
+    POST /finish_weight_update {"weight_version": "v"}         (vLLM records the version)
+    POST /reset_prefix_cache                                   (blocks computed with old weights)
+    POST /resume                                               (always, also after any failure)
+
+The rollout layer's trainer half: it imports nothing of the rollout side (the trainer loads it by path
+through `rollout_engines.py`), talks HTTP with the standard library and never imports vLLM (in-process
+engines are duck-typed, see `EngineRolloutClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ...config import PauseMode
+from ...errors import PeerError
+from ...transport.http import JSONEndpoint
+
+logger = logging.getLogger(__name__)
+
+ENGINE = "vLLM"  # how errors name it
+TIMEOUT_KNOB = "vllm.request_timeout_s"
+
+
+def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
+    """One client per `vllm.urls` (the registry's entry point for the trainer side)."""
+    v = cfg.vllm
+    mode, reset, timeout_s = PauseMode(v.pause_mode), bool(v.reset_prefix_cache), float(v.request_timeout_s)
+    return [HTTPRolloutClient(str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset) for u in v.urls]
+
+
+class _PrefixCacheReset:
+    """After a version: drop KV computed with the previous weights. Under `keep` the paused requests still
+    hold their blocks, and vLLM resets only when no running request holds any (scheduler.py
+    `reset_prefix_cache`): they are preempted (`reset_running_requests`) and re-prefilled with the new
+    weights, which costs their prefill again but is the only way their next tokens are on-policy. Under
+    `abort` and `wait` nothing runs at this point and a plain reset suffices."""
+
+    name: str
+    pause_mode: PauseMode
+    reset_prefix_cache: bool
+
+    def _reset(self, reset_running_requests: bool) -> bool:
+        raise NotImplementedError
+
+    def after_update(self, version: int) -> None:
+        if not self.reset_prefix_cache:
+            return
+        running = self.pause_mode is PauseMode.keep
+        try:
+            if not self._reset(running):
+                logger.warning(
+                    "vLLM rollout %s: the prefix cache was not reset after version %d (blocks still held, "
+                    "pause_mode=%s); cached prefixes may reuse KV computed with the previous weights",
+                    self.name,
+                    version,
+                    self.pause_mode,
+                )
+        except Exception as exc:  # cache hygiene is not worth failing a delivered version
+            logger.warning("vLLM rollout %s: resetting the prefix cache failed: %s", self.name, exc)
+
+
+class HTTPRolloutClient(_PrefixCacheReset):
+    """`vllm serve` (started with VLLM_SERVER_DEV_MODE=1, which registers the RL and cache routes).
+
+    Routes and bodies as vLLM 0.33.0 defines them: `/pause` takes `mode` as a query parameter;
+    `/update_weights` a JSON body `{"update_info": {...}}`; `/finish_weight_update` an optional
+    `{"weight_version": "<str>"}`; `/reset_prefix_cache` answers `{"success": bool}`.
+    """
+
+    engine = ENGINE
+    timeout_knob = TIMEOUT_KNOB
+
+    def __init__(
+        self, url: str, timeout_s: float, *, pause_mode: PauseMode = PauseMode.keep, reset_prefix_cache: bool = True
+    ) -> None:
+        self.http = JSONEndpoint(url, timeout_s, label="vLLM rollout", timeout_knob=TIMEOUT_KNOB, urls_knob="vllm.urls")
+        self.url = self.name = self.http.url
+        self.timeout_s = timeout_s
+        self.pause_mode = PauseMode(pause_mode)
+        self.reset_prefix_cache = reset_prefix_cache
+        self._weight_version: str | None = None
+
+    def pause(self) -> None:
+        self.http.request("/pause", query={"mode": str(self.pause_mode)})
+
+    def start_update(self) -> None:
+        self.http.request("/start_weight_update")
+
+    def update(self, version: int, receive_timeout_s: float | None) -> None:
+        # vLLM answers when every worker received the whole version: the request lasts the transfer, which
+        # vllm.request_timeout_s must not cap. Bounded elsewhere: each worker's receive by transport.timeout_s
+        # (update_info.timeout_s), the trainer's wait by RolloutControl (request_timeout_s after the send).
+        info: dict[str, Any] = {"version": version}
+        if receive_timeout_s is not None:
+            info["timeout_s"] = receive_timeout_s
+        self.http.request("/update_weights", {"update_info": info}, uncapped=True)
+
+    def finish_update(self, weight_version: str | None) -> None:
+        self.http.request(
+            "/finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None
+        )
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def _reset(self, reset_running_requests: bool) -> bool:
+        query = {"reset_running_requests": "true"} if reset_running_requests else None
+        answer = self.http.request("/reset_prefix_cache", query=query)
+        return bool(answer.get("success")) if isinstance(answer, dict) else False
+
+    def verify(self, version: int) -> None:
+        """vLLM reports no weight_version over HTTP in 0.33.0 (only in process): the finish call's success
+        is the evidence; issue 22 adds content checks here."""
+
+    def resume(self) -> None:
+        self.http.request("/resume")
+
+    def weight_version(self) -> str | None:
+        """The version this client last finished (vLLM 0.33.0 has no HTTP route that reports it)."""
+        return self._weight_version
+
+    def workers(self) -> int | None:
+        """How many workers (each one receiver) the server runs: vLLM's `GET /get_world_size`
+        (TP x PP x PCP x DP with `include_dp`, an RL route like the weight-update ones); None when it
+        does not say."""
+        answer = self.http.request("/get_world_size", query={"include_dp": "true"}, method="GET")
+        size = answer.get("world_size") if isinstance(answer, dict) else None
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+@dataclass
+class _UpdateRequest:
+    """The shape of vLLM's `WeightTransferUpdateRequest` (its one field), used when vLLM's own class
+    cannot be imported; `LLM.update_weights` and `AsyncLLM.update_weights` both read `.update_info`."""
+
+    update_info: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineRolloutClient(_PrefixCacheReset):
+    """An in-process `vllm.LLM` or `vllm.v1.engine.async_llm.AsyncLLM`.
+
+    `AsyncLLM` methods are coroutines bound to the loop the engine runs on: pass that `loop` (this
+    client is called from the trainer's thread). `LLM` has no pause: it only generates inside your
+    own `generate()` calls, so do not call those while a version is sent.
+    """
+
+    engine = ENGINE
+    timeout_knob = TIMEOUT_KNOB
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        name: str | None = None,
+        timeout_s: float = 600.0,
+        pause_mode: PauseMode = PauseMode.keep,
+        reset_prefix_cache: bool = True,
+    ) -> None:
+        self.llm, self.loop, self.timeout_s = engine, loop, timeout_s
+        self.name = name or type(engine).__name__
+        self.pause_mode = PauseMode(pause_mode)
+        self.reset_prefix_cache = reset_prefix_cache
+        self._weight_version: str | None = None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.llm, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            if self.loop is not None:
+                return asyncio.run_coroutine_threadsafe(result, self.loop).result(self.timeout_s)  # type: ignore[arg-type]
+            return asyncio.run(result)  # type: ignore[arg-type]
+        return result
+
+    def pause(self) -> None:
+        if hasattr(self.llm, "pause_generation"):
+            self._call("pause_generation", mode=str(self.pause_mode))
+
+    def start_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update(self, version: int, receive_timeout_s: float | None) -> None:
+        try:
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest as request_cls
+        except ImportError:
+            request_cls = _UpdateRequest  # type: ignore[misc,assignment]
+        info: dict[str, Any] = {"version": version}
+        if receive_timeout_s is not None:
+            info["timeout_s"] = receive_timeout_s
+        self._call("update_weights", request_cls(update_info=info))
+
+    def finish_update(self, weight_version: str | None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def _reset(self, reset_running_requests: bool) -> bool:
+        return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
+
+    def verify(self, version: int) -> None:
+        """The finish call's success is the evidence; issue 22 adds content checks here."""
+        if self._weight_version != str(version):
+            raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
+
+    def resume(self) -> None:
+        if hasattr(self.llm, "resume_generation"):
+            self._call("resume_generation")
+
+    def weight_version(self) -> str | None:
+        return self._weight_version
+
+    def workers(self) -> int | None:
+        # what vLLM's /get_world_size answers: ParallelConfig.world_size_across_dp
+        parallel = getattr(getattr(self.llm, "vllm_config", None), "parallel_config", None)
+        size = getattr(parallel, "world_size_across_dp", None)
+        return int(size) if isinstance(size, int) else None
+
+
+__all__ = ["EngineRolloutClient", "HTTPRolloutClient", "clients"]

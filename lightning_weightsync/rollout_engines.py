@@ -1,0 +1,126 @@
+"""The rollout engines (vLLM, SGLang): one registry line each, one folder each under `rollout/`.
+
+An engine is a server that generates and also receives our versions in its own workers. Its folder
+`lightning_weightsync/rollout/<name>/` holds two halves that run on different machines:
+
+- `client.py`: the trainer side. `clients(cfg) -> list[RolloutClient]`, one per server in
+  `cfg.<name>.urls`, each driving the engine's own HTTP routes (pause, open an update, update while our
+  sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer (only
+  errors, config and transport: tests/unit/test_rollout_engines.py checks it), so the trainer loading it
+  by path does not cross into the rollout side.
+- `launch.py`: the rollout side. `launch(cfg) -> int` runs the engine's server configured to receive
+  (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
+  next to it.
+
+Entries are module paths, imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an
+engine costs nothing until it is used, and the layer that lists the engines (config: `rollout.engine`'s
+choices) never imports them. Adding an engine: its folder, its config section (`config.py`, documented in
+`configs/default.yaml`) and one `register_rollout_engine` line below (docs/concepts.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from .errors import ConfigError
+
+
+@runtime_checkable
+class RolloutClient(Protocol):
+    """One rollout server's weight-update surface, as the trainer drives it for each version:
+
+        workers() (once) -> pause() -> start_update() -> update(version) [while our sender broadcasts]
+        -> finish_update(version) -> after_update(version) -> verify(version) -> resume() (always)
+
+    `name` identifies the server in errors (its URL); `timeout_knob` names the setting that bounds one
+    request (`vllm.request_timeout_s`), so a timeout message says what to change.
+    """
+
+    name: str
+    engine: str
+    timeout_knob: str
+
+    def workers(self) -> int | None:
+        """How many receivers (workers) the server runs, or None when it cannot say; may raise
+        `ConfigError` for a server this path cannot update (SGLang's dp_size > 1)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop generating (the engine's pause mode, from its config section)."""
+        ...
+
+    def start_update(self) -> None:
+        """Open the engine's weight-update session."""
+        ...
+
+    def update(self, version: int, receive_timeout_s: float | None) -> None:
+        """Have every worker receive `version` from our sender; runs in a thread while the trainer
+        sends, and returns when the server loaded it (or raises naming why not)."""
+        ...
+
+    def finish_update(self, weight_version: str | None) -> None:
+        """Close the session; `weight_version` is what the server then reports (None: failed version)."""
+        ...
+
+    def after_update(self, version: int) -> None:
+        """Engine hygiene after a delivered version (vLLM: reset the prefix cache); logs, never raises."""
+        ...
+
+    def verify(self, version: int) -> None:
+        """Check the server holds `version` (a hook: issue 22 adds content checks); raises `PeerError`."""
+        ...
+
+    def resume(self) -> None:
+        """Generate again (called after every pause, also after failures)."""
+        ...
+
+    def weight_version(self) -> str | None:
+        """The weight version the server reports now."""
+        ...
+
+
+@dataclass(frozen=True)
+class RolloutEngine:
+    """A registered engine: its name (`rollout.engine=<name>`, config section `<name>`) and package."""
+
+    name: str
+    package: str
+
+    def _load(self, module: str, attr: str) -> Callable[..., Any]:
+        return getattr(importlib.import_module(f"{self.package}.{module}"), attr)  # type: ignore[no-any-return]
+
+    def clients(self, cfg: Any) -> list[RolloutClient]:
+        """The trainer-side clients for `cfg.<name>.urls` ([] when none)."""
+        return list(self._load("client", "clients")(cfg))
+
+    def launch(self, cfg: Any) -> int:
+        """Run (exec) this engine's server, configured to receive every version."""
+        return int(self._load("launch", "launch")(cfg))
+
+
+ROLLOUT_ENGINES: dict[str, RolloutEngine] = {}
+
+
+def register_rollout_engine(name: str, package: str) -> None:
+    """Add an engine; a duplicate name is a bug (two folders claiming one `rollout.engine` value)."""
+    if name in ROLLOUT_ENGINES or name == "none":
+        raise ConfigError(f"rollout engine {name!r} is registered twice (or named 'none', which means no engine)")
+    ROLLOUT_ENGINES[name] = RolloutEngine(name, package)
+
+
+def rollout_engine(name: str) -> RolloutEngine:
+    """The engine `rollout.engine` names; `ConfigError` listing the registered ones otherwise."""
+    engine = ROLLOUT_ENGINES.get(str(name))
+    if engine is None:
+        raise ConfigError(f"rollout.engine={name}: no such rollout engine; choose one of: {', '.join(ROLLOUT_ENGINES)}")
+    return engine
+
+
+register_rollout_engine("vllm", "lightning_weightsync.rollout.vllm")
+register_rollout_engine("sglang", "lightning_weightsync.rollout.sglang")
+
+
+__all__ = ["ROLLOUT_ENGINES", "RolloutClient", "RolloutEngine", "register_rollout_engine", "rollout_engine"]
