@@ -12,7 +12,7 @@ HTTP = "srt/entrypoints/http_server.py"
 IO = "srt/managers/io_struct.py"
 ROUTES = ("/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
           "/update_weights_from_tensor", "/update_weight_version", "/model_info", "/server_info")  # fmt: skip
-SERVER_ARGS = {"srt/arg_groups/fields/model.py": ["custom_weight_loader"],
+SERVER_ARGS = {"srt/arg_groups/fields/model.py": ["model_path", "custom_weight_loader"],
                "srt/arg_groups/fields/parallel.py": ["tp_size", "pp_size", "dp_size"]}  # fmt: skip
 # (file, class or None, function, what to record): the lines our loader path rests on
 SOURCE = [
@@ -86,12 +86,19 @@ def _source(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _server_args(root: Path) -> dict[str, list[str]]:
+def _server_args(root: Path) -> dict[str, dict[str, list[str]]]:
+    """{file: {field: its command-line flags}}: `--field-name` plus the `aliases` of its `Arg(...)`."""
     out = {}
     for rel, names in SERVER_ARGS.items():
-        tree = ast.parse((root / rel).read_text())
-        have = {n.target.id for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-        out[rel] = [n for n in names if n in have]
+        fields = {}
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in names:
+                flags = ["--" + node.target.id.replace("_", "-")]
+                for kw in (k for c in ast.walk(node.annotation) if isinstance(c, ast.Call) for k in c.keywords):
+                    if kw.arg == "aliases" and isinstance(kw.value, ast.List):
+                        flags += [e.value for e in kw.value.elts if isinstance(e, ast.Constant)]
+                fields[node.target.id] = flags
+        out[rel] = fields
     return out
 
 
