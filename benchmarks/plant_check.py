@@ -355,6 +355,28 @@ PLANTS = [
     Plant("daemon: silent while no trainer connects", f"{PKG}/rollout/daemon.py",
           "            elif not connected and for_s >= warn_at:", "            elif False:",
           ("tests/integration/test_daemon.py", "-k", "without_a_trainer")),
+    # -- issue 23: SGLang rollouts on the rollout-engine seam
+    Plant("sglang: a dp_size > 1 server driven anyway", f"{PKG}/rollout/sglang/client.py",
+          "        if dp != 1:", "        if False:", ("tests/unit/test_sglang_control.py", "-k", "dp_size")),
+    Plant("sglang launcher: a dp_size > 1 server started", f"{PKG}/rollout/sglang/launch.py",
+          '    if dp is not None and dp.strip() != "1":', "    if False:",
+          ("tests/unit/test_sglang_launch.py", "-k", "limits")),
+    Plant("sglang: the session left open after a failed update", f"{PKG}/rollout/sglang/client.py",
+          "            self._end_quietly()\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_update")),
+    Plant("sglang: a failed version keeps the weight_version SGLang recorded", f"{PKG}/rollout/sglang/client.py",
+          "            self.http.request(api.SET_VERSION, marked)\n", "",
+          ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
+    Plant("sglang: the reported weight_version not checked", f"{PKG}/rollout/sglang/client.py",
+          "        if held != str(version):", "        if False:",
+          ("tests/unit/test_sglang_control.py", "-k", "does_not_report")),
+    Plant("sglang loader: a failed version raised into SGLang's scheduler", f"{PKG}/rollout/sglang/loader.py",
+          "            return False\n", "            raise\n", ("tests/unit/test_sglang_loader.py", "-k", "failing_load")),
+    Plant("sglang loader: load_weights run on the receiver's loop thread", f"{PKG}/rollout/sglang/loader.py",
+          "consume_version(self.receiver, sink, call=call)", "consume_version(self.receiver, sink)",
+          ("tests/unit/test_sglang_loader.py", "-k", "callers_thread")),
+    Plant("rollout control: sessions of a broken version left open", f"{PKG}/trainer/rollout_control.py",
+          "                self._finish(loaded, None)  # an engine that took a broken version closes its session "
+          "unversioned\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
 ]  # fmt: skip
 
 
