@@ -62,26 +62,23 @@ class RankReceiver:
         self.last_report: dict[str, Any] = {}
         logger.info("lightning_weightsync SGLang loader: rank %d is %s on %s", self.rank, self.identity, device)
 
-    def receive_into(self, model: torch.nn.Module) -> bool:
-        """One version into `model`; True when it was loaded whole."""
+    def receive_into(self, model: torch.nn.Module) -> int:
+        """One version into `model`; its number. Raises on a failed version (recorded in `last_report`)."""
         sink = ModelLoadSink(model, None)  # SGLang passes no version: whichever the sender sends next
         try:
             record = self.loop.run_here(lambda call: consume_version(self.receiver, sink, call=call))
         except Exception as exc:
             version = self.receiver.version
             self.last_report = {"ok": False, "version": version, "error": str(exc), "touched": sink.touched}
-            logger.error(
-                "%s: version %s failed (%s)%s", self.identity, self.receiver.version, exc,
-                "; the model holds part of it until the next version" if sink.touched else "",
-            )  # fmt: skip
-            return False
+            raise
+        assert record.version is not None
         self.version = record.version
         self.last_report = {"ok": True, "version": record.version, "nbytes": record.nbytes, "seconds": record.seconds}
         logger.info(
             "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
             self.identity, record.version, record.num_tensors, record.nbytes / 1e6, record.seconds,
         )  # fmt: skip
-        return True
+        return record.version
 
     def close(self) -> None:
         self.loop.cancel_all()
@@ -121,9 +118,18 @@ def load_weights(model: torch.nn.Module, named_tensors: Sequence[Any]) -> None:
         )
         return
     try:
-        rank_receiver(_device(model)).receive_into(model)
+        rank = rank_receiver(_device(model))
     except Exception:  # never into SGLang's scheduler loop (see the module docstring)
         logger.exception("lightning_weightsync SGLang loader: the receiver could not start; no version loaded")
+        return
+    try:
+        rank.receive_into(model)
+    except Exception as exc:  # never into SGLang's scheduler loop: the trainer hears it from our nack
+        touched = rank.last_report.get("touched")
+        logger.error(
+            "%s: version %s failed (%s: %s)%s", rank.identity, rank.last_report.get("version"), type(exc).__name__,
+            exc, "; the model holds part of it until the next version" if touched else "",
+        )  # fmt: skip
 
 
 __all__ = ["RankReceiver", "load_weights", "rank_receiver"]
