@@ -223,7 +223,7 @@ class SyncDriver:
         # default raised again on this process; the Lightning callback sets Lightning's own flag instead
         self.deliver_signal: Callable[[int], None] = raise_signal
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
-        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])` for in-process engines)
+        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])`, rollout/vllm/client.py)
         self.rollouts: RolloutControl | None = None
         # trainer.send_mode=sharded (trainer/sharded.py): every rank has a sender; their endpoints, by rank
         self.sharded = SendMode(cfg.trainer.send_mode) is SendMode.sharded and _world_size() > 1

@@ -97,7 +97,7 @@ def test_cli_rollout_loads_every_recipe(path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(vllm_launch, "launch", lambda cfg: seen.append(cfg) or 0)  # would exec `vllm serve`
     assert cli.main(["rollout", "--config", str(path), "transport.port=0", "--log-level", "WARNING"]) == 0
     (cfg,) = seen
-    assert cfg.transport.port == 0 and cfg.rollout.sink.type in ("module", "vllm")
+    assert cfg.transport.port == 0 and (cfg.rollout.sink.type == "module" or cfg.rollout.engine == "vllm")
     assert cfg.recipe.steps >= 1
 
 
@@ -119,7 +119,7 @@ def test_readme_load_config_line_works() -> None:
 def test_qwen3_configs(name: str, backend: str, bucket_mb: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _, cfg = load_recipe(RECIPES / f"{name}.yaml", schema=Qwen3Recipe)
     assert cfg.transport.backend == backend and cfg.transport.bucket_size_mb == bucket_mb
-    assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.sink.type == "vllm"
+    assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.engine == "vllm"
     # every vLLM worker registers as its own receiver
     args = list(cfg.vllm.serve_args)
     tp = int(args[args.index("--tensor-parallel-size") + 1]) if args else cfg.rollout.sink.options.tensor_parallel_size
