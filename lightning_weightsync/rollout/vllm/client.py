@@ -125,14 +125,15 @@ class HTTPRolloutClient(_PrefixCacheReset):
         return bool(answer.get("success")) if isinstance(answer, dict) else False
 
     def verify(self, version: int) -> None:
-        """vLLM reports no weight_version over HTTP in 0.33.0 (only in process): the finish call's success
-        is the evidence; issue 22 adds content checks here."""
+        """A stub: the finish call's success is the evidence today. vLLM 0.33.0 reports the version at
+        `GET /weight_info` (entrypoints/rl/online/api_router.py:226), not yet pinned in tests/data/vllm_api.json
+        nor asked here; issue 22 fills this hook (with content checks)."""
 
     def resume(self) -> None:
         self.http.request("/resume")
 
     def weight_version(self) -> str | None:
-        """The version this client last finished (vLLM 0.33.0 has no HTTP route that reports it)."""
+        """The version this client last finished (not asked of the server: see `verify`)."""
         return self._weight_version
 
     def workers(self) -> int | None:
