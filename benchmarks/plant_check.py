@@ -378,6 +378,38 @@ PLANTS = [
     Plant("rollout control: sessions of a broken version left open", f"{PKG}/trainer/rollout_control.py",
           "                self._finish(loaded, None)  # an engine that took a broken version closes its session "
           "unversioned\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
+    # -- issue 22, verify: each check removed in turn
+    Plant("verify: the receiver does not check merged tensors", f"{PKG}/engine/receiver.py",
+          "                verifier.check(name, tensor)  # before the consumer sees it", "                pass  #",
+          ("tests/integration/test_verify.py", "-k", "flipped_byte_is_caught and module-gloo")),
+    Plant("verify: the sender sends no fingerprints", f"{PKG}/engine/sender.py",
+          "            if self.fingerprints is not None:\n                self.fingerprints.take(*item)",
+          "            pass", ("tests/integration/test_verify.py", "-k", "flipped_byte_is_caught and callable-shm")),
+    Plant("verify: fingerprint rows not weighted by position", f"{PKG}/protocol/fingerprint.py",
+          ".mul_(2).add_(1)", ".mul_(0).add_(1)", ("tests/unit/test_fingerprint.py",)),
+    Plant("verify: the length not in the fingerprint", f"{PKG}/protocol/fingerprint.py",
+          "(total + nbytes * GOLDEN) & MASK", "total & MASK", ("tests/unit/test_fingerprint.py",)),
+    Plant("decoder: fingerprints not one per entry", MESSAGES,
+          "if len(msg.fingerprints) != len(msg.entries):", "if False:", FUZZ),
+    Plant("verify: /weights does not recheck the held tensors", f"{PKG}/rollout/held.py",
+          "if snapshot is not None and report.checksums:", "if False:",
+          ("tests/integration/test_verify.py", "-k", "daemon_says")),
+    # -- issue 22, delta
+    Plant("delta: sent to a receiver that does not hold its base", f"{PKG}/engine/sender.py",
+          "        usable = usable and all(p.delta_base == base.version for p in peers)\n", "",
+          ("tests/integration/test_delta.py", "-k", "new_receiver and atomic")),
+    Plant("delta: the sender's copy kept after a version that broke mid-stream", f"{PKG}/engine/sender.py",
+          "                self._delta_base.invalidate()  # the copy may be part-updated", "                pass  #",
+          ("tests/integration/test_delta.py", "-k", "broke_mid_stream")),
+    Plant("delta: auto never falls back to whole versions", f"{PKG}/engine/sender.py",
+          "if usable and mode is DeltaMode.auto and base.prefer_whole():", "if False:",
+          ("tests/integration/test_delta.py", "-k", "falls_back")),
+    Plant("delta: payload indices not range-checked", f"{PKG}/engine/delta.py",
+          "if count and (index.max() >= numel or", "if count and (False or",
+          ("tests/unit/test_delta.py", "-k", "hostile")),
+    Plant("decoder: a delta payload not smaller than its tensor", MESSAGES,
+          "if not (0 < size < nbytes) or e.chunk_offset + e.chunk_size > size:",
+          "if e.chunk_offset + e.chunk_size > size:", ("tests/unit/test_messages.py", "-k", "delta")),
 ]  # fmt: skip
 
 

@@ -43,6 +43,16 @@ class SinkError(WeightSyncError):
     """A sink cannot accept a tensor (unknown name, wrong shape or dtype) or failed to apply."""
 
 
+class VerifyError(WeightSyncError):
+    """A merged tensor's bytes differ from what the sender fingerprinted (`transport.verify`): corrupted on the
+    way; the version fails naming the tensor and nothing of it is applied."""
+
+
+class DeltaError(WeightSyncError):
+    """A delta (`transport.delta`) cannot be applied here: no held version, or another one than its base; the
+    version fails, the held one stays, and the sender's next sync to this receiver is whole."""
+
+
 class BackendUnavailable(WeightSyncError, ImportError):
     """An optional dependency (of a backend, an integration such as Lightning, or vLLM) or the hardware is
     missing; names the extra to install."""

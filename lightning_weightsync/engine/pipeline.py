@@ -27,6 +27,7 @@ from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
 from ..transport.executor import SerialExecutor, forget
 from .session import ReceiverSession
 from .stats import ReceiveStats
+from .verify import Verifier
 
 RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer reached them (no memory: only
 # direct buckets run ahead of the slots, into the consumer's own destinations)
@@ -80,9 +81,13 @@ class BucketPipeline:
         destinations: Destinations | None = None,
         on_bucket: Callable[[BucketMeta], None] | None = None,
         sender: int = 0,
+        verifier: Verifier | None = None,
     ) -> None:
         self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
         self.sender = sender  # which sender of a sharded version this stream comes from (its buckets say so)
+        self.verifier = verifier  # notes each bucket's fingerprints before its chunks are merged
+        # tensors arriving as a delta payload: name -> (the tensor's own meta, the version the delta is based on)
+        self.delta_metas: dict[str, tuple[TensorMeta, int]] = {}
         self.steps, self.backend, self.executor, self.timeout_s = steps, backend, executor, timeout_s
         self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
         self.ready = asyncio.Queue()
@@ -139,6 +144,7 @@ class BucketPipeline:
         so, whatever the sender's `direct_min_mb`, so the wire stays self-describing."""
         if (
             self.destinations is None
+            or (meta.deltas and meta.deltas[0] >= 0)  # a delta payload is not the destination's bytes
             or not self.backend.direct_ok
             or len(meta.entries) != 1
             or meta.nbytes == 0
@@ -189,9 +195,17 @@ class BucketPipeline:
             stats.nbytes += meta.nbytes
             if self.on_bucket is not None:
                 self.on_bucket(meta)
-            for entry in meta.entries:
+            if self.verifier is not None:
+                self.verifier.expect(meta)
+            for i, entry in enumerate(meta.entries):
                 start = entry.offset if target is None else 0
-                yield entry.to_meta(), bucket[start : start + entry.chunk_size]
+                data = bucket[start : start + entry.chunk_size]
+                if meta.deltas and meta.deltas[i] >= 0:  # a chunk of the payload that rebuilds this tensor
+                    self.delta_metas[entry.name] = (entry.to_meta(), meta.delta_base)
+                    payload = (meta.deltas[i],)
+                    yield TensorMeta(entry.name, payload, torch.uint8, entry.chunk_offset, entry.chunk_size), data
+                else:
+                    yield entry.to_meta(), data
             self._release_current()
 
     def _release_current(self) -> None:

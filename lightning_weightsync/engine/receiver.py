@@ -19,20 +19,30 @@ from collections.abc import AsyncIterator, Callable
 import torch
 from omegaconf import DictConfig
 
-from ..config import auth_token, bucket_size_bytes, load_config
-from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.chunks import merge_weight_chunks
+from ..config import VerifyMode, auth_token, bucket_size_bytes, load_config
+from ..errors import (
+    DeltaError,
+    PeerError,
+    ProtocolError,
+    VersionAborted,
+    WeightSyncError,
+    WeightSyncTimeout,
+    explain,
+)
+from ..protocol.chunks import TensorMeta, merge_weight_chunks
 from ..protocol.messages import BucketMeta, Plan, Prepare
 from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor
+from .delta import apply_delta
 from .endpoint import Endpoint
 from .pipeline import BucketPipeline, Destinations, Into
 from .session import ReceiverSession
 from .sharded import OtherSenders, tile
 from .stats import ReceiveStats
+from .verify import Verifier, VerifyReport
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +81,11 @@ class WeightReceiver(Endpoint):
         self.preallocate = preallocate
         self.preallocated_bytes = 0
         self._others = OtherSenders(self)  # sharded versions: the other senders' streams
+        self.verify = VerifyMode(t.verify)
+        # the version the consumer holds whole and can apply a delta to (`receive_weights(base=...)`), said in
+        # every Ready; None: it cannot (no held version, or a sink that holds no tensors) and gets whole tensors
+        self.delta_base: int | None = None
+        self.last_verify: VerifyReport | None = None  # what was checked of the last complete version
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,7 +139,7 @@ class WeightReceiver(Endpoint):
                 logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
                 continue
             generation = self._backend.generation if self._backend is not None else -1
-            await self._steps.ready(prepare, generation)  # 2
+            await self._steps.ready(prepare, generation, -1 if self.delta_base is None else self.delta_base)  # 2
             try:
                 plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
             except VersionAborted as exc:
@@ -198,9 +213,18 @@ class WeightReceiver(Endpoint):
         return prepare.session != self._session or self.version is None or prepare.version > self.version
 
     async def receive_weights(
-        self, *, into: Into | None = None, auto_ack: bool = True, wait_s: float | None = None
+        self,
+        *,
+        into: Into | None = None,
+        auto_ack: bool = True,
+        wait_s: float | None = None,
+        base: Into | None = None,
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield every `(name, tensor)` of the next version, then (by default) ack it.
+
+        `base(meta)`: the tensor of version `self.delta_base` the consumer holds under that name, onto which
+        a delta (`transport.delta`) is applied; the result lands in `into(meta)` (which may be that same
+        tensor, updated in place) or a new tensor. Without it, or with `delta_base` None, a delta fails.
 
         Raises `VersionAborted` when the sender drops the version mid-way, `WeightSyncTimeout`
         when a wait expires; in both cases nothing of the version may be applied.
@@ -213,6 +237,14 @@ class WeightReceiver(Endpoint):
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
         destinations = Destinations(into) if into is not None else None
+        verifier = Verifier(self.verify, plan.version)
+
+        def merge_into(meta: TensorMeta) -> torch.Tensor | None:
+            """A delta payload merges into a buffer of its own; a tensor goes where the consumer says."""
+            if meta.name in pipeline.delta_metas:
+                return None
+            return destinations(meta) if destinations is not None else None
+
         assert self._backend is not None and self._executor is not None  # wait_version joined the group
         pipeline = self._pipeline = BucketPipeline(
             plan,
@@ -222,13 +254,18 @@ class WeightReceiver(Endpoint):
             timeout_s=self.timeout_s,
             destinations=destinations,
             on_bucket=self.on_bucket,
+            verifier=verifier,
         )
         self._acked = False  # failure paths below ack themselves; the final ok ack is ours or the caller's
         try:
             async for name, tensor in merge_weight_chunks(
-                pipeline.chunks(stats), plan.group.bucket_size, into=destinations, device=self.output_device
+                pipeline.chunks(stats), plan.group.bucket_size, into=merge_into, device=self.output_device
             ):
+                if name in pipeline.delta_metas:
+                    tensor = self._apply_delta(name, tensor, pipeline.delta_metas.pop(name), destinations, base)
+                    stats.delta_tensors += 1
                 stats.num_tensors += 1
+                verifier.check(name, tensor)  # before the consumer sees it: a mismatch fails the version
                 yield name, tensor
         except GeneratorExit:
             await self._finish_abandoned()
@@ -254,7 +291,9 @@ class WeightReceiver(Endpoint):
             raise
         self._pipeline = None
         stats.seconds = time.perf_counter() - start
+        stats.verified = verifier.report.verified
         self.last_stats = stats
+        self.last_verify = verifier.report
         self.last_complete_version = plan.version
         self._control.last_version = plan.version
         logger.debug("version %d received: %d tensors, %.3fs", plan.version, stats.num_tensors, stats.seconds)
@@ -308,6 +347,26 @@ class WeightReceiver(Endpoint):
         self._control.last_version = plan.version
         if auto_ack:
             await self._send_ack(plan.version, True, None)
+
+    def _apply_delta(
+        self,
+        name: str,
+        payload: torch.Tensor,
+        delta: tuple[TensorMeta, int],
+        destinations: Destinations | None,
+        base: Into | None,
+    ) -> torch.Tensor:
+        """The tensor a delta payload rebuilds, from the held version (`base`); the held version stays as it
+        was unless the consumer's destination is that tensor itself (streaming in place)."""
+        meta, based_on = delta
+        held = base(meta) if base is not None and self.delta_base == based_on else None
+        if held is None:
+            raise DeltaError(
+                f"{name!r} arrived as a delta of version {based_on}, but this receiver holds "
+                f"{'no version it can apply one to' if self.delta_base is None else f'version {self.delta_base}'}"
+            )
+        target = destinations(meta) if destinations is not None else None
+        return apply_delta(payload, meta, held, target, self.output_device)
 
     async def ack(self, ok: bool = True, error: str | None = None) -> None:
         """Acknowledge the version just received (with `receive_weights(auto_ack=False)`)."""

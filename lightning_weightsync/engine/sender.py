@@ -33,25 +33,29 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ..config import auth_token, bucket_size_bytes, direct_min_bytes, load_config
+from ..config import DeltaMode, VerifyMode, auth_token, bucket_size_bytes, direct_min_bytes, load_config
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import (
     MAX_BUCKET_ENTRIES,
     NamedTensors,
+    TensorMeta,
     TensorShard,
     aiter_any,
     chunk_goes_alone,
     split_weight_chunks,
 )
 from ..protocol.dtypes import dtype_name
+from ..protocol.fingerprint import NO_FINGERPRINT
 from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, SenderAddress, check_tensor, validate_tied
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
+from .delta import DeltaBase, DeltaPolicy, VersionDelta
 from .endpoint import Endpoint
 from .session import SenderSession
 from .stats import SendStats, human_bytes
+from .verify import SenderFingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +67,9 @@ class _Drainable:
     generator mid-way, the other ranks would hang. So the sender always exhausts the iterable.
     """
 
-    def __init__(self, weights: NamedTensors) -> None:
+    def __init__(self, weights: NamedTensors, fingerprints: SenderFingerprints | None = None) -> None:
         self._it: AsyncIterator[tuple[str, torch.Tensor]] = aiter_any(weights)
+        self.fingerprints = fingerprints  # taken as each tensor is pulled (transport.verify)
         self.exhausted = False
         self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
         self.check = True  # validate each tensor with the receivers' rules (off while draining)
@@ -88,6 +93,8 @@ class _Drainable:
             except WeightSyncError:
                 self.failed = True  # a local failure: the group is fine, the rest is drained
                 raise
+            if self.fingerprints is not None:
+                self.fingerprints.take(*item)
         return item
 
     async def drain(self) -> None:
@@ -179,6 +186,7 @@ class WeightSender(Endpoint):
         self._group: tuple[tuple[str, int], ...] = ()
         self._generation = 0
         self._last_version: int | None = None
+        self._delta_base = DeltaBase()  # the host copy deltas are taken against (transport.delta)
         self._pending: list[asyncio.Future[None] | None] = [None] * NUM_SLOTS  # broadcast per slot
         self._direct: deque[tuple[asyncio.Future[None], int]] = deque()  # direct broadcasts, oldest first
 
@@ -207,6 +215,26 @@ class WeightSender(Endpoint):
     def dropped_messages(self) -> int:
         """Control messages rejected (malformed, unsigned, badly signed, replayed) since start."""
         return self._control.dropped_messages
+
+    def request_full_sync(self) -> None:
+        """The next version goes whole to every receiver, whatever `transport.delta` says."""
+        self._delta_base.full_requested = True
+
+    @property
+    def delta_copy_bytes(self) -> int:
+        """Host memory held for deltas (`transport.delta`): a copy of the last version sent."""
+        return self._delta_base.nbytes
+
+    def _delta_policy(self, peers: list[Peer]) -> DeltaPolicy:
+        """Deltas only against the version every receiver says it holds, while the copy of it is whole."""
+        mode = DeltaMode(self.cfg.transport.delta)
+        base = self._delta_base
+        usable = base.version is not None and not base.full_requested and bool(peers)
+        usable = usable and all(p.delta_base == base.version for p in peers)
+        base.full_requested = False
+        if usable and mode is DeltaMode.auto and base.prefer_whole():  # measured: deltas lose on this link
+            usable = False
+        return DeltaPolicy(mode is not DeltaMode.off, base.version if usable else None, mode is DeltaMode.always)
 
     async def start(self) -> None:
         t = self.cfg.transport
@@ -256,7 +284,10 @@ class WeightSender(Endpoint):
                 f"version {version} <= last sent version {self._last_version}; versions must increase"
             )
         self._last_version = version
-        source = _Drainable(weights)
+        # a sharded version's parts are shards: no sender holds a whole tensor to fingerprint (verify is whole-only)
+        mode = VerifyMode(self.cfg.transport.verify) if sharding is None else VerifyMode.off
+        fingerprints = SenderFingerprints(mode, version)
+        source = _Drainable(weights, fingerprints)
         stats = SendStats(version=version)
         start = time.perf_counter()
         peers: list[Peer] = []
@@ -295,24 +326,37 @@ class WeightSender(Endpoint):
                 await source.drain()
                 return stats
             others = list(sharding.others) if sharding is not None and index == 0 else []
+            generation = self._generation
             await self._join(version, peers, others)  # 3: Plan, and the data-plane group
+            formed = self._generation != generation  # this version's time includes forming the group
+            # a sharded version's parts are shards: no sender has a whole tensor to diff (delta is whole-only)
+            policy = self._delta_policy(peers) if sharding is None else DeltaPolicy(False, None, False)
+            delta = VersionDelta(self._delta_base, policy)
             # 4: bucket metadata, each ahead of its bytes
             await self._stream(
-                source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names, sender=index
-            )
+                source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names, sender=index,
+                delta=delta,
+            )  # fmt: skip
             acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
             tell([])
+            if peers:
+                self._delta_base.invalidate()  # the copy may be part-updated, or some receivers lack the version
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
             await source.drain()
             raise
         finally:
             stats.seconds = time.perf_counter() - start
+        stats.checksums = fingerprints.checksums
         stats.failed = {
             ident: ("no ack within transport.timeout_s" if ack is None else ack.error or "failed")
             for ident, ack in acks.items()
             if ack is None or not ack.ok
         }
+        delta.finish(version, ok=not stats.failed)
+        stats.delta_tensors = delta.payloads
+        if not stats.failed and not formed:
+            self._delta_base.measured(delta.payloads > 0, stats.seconds, delta.model_bytes)
         if stats.failed:
             err = PeerError(f"version {version}: receivers failed: {stats.failed}")
             err.stats = stats
@@ -372,6 +416,7 @@ class WeightSender(Endpoint):
         stable_tensors: bool = False,
         tied: dict[str, list[str]] | None = None,
         sender: int = 0,
+        delta: VersionDelta | None = None,
     ) -> None:
         """Split, pack, publish, broadcast, swap: the bucket sequence of one version.
 
@@ -390,10 +435,21 @@ class WeightSender(Endpoint):
         in_flight_limit = max(1, self.direct_in_flight) if stable_tensors else 0
         slot, bucket_index, fill = 0, 0, 0
         entries: list[Entry] = []
+        prints: list[int] = []  # one fingerprint per entry (transport.verify), NO_FINGERPRINT where none
+        fingerprints = source.fingerprints
+        sizes: list[int] = []  # one per entry: the delta payload it is a chunk of, -1 where the tensor goes whole
+        deltas: dict[str, tuple[TensorMeta, int]] = {}  # name -> (the tensor's own meta, payload bytes)
+        delta_base = delta.policy.base_version if delta is not None and delta.policy.base_version is not None else -1
         whole = True  # every chunk packed in the bucket so far is a whole tensor
 
         async def announce(
-            bucket_slot: int, is_last: bool, nbytes: int, bucket_entries: list[Entry], data: torch.Tensor | None
+            bucket_slot: int,
+            is_last: bool,
+            nbytes: int,
+            bucket_entries: list[Entry],
+            data: torch.Tensor | None,
+            bucket_prints: list[int],
+            bucket_sizes: list[int],
         ) -> asyncio.Future[None]:
             """A bucket's metadata to every receiver, then its broadcast onto the data-plane thread (from
             `bucket_slot`, or from the caller's tensor `data` for a direct bucket)."""
@@ -401,21 +457,44 @@ class WeightSender(Endpoint):
             index, bucket_index = bucket_index, bucket_index + 1
             first_tied = tied if index == 0 and tied else {}
             backend.fence(bucket_slot)
-            meta = BucketMeta(version, index, is_last, nbytes, bucket_entries, first_tied, sender)
+            checked = bucket_prints if any(p != NO_FINGERPRINT for p in bucket_prints) else []
+            carried = bucket_sizes if any(size >= 0 for size in bucket_sizes) else []
+            meta = BucketMeta(
+                version, index, is_last, nbytes, bucket_entries, first_tied, sender, fingerprints=checked,
+                deltas=carried, delta_base=delta_base if carried else -1,
+            )  # fmt: skip
             await self._steps.publish(peers, meta)
             stats.num_buckets += bool(bucket_entries)
             return executor.submit_started(backend.start_broadcast, bucket_slot, nbytes, index, data)
 
         async def publish(is_last: bool) -> None:
             """The packed bucket, from its slot."""
-            nonlocal fill, entries
-            pending[slot] = await announce(slot, is_last, fill, entries, None)
-            fill, entries = 0, []
+            nonlocal fill, entries, prints, sizes
+            pending[slot] = await announce(slot, is_last, fill, entries, None, prints, sizes)
+            fill, entries, prints, sizes = 0, [], [], []
 
         async def publish_direct(entry: Entry, data: torch.Tensor) -> None:
             """A direct bucket, straight from the caller's tensor."""
             index = bucket_index
-            direct.append((await announce(NO_SLOT, False, entry.chunk_size, [entry], data), index))
+            prints_of, sizes_of = [print_of(entry)], [size_of(entry)]
+            direct.append((await announce(NO_SLOT, False, entry.chunk_size, [entry], data, prints_of, sizes_of), index))
+
+        def print_of(entry: Entry) -> int:
+            return fingerprints.of(entry.name) if fingerprints is not None else NO_FINGERPRINT
+
+        def size_of(entry: Entry) -> int:
+            return deltas[entry.name][1] if entry.name in deltas else -1
+
+        async def encoded() -> AsyncIterator[tuple[str, torch.Tensor]]:
+            """The source, each tensor replaced by its delta payload where the version sends one."""
+            async for name, tensor in source:
+                if delta is None:
+                    yield name, tensor
+                    continue
+                sendable, size = delta.encode(name, tensor)
+                if size >= 0:
+                    deltas[name] = (TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, 0), size)
+                yield name, sendable
 
         async def swap() -> None:
             """On to the next slot, once the broadcast that last read it is complete."""
@@ -429,7 +508,9 @@ class WeightSender(Endpoint):
                 await self._broadcast_done(future, version, index)
 
         direct_ok, bucket_size, alone_from = backend.direct_ok, self.bucket_size, self.direct_min
-        async for meta, data in split_weight_chunks(source, bucket_size, alone_from=alone_from if direct_ok else None):
+        async for meta, data in split_weight_chunks(
+            encoded(), bucket_size, alone_from=alone_from if direct_ok else None
+        ):
             assert meta.offset is not None
             # A chunk alone in its bucket needs no packing where the backend can send any tensor.
             is_direct = (
@@ -444,6 +525,10 @@ class WeightSender(Endpoint):
                 await publish(is_last=False)
                 await swap()
             entry = Entry.from_meta(meta)
+            if meta.name in deltas:  # a chunk of a delta payload: the entry describes the tensor it rebuilds
+                real = deltas[meta.name][0]
+                shape, dtype = list(real.shape), dtype_name(real.dtype)
+                entry = Entry(meta.name, shape, dtype, meta.chunk_offset, meta.chunk_size, meta.offset)
             stats.nbytes += meta.chunk_size
             if meta.is_first:
                 stats.num_tensors += 1
@@ -457,6 +542,8 @@ class WeightSender(Endpoint):
                     backend.pack(slot, meta.offset, data)
                 whole = (whole or not entries) and meta.is_first and meta.is_last
                 entries.append(entry)
+                prints.append(print_of(entry))
+                sizes.append(size_of(entry))
                 fill = meta.offset + meta.chunk_size
             if meta.is_last and not stable_tensors:  # the caller may reuse this tensor's memory next
                 await settle_direct(0)

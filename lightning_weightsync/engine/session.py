@@ -185,6 +185,7 @@ class SenderSession:
             if isinstance(msg, Ready) and msg.version == version and identity in control.peers and identity in asked:
                 ready[identity] = control.peers[identity]
                 ready[identity].group_generation = msg.generation
+                ready[identity].delta_base = msg.delta_base
 
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(
@@ -353,8 +354,8 @@ class ReceiverSession:
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
-    async def ready(self, prepare: Prepare, generation: int) -> None:
-        await self.control.send(Ready(self.identity, prepare.version, generation))
+    async def ready(self, prepare: Prepare, generation: int, delta_base: int = -1) -> None:
+        await self.control.send(Ready(self.identity, prepare.version, generation, delta_base))
 
     # 3 ---------------------------------------------------------------------------------------
     async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:

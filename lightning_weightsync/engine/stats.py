@@ -44,6 +44,8 @@ class SendStats(_Stats):
     num_chunked_tensors: int = 0  # tensors split over more than one bucket
     receivers: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)  # {name: fingerprint hex} sent (transport.verify)
+    delta_tensors: int = 0  # tensors sent as a delta of the version every receiver held (transport.delta)
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -51,12 +53,16 @@ class SendStats(_Stats):
             "chunked_tensors": self.num_chunked_tensors,
             "receivers": self.receivers,
             "failed_receivers": len(self.failed),
+            "delta_tensors": self.delta_tensors,
         }
 
 
 @dataclass
 class ReceiveStats(_Stats):
-    """One receiver's view of one version."""
+    """One receiver's view of one version; `verified`: tensors that matched the sender's fingerprint."""
+
+    verified: int = 0
+    delta_tensors: int = 0  # tensors that arrived as a delta and were applied onto the held version
 
 
 def human_bytes(nbytes: float) -> str:

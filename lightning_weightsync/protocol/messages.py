@@ -24,6 +24,7 @@ import msgspec
 from ..errors import ProtocolError
 from .chunks import MAX_BUCKET_ENTRIES, TensorMeta
 from .dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
+from .fingerprint import MASK, NO_FINGERPRINT
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     identity: str
     version: int
     generation: int = -1
+    delta_base: int = -1  # the version this receiver holds whole and can apply a delta to (-1: none)
 
 
 class StoreJoin(msgspec.Struct, tag="store", frozen=True):
@@ -199,6 +201,10 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     `tied` (bucket 0 only, optional): tensors sent once for several names (tied embeddings:
     ``{"model.embed_tokens.weight": ["lm_head.weight"]}``), so every sink can restore the tie or
     yield every name; an older sender simply omits it.
+    `fingerprints` (optional): empty, or one per entry, the fingerprint of that entry's whole tensor
+    (`protocol/fingerprint.py`; `NO_FINGERPRINT` = none), checked by a receiver once the tensor is merged.
+    `deltas` (optional): empty, or one per entry: -1 when the entry's chunk is of the tensor's bytes, else the
+    size of the delta payload it is a chunk of (`engine/delta.py`), which applies to version `delta_base`.
     """
 
     version: int
@@ -208,6 +214,9 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     entries: list[Entry]
     tied: dict[str, list[str]] = {}
     sender: int = 0  # which sender of the version (sharded send mode) this bucket comes from
+    fingerprints: list[int] = []
+    deltas: list[int] = []
+    delta_base: int = -1
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -416,6 +425,8 @@ def _validate_control(msg: Message) -> None:
         _check_text("nonce", msg.nonce, 256)
     elif isinstance(msg, (Prepare, Refuse)):
         _check_text("nonce", msg.nonce, 256)
+    elif isinstance(msg, Ready) and msg.delta_base < -1:
+        raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
 
 
 def check_tensor(name: str, shape: Sequence[int], dtype: str) -> int:
@@ -564,6 +575,38 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
                 f"bucket's {msg.nbytes} bytes"
             )
     validate_tied(msg)
+    validate_fingerprints(msg)
+    validate_deltas(msg)
+
+
+def validate_deltas(msg: BucketMeta) -> None:
+    """None, or one per entry: -1 (whole), or a payload smaller than the tensor that holds the entry's chunk;
+    a bucket with a delta names an earlier version as its base."""
+    if not msg.deltas:
+        return
+    if len(msg.deltas) != len(msg.entries):
+        raise ProtocolError(f"bucket has {len(msg.deltas)} delta sizes for {len(msg.entries)} entries")
+    for e, size in zip(msg.entries, msg.deltas, strict=True):
+        if size == -1:
+            continue
+        nbytes = check_tensor(e.name, e.shape, e.dtype)
+        if not (0 < size < nbytes) or e.chunk_offset + e.chunk_size > size:
+            raise ProtocolError(
+                f"delta payload of {size} bytes for {e.name!r} ({nbytes} bytes), or its chunk, is out of range"
+            )
+        if not (0 <= msg.delta_base < msg.version):
+            raise ProtocolError(f"delta of version {msg.version} based on version {msg.delta_base}")
+
+
+def validate_fingerprints(msg: BucketMeta) -> None:
+    """None, or exactly one per entry, each an unsigned 64-bit value or `NO_FINGERPRINT`."""
+    if not msg.fingerprints:
+        return
+    if len(msg.fingerprints) != len(msg.entries):
+        raise ProtocolError(f"bucket has {len(msg.fingerprints)} fingerprints for {len(msg.entries)} entries")
+    for value in msg.fingerprints:
+        if not (NO_FINGERPRINT <= value <= MASK):
+            raise ProtocolError(f"fingerprint {value} is not a 64-bit unsigned value (or {NO_FINGERPRINT}: none)")
 
 
 def validate_tied(msg: BucketMeta) -> None:
@@ -617,7 +660,8 @@ def _entry_bytes() -> int:
 def _to_receiver_bytes() -> int:
     """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
     tied = 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
-    bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied
+    per_entry = 2 * (5 + MAX_BUCKET_ENTRIES * _INT_BYTES) + _INT_BYTES  # fingerprints, deltas, delta_base
+    bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry
     joins = (
         _text_bytes(256) + _INT_BYTES,  # StoreJoin
         5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin

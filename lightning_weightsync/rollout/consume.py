@@ -109,7 +109,10 @@ async def consume_version(
             v.failed = sink_failure(exc, f"a destination for {meta.name!r}", v.version)
             return None
 
-    stream = receiver.receive_weights(into=into, auto_ack=False, wait_s=wait_s)
+    # a sink that holds its tensors (module) takes deltas onto the version it holds; others get whole tensors
+    held: Callable[[TensorMeta], torch.Tensor | None] | None = getattr(sink, "held", None)
+    receiver.delta_base = getattr(sink, "delta_version", None) if held is not None else None
+    stream = receiver.receive_weights(into=into, auto_ack=False, wait_s=wait_s, base=held)
     stopped: asyncio.CancelledError | None = None
     try:
         try:
@@ -165,6 +168,7 @@ async def consume_version(
         num_chunked_tensors=v.num_chunked_tensors,
         seconds=seconds,
         bytes_per_second=nbytes / seconds if seconds > 0 else 0.0,
+        verified=int(stats.verified),
     )
     return record
 

@@ -38,10 +38,12 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig
 
+from ..config import ApplyMode
 from ..engine.receiver import WeightReceiver
-from ..errors import VersionAborted, WeightSyncError, WeightSyncTimeout, explain
+from ..errors import VerifyError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..transport.device import handoff
 from .consume import consume_version
+from .held import held_weights_report
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
 from .sinks import Sink, SinkState, build_sink
 
@@ -51,6 +53,7 @@ T = TypeVar("T")
 TRAINER_POLL_S = 1.0  # how often the daemon looks at its link to the trainer (metrics, /healthz, the log)
 NO_TRAINER_WARN_S = 30.0  # no trainer connected this long: a WARNING ...
 NO_TRAINER_REPEAT_S = 300.0  # ... and again this often while it lasts
+WEIGHTS_REPORT_TIMEOUT_S = 30.0  # GET /weights waits this long for the daemon's loop (a commit in progress)
 
 
 class RolloutDaemon:
@@ -87,6 +90,7 @@ class RolloutDaemon:
         self._progress = Progress(bool(cfg.rollout.progress) and sys.stdout.isatty())
         self._trainer: tuple[bool, float] = (False, 0.0)  # (connected, for how long), see `_watch_trainer`
         self._watcher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the daemon's: /weights reads the sink on it
 
     # --- control --------------------------------------------------------------------------------
     def stop(self, reason: str | None = None) -> None:
@@ -107,6 +111,24 @@ class RolloutDaemon:
         connected, for_s = self._trainer
         trainer = {"trainer_connected": connected, "trainer_unseen_s": 0.0 if connected else round(for_s, 1)}
         return state is SinkState.COMPLETE, {"state": state.value, "version": version, **trainer}
+
+    def _weights(self) -> dict[str, Any]:
+        """GET /weights (called off the daemon's loop): the held version and whether its weights match the
+        trainer's fingerprints, computed on the daemon's loop so no commit runs meanwhile (`held.py`)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return held_weights_report(None, False, None, None)
+        return asyncio.run_coroutine_threadsafe(self._held_report(), loop).result(timeout=WEIGHTS_REPORT_TIMEOUT_S)
+
+    async def _held_report(self) -> dict[str, Any]:
+        sink, receiver = self.sink, self.receiver
+        if sink is None or receiver is None:
+            return held_weights_report(None, False, None, None)
+        # a version arriving with apply=atomic leaves the held one untouched until its commit (on this loop)
+        quiet = sink.in_flight is None or sink.apply is ApplyMode.atomic
+        complete = sink.state is SinkState.COMPLETE and quiet
+        snapshot = sink.snapshot() if complete else None
+        return held_weights_report(sink.version, complete, receiver.last_verify, snapshot)
 
     async def _watch_trainer(self) -> None:
         """Whether a trainer is there, kept for `/healthz` and the metrics, and said in the log: one WARNING
@@ -159,9 +181,15 @@ class RolloutDaemon:
         if self.sink is None:
             self.sink = build_sink(self.cfg)
         ro = self.cfg.rollout
+        self._loop = asyncio.get_running_loop()
         if ro.metrics_port is not None:
-            self.http = HealthServer(str(ro.metrics_host), int(ro.metrics_port), self.metrics, self._health)
-            logger.info("metrics on http://%s:%d/metrics, health on /healthz", self.http.host, self.http.port)
+            self.http = HealthServer(
+                str(ro.metrics_host), int(ro.metrics_port), self.metrics, self._health, weights=self._weights
+            )
+            logger.info(
+                "metrics on http://%s:%d/metrics, health on /healthz, held weights on /weights",
+                self.http.host, self.http.port,
+            )  # fmt: skip
         t = self.cfg.transport
         receiver = self.receiver = WeightReceiver(self.cfg)
         receiver.on_bucket = lambda meta: self._progress.bucket(receiver.version, meta.nbytes)
@@ -232,6 +260,8 @@ class RolloutDaemon:
             rec = work.result()
         except WeightSyncError as exc:
             rec = self._failure_record(exc)
+            if isinstance(exc, VerifyError):
+                self.metrics.verify_failures.inc()
         except asyncio.CancelledError:
             if in_flight is None:
                 return  # stopped between versions: nothing to report

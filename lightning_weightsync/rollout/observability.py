@@ -44,6 +44,7 @@ class VersionRecord:
     bytes_per_second: float = 0.0
     error: str | None = None
     outcome: str = "applied"  # one of OUTCOMES
+    verified: int = 0  # tensors that matched the trainer's fingerprint (transport.verify)
 
     @property
     def gbps(self) -> float:
@@ -104,6 +105,17 @@ class Metrics:
         )
         self.staleness.set_function(self.staleness_seconds)
         self.version.set(-1)
+        self.verified_tensors = Gauge(
+            "weightsync_rollout_verified_tensors",
+            "Tensors of the held version that matched the trainer's fingerprint on arrival (transport.verify); "
+            "equal to the version's tensor count when every one was checked",
+            registry=self.registry,
+        )
+        self.verify_failures = Counter(
+            "weightsync_rollout_verify_failures",
+            "Versions refused because a tensor's bytes did not match the trainer's fingerprint",
+            registry=self.registry,
+        )
         self.trainer_connected = Gauge(
             "weightsync_rollout_trainer_connected",
             "1 while a trainer (a sender) is connected to this rollout's control socket",
@@ -130,6 +142,7 @@ class Metrics:
             self.seconds.observe(rec.seconds)
             self.bytes_per_second.set(rec.bytes_per_second)
             self._last_applied = self._clock()
+            self.verified_tensors.set(rec.verified)
             if rec.version is not None:
                 self.version.set(rec.version)
         self.complete.set(1 if sink_state is SinkState.COMPLETE else 0)
@@ -148,8 +161,16 @@ class HealthServer:
     one asyncio loop serves every connection: at most MAX_HTTP_CONNECTIONS are open, each gets
     HTTP_IDLE_TIMEOUT_S to send its request, lines are bounded, and a reply closes the connection."""
 
-    def __init__(self, host: str, port: int, metrics: Metrics, health: Callable[[], tuple[bool, dict[str, Any]]]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: Metrics,
+        health: Callable[[], tuple[bool, dict[str, Any]]],
+        weights: Callable[[], dict[str, Any]] | None = None,
+    ):
         self._registry, self._health = metrics.registry, health
+        self._weights = weights  # /weights: blocking (it may recompute fingerprints), run off this loop
         self._open = 0
         self.refused_connections = 0
         self._loop = asyncio.new_event_loop()  # its own thread: the caller's loop may be running (the daemon's)
@@ -185,7 +206,7 @@ class HealthServer:
         if path == "/healthz":
             ok, body = self._health()
             return (200 if ok else 503), json.dumps(body).encode(), "application/json"
-        return 404, b"not found: try /metrics or /healthz\n", "text/plain"
+        return 404, b"not found: try /metrics, /healthz or /weights\n", "text/plain"
 
     async def _request(self, reader: asyncio.StreamReader) -> str:
         """The path of a GET; the headers are read (bounded) and ignored."""
@@ -206,7 +227,11 @@ class HealthServer:
         try:
             try:
                 path = await asyncio.wait_for(self._request(reader), HTTP_IDLE_TIMEOUT_S)
-                code, body, content_type = self._route(path)
+                if path == "/weights" and self._weights is not None:
+                    body = json.dumps(await asyncio.to_thread(self._weights)).encode()
+                    code, content_type = 200, "application/json"
+                else:
+                    code, body, content_type = self._route(path)
             except (ValueError, asyncio.LimitOverrunError):
                 code, body, content_type = 400, b"bad request: GET /metrics or /healthz\n", "text/plain"
             head = (

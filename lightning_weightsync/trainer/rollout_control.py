@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig
 
+from ..engine.verify import weight_problems
 from ..errors import ConfigError, PeerError
 from ..rollout_engines import ROLLOUT_ENGINES, RolloutClient
 
@@ -77,6 +78,7 @@ class RolloutControl:
         self.receive_timeout_s = receive_timeout_s
         self.timeout_s = timeout_s
         self.last_timings: RolloutTimings | None = None
+        self._unasked: set[str] = set()  # rollouts that cannot say which weights they hold (warned once)
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * len(self.clients)), thread_name_prefix="rollout-ctl")
 
     @classmethod
@@ -171,6 +173,22 @@ class RolloutControl:
             timings.paused_s = time.perf_counter() - start
             for error in resume_errors:  # never masks the version's own error; loud, generation is stuck
                 logger.error("%s (generation stays paused there until /resume succeeds)", error)
+
+    def check_weights(self, version: int, checksums: dict[str, str]) -> list[str]:
+        """After `version`: ask every rollout that can say (`weight_reports`: in-process vLLM engines) what each
+        worker holds and compare it with the trainer's fingerprints (`SendStats.checksums`); one line per
+        problem, [] when all match. Rollouts that cannot say (over HTTP) are skipped, once with a warning."""
+        problems: list[str] = []
+        for client in self.clients:
+            ask = getattr(client, "weight_reports", None)
+            if ask is None:
+                if client.name not in self._unasked:
+                    self._unasked.add(client.name)
+                    logger.warning("rollout %s: cannot ask which weights it holds (no weight_reports)", client.name)
+                continue
+            for report in ask():
+                problems += weight_problems(client.name, version, report, checksums)
+        return problems
 
     def _check_receivers(self) -> None:
         """Every worker of every server must be in every version: with fewer than all of them required

@@ -390,6 +390,14 @@ def _assert_receiver_invariants(msg: Message, bucket_size: int | None) -> None:
         assert len(set(aliases)) == len(aliases) and not set(aliases) & set(msg.tied)
         assert all(0 < len(n) <= MAX_NAME_LEN for n in [*msg.tied, *aliases])
         assert all(source not in group for source, group in msg.tied.items())
+        assert not msg.fingerprints or len(msg.fingerprints) == len(msg.entries), "fingerprints not one per entry"
+        assert all(-1 <= f < 1 << 64 for f in msg.fingerprints), "fingerprint outside 64 bits"
+        assert not msg.deltas or len(msg.deltas) == len(msg.entries), "delta sizes not one per entry"
+        for e, size in zip(msg.entries, msg.deltas, strict=False):  # lengths checked just above
+            if size != -1:
+                whole = math.prod(e.shape) * DTYPES[e.dtype].itemsize
+                assert 0 < size < whole and e.chunk_offset + e.chunk_size <= size, "delta payload out of range"
+                assert 0 <= msg.delta_base < msg.version, "delta based on a later version"
     elif isinstance(msg, Plan):
         group = msg.group
         assert 0 <= msg.rank <= len(group.members), "rank outside the group"
@@ -438,6 +446,14 @@ HOSTILE = {
     "negative-offset": BucketMeta(1, 0, True, 16, [Entry("w", [4], "float32", 0, 16, -1)]),
     "tied-on-bucket-1": BucketMeta(1, 1, True, 16, [_E], tied={"w": ["v"]}),
     "alias-also-sent": BucketMeta(1, 0, True, 16, [_E], tied={"w": ["v"], "v": ["u"]}),
+    "fingerprints-not-per-entry": BucketMeta(1, 0, True, 16, [_E], fingerprints=[1, 2]),
+    "fingerprint-below-none": BucketMeta(1, 0, True, 16, [_E], fingerprints=[-2]),
+    "deltas-not-per-entry": BucketMeta(1, 0, True, 16, [_E], deltas=[-1, -1]),
+    "delta-not-smaller": BucketMeta(1, 0, True, 16, [_E], deltas=[16], delta_base=0),
+    "delta-chunk-past-payload": BucketMeta(1, 0, True, 16, [_E], deltas=[8], delta_base=0),
+    "delta-based-on-later": BucketMeta(
+        1, 0, True, 16, [Entry("w", [8], "float32", 0, 16, 0)], deltas=[20], delta_base=1
+    ),
     "rank-outside": _plan(rank=3, n=2),
     "member-twice": _plan(members=[Member("a", 1), Member("a", 2)]),
     "bad-port": _plan(join=StoreJoin("127.0.0.1", 0)),
@@ -689,11 +705,16 @@ def _near_valid_entry(draw: st.DrawFn, may_break: bool = True) -> list:
 def _near_valid_bucket(draw: st.DrawFn) -> dict:
     """Valid bucket metadata with at most one thing at or past its limit: the bucket's size, index,
     tied names, or (most often) one field of its first entry."""
-    broken = draw(st.sampled_from([None, "nbytes", "bucket_index", "tied", "entry", "entry", "entry"]))
+    broken = draw(
+        st.sampled_from([None, "nbytes", "bucket_index", "tied", "fingerprints", "deltas", "entry", "entry", "entry"])
+    )
     entries = [draw(_near_valid_entry(may_break=broken == "entry"))]
     entries += draw(st.lists(_near_valid_entry(may_break=False), max_size=3))
     bucket = {"type": "bucket", "version": 1, "bucket_index": 0, "is_last": True, "nbytes": _BUCKET}
     bucket["tied"] = draw(st.sampled_from([{}, {"w": ["v"]}, {"w": ["v", "u"]}]))
+    bucket["fingerprints"] = draw(st.sampled_from([[], [-1] * len(entries), [(1 << 64) - 1] * len(entries)]))
+    bucket["deltas"] = draw(st.sampled_from([[], [-1] * len(entries)]))
+    bucket["delta_base"] = draw(st.sampled_from([-1, 0]))
     near = {
         "nbytes": st.integers(_BUCKET - 2, _BUCKET + 2) | st.integers(-2, 40),
         "bucket_index": st.integers(-1, 2),
@@ -702,6 +723,9 @@ def _near_valid_bucket(draw: st.DrawFn) -> dict:
             st.lists(st.sampled_from(["w", "v", "u", ""]), max_size=2),
             min_size=1,
         ),
+        "fingerprints": st.lists(st.integers(-2, 2) | st.sampled_from([(1 << 64) - 1, -(1 << 63)]), max_size=5),
+        "deltas": st.lists(st.integers(-2, 40) | st.sampled_from([_BUCKET - 1, _BUCKET, 1 << 40]), max_size=5),
+        "delta_base": st.integers(-2, 3),
     }
     if broken in near:
         bucket[broken] = draw(near[broken])
@@ -847,7 +871,18 @@ def _largest_to_receiver() -> dict[str, Message]:
     nixl = NixlJoin(_wide(256), b"m" * MAX_NIXL_METADATA_BYTES, "VRAM", [region] * MAX_SLOTS, "tcp://" + _wide(250))
     group = GroupSpec(_wide(MAX_TEXT_LEN), (1 << 63) - 1, _wide(64), 1 << 40, members, nixl)
     return {
-        "bucket": BucketMeta((1 << 63) - 1, 0, True, 1 << 40, entry, tied, MAX_SENDERS),
+        "bucket": BucketMeta(
+            (1 << 63) - 1,
+            0,
+            True,
+            1 << 40,
+            entry,
+            tied,
+            MAX_SENDERS,
+            [(1 << 64) - 1] * len(entry),
+            [(1 << 39) - 1] * len(entry),
+            (1 << 63) - 2,
+        ),
         "plan": Plan((1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)]),
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), _wide(256)),
         "store-reply": StoreReply((1 << 63) - 1, True, b"v" * MAX_STORE_VALUE_LEN),

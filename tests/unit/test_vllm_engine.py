@@ -47,7 +47,7 @@ class Flaky(StandInModel):
 
 def _setup(tmp_path: Path) -> tuple[Any, StandInWorker, Flaky, BlockingWeightSender]:
     port = free_port()
-    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1)
+    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1, transport__verify="full")
     path = tmp_path / "sync.yaml"
     path.write_text(OmegaConf.to_yaml(cfg))
     torch.manual_seed(7)
@@ -172,5 +172,54 @@ def test_the_slots_are_taken_when_the_engine_is_built_and_used_by_every_version(
             assert not errors
         assert receiver._backend is backend and [b.data_ptr() for b in backend.buckets] == slots
     finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()
+
+
+class _InProcessLLM:
+    """What `EngineRolloutClient` needs of `vllm.LLM` to ask its workers: `collective_rpc` with a callable."""
+
+    def __init__(self, worker: StandInWorker) -> None:
+        self.worker = worker
+
+    def collective_rpc(self, method: Any) -> list[Any]:
+        return [method(self.worker)]
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The stand-in worker finished it already (`_update`)."""
+
+
+def test_the_engine_says_which_version_it_holds_and_rollout_control_checks_it(tmp_path: Path) -> None:
+    """Issue 22: through the engine, comparable with vLLM's /weight_checker; `RolloutControl` asks after a version."""
+    from lightning_weightsync.engine.verify import worker_weight_report
+    from lightning_weightsync.errors import PeerError
+    from lightning_weightsync.rollout.vllm.client import EngineRolloutClient
+    from lightning_weightsync.trainer.rollout_control import RolloutControl
+
+    _, worker, _, sender = _setup(tmp_path)
+    client = EngineRolloutClient(_InProcessLLM(worker))
+    control = RolloutControl([client])
+    try:
+        assert worker_weight_report(worker)["version"] is None
+        stats, errors = _update(worker, sender, 1)
+        assert not errors and stats.checksums
+        report = worker_weight_report(worker)
+        assert report["version"] == 1 and report["complete"] and report["verify"] == "full", report
+        assert report["checksums"] == stats.checksums and report["verified"] == stats.num_tensors
+        assert control.check_weights(1, stats.checksums) == []
+        client.finish_update("1")
+        client.verify(1)  # the hook RolloutControl.run_version calls after every version: every worker holds 1
+        client.finish_update("2")  # as if the server said 2 but its workers hold 1
+        with pytest.raises(PeerError, match=r"holds version 1 .*not 2"):
+            client.verify(2)
+        name = next(iter(stats.checksums))
+        wrong = {**stats.checksums, name: "0" * 16}
+        problems = control.check_weights(1, wrong)
+        assert len(problems) == 1 and name in problems[0], problems
+        problems = control.check_weights(2, stats.checksums)
+        assert len(problems) == 1 and "holds version 1" in problems[0] and "not 2" in problems[0], problems
+        assert "not lightning_weightsync" in worker_weight_report(object())["error"]
+    finally:
+        control.close()
         worker.weight_transfer_engine.shutdown()
         sender.close()

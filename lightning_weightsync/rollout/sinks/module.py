@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from ...config import ApplyMode, SinkType
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
-from .base import Sink, describe, load_callable, register_sink
+from .base import Sink, SinkState, describe, load_callable, register_sink
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,19 @@ class ModuleSink(Sink):
 
     def snapshot(self) -> dict[str, torch.Tensor] | None:
         return self.state_dict()
+
+    @property
+    def delta_version(self) -> int | None:
+        """The version a delta (`transport.delta`) may be applied to: the one held whole, between versions."""
+        return self.version if self.state is SinkState.COMPLETE and self.in_flight is None else None
+
+    def held(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The live tensor of `meta.name` a delta is applied onto (read only, unless it is the destination:
+        `streaming`); None where it does not match (the version then fails and the next one is whole)."""
+        live = self._live.get(meta.name)
+        if live is None or tuple(live.shape) != meta.shape or live.dtype != meta.dtype:
+            return None
+        return live
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Clones of what the module holds now, taken under `self.lock`.

@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ...config import PauseMode
+from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import PeerError
 from ...transport.http import JSONEndpoint
 
@@ -214,9 +215,22 @@ class EngineRolloutClient(_PrefixCacheReset):
         return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
 
     def verify(self, version: int) -> None:
-        """The finish call's success is the evidence; issue 22 adds content checks here."""
+        """Every worker holds `version`, whole: each one's `weight_report` (through `collective_rpc`) says which
+        version its model holds and how many of its tensors matched the trainer's fingerprints on arrival
+        (`transport.verify`; a mismatch would have failed the version). An engine without `collective_rpc`
+        (a stand-in) is judged by the finish call alone."""
         if self._weight_version != str(version):
             raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
+        if not hasattr(self.llm, "collective_rpc"):
+            return
+        problems = [p for report in self.weight_reports() for p in weight_problems(self.name, version, report, None)]
+        if problems:
+            raise PeerError("; ".join(problems))
+
+    def weight_reports(self) -> list[dict[str, Any]]:
+        """Every worker's `weight_report` (`engine.verify.worker_weight_report` through `collective_rpc`)."""
+        answer = self._call("collective_rpc", worker_weight_report)
+        return [dict(r) if isinstance(r, dict) else {"error": repr(r)[:200]} for r in (answer or [])]
 
     def resume(self) -> None:
         if hasattr(self.llm, "resume_generation"):

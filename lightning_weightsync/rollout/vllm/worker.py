@@ -194,6 +194,7 @@ class WeightSyncEngineBody:
             "version": record.version,
             "nbytes": record.nbytes,
             "num_tensors": record.num_tensors,
+            "verified": record.verified,
             "seconds": record.seconds,
         }
         logger.info(
@@ -204,6 +205,22 @@ class WeightSyncEngineBody:
             record.nbytes / 1e6,
             record.seconds,
         )
+
+    def weight_report(self) -> dict[str, Any]:
+        """Which version this worker's model holds and what was verified of it (`transport.verify`):
+        `{"identity", "version", "incomplete", "verify", "tensors", "verified", "complete", "checksums"}`.
+
+        `checksums` are keyed by the trainer's names, as they arrived (each matched the trainer's fingerprint,
+        or the version failed); vLLM's POST /weight_checker digests the model's own parameters after its
+        fusing and sharding (vllm 0.33.0 entrypoints/rl/online/api_router.py:232-266), which no trainer can
+        compute. `engine.verify.compare_checksums(report["checksums"], stats.checksums)` answers as its
+        `compare` action does."""
+        receiver = self._receiver
+        report = receiver.last_verify if receiver is not None else None
+        answer: dict[str, Any] = {"identity": self.identity, "version": self.version, "incomplete": self.incomplete}
+        if report is None or report.version != self.version or self.incomplete:
+            return {**answer, "verify": None, "tensors": 0, "verified": 0, "complete": False, "checksums": {}}
+        return {**report.as_dict(), **answer}
 
     def finish_weight_update(self) -> None:
         """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun."""

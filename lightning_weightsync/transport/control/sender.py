@@ -82,6 +82,7 @@ class Peer:
     route: bytes = b""  # the ROUTER's id of the connection that registered this identity
     instance: str = ""  # the receiver process's random id (a reconnect keeps it)
     nonce: str = ""  # from its latest `Register`, echoed in `Prepare`
+    delta_base: int = -1  # as reported in the peer's last `Ready`: the version it can apply a delta to
 
     @property
     def key(self) -> tuple[str, int]:
