@@ -126,9 +126,11 @@ class HTTPRolloutClient(_PrefixCacheReset):
         return bool(answer.get("success")) if isinstance(answer, dict) else False
 
     def verify(self, version: int) -> None:
-        """A stub: the finish call's success is the evidence today. vLLM 0.33.0 reports the version at
-        `GET /weight_info` (entrypoints/rl/online/api_router.py:226), not yet pinned in tests/data/vllm_api.json
-        nor asked here; issue 22 fills this hook (with content checks)."""
+        """A stub: the finish call's success is the evidence. vLLM 0.33.0 reports the version at `GET /weight_info`
+        (entrypoints/rl/online/api_router.py:226), not yet pinned in tests/data/vllm_api.json nor asked here; the
+        workers' content reports (`weight_report`, issue 22) need a worker method that /collective_rpc can name
+        (entrypoints/serve/dev/rpc/api_router.py:23 takes method names only), so over HTTP they are not asked:
+        the in-process client's `verify` asks them."""
 
     def resume(self) -> None:
         self.http.request("/resume")
