@@ -125,7 +125,6 @@ def _role(
         pytest.param("fsdp1", 2, 2, True, "null", id="fsdp1-2-ranks-2-receivers-tied"),
         pytest.param("fsdp1-orig", 4, 1, False, "bfloat16", id="fsdp1-orig-4-ranks-bf16", marks=pytest.mark.slow),
         pytest.param("fsdp1-orig", 2, 1, True, "null", id="fsdp1-orig-2-ranks-tied"),
-        pytest.param("fsdp1", 4, 2, False, "null", id="fsdp1-4-ranks-2-receivers", marks=pytest.mark.slow),
     ],
 )
 def test_every_fsdp_rank_sends_its_shards_and_receivers_get_the_model_bitwise(
