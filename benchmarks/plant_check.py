@@ -256,8 +256,8 @@ PLANTS = [
           "                pass",
           ("tests/integration/test_engine.py", "-k", "aborts")),
     Plant("gather: integer tensors cast with trainer.dtype", f"{PKG}/trainer/gather.py",
-          "if cast is not None and full.is_floating_point() and full.dtype != cast:",
-          "if cast is not None and full.dtype != cast:", ("tests/integration/test_gather.py", "-k", "dtype_cast")),
+          "if cast is not None and tensor.is_floating_point() and tensor.dtype != cast:",
+          "if cast is not None and tensor.dtype != cast:", ("tests/integration/test_gather.py", "-k", "dtype_cast")),
     Plant("names: trainer.names.exclude ignored", f"{PKG}/trainer/names.py",
           "        if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):", "        if False:",
           ("tests/integration/test_gather.py", "-k", "name_mapper")),
@@ -267,8 +267,8 @@ PLANTS = [
           "stats.num_chunked_tensors += not meta.is_last", "stats.num_chunked_tensors += 1",
           ("tests/integration/test_engine.py", "-k", "gloo-64MiB")),
     Plant("gather: a rank skips a collective", f"{PKG}/trainer/gather.py",
-          "            emitted[name] = raw\n",
-          "            emitted[name] = raw\n"
+          "            name = named(raw)\n            if name is None:\n                continue\n",
+          "            name = named(raw)\n            if name is None:\n                continue\n"
           "            if not keep and name.endswith('bias') and isinstance(tensor, DTensor):\n"
           "                continue\n",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp2")),

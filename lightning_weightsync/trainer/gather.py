@@ -45,7 +45,7 @@ from torch import nn
 
 from ..config import CAST_DTYPES
 from ..errors import ConfigError
-from .names import NameMapper, own_tensors, strip_wrapper_prefixes, walk_modules
+from .names import NameMapper, SentNames, own_tensors, strip_wrapper_prefixes, walk_modules
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,13 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype not in CAST_DTYPES:
         raise ConfigError(f"trainer.dtype={dtype!r} is not allowed; choose one of: {', '.join(CAST_DTYPES)}")
     return getattr(torch, dtype)
+
+
+def cast_floating(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
+    """`trainer.dtype`'s rule: floating-point tensors to `cast`; integer and bool tensors keep their dtype."""
+    if cast is not None and tensor.is_floating_point() and tensor.dtype != cast:
+        return tensor.to(cast)
+    return tensor
 
 
 def _is_fsdp1(module: nn.Module) -> bool:
@@ -125,22 +132,15 @@ def iter_full_parameters(
         ConfigError: a bad `names_cfg`/`dtype`, or two tensors mapped to the same name (raised on
             every rank at the same point, so no rank is left waiting in a collective).
     """
-    mapper = NameMapper.from_config(names_cfg, prefix=prefix)
+    named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
     cast = resolve_dtype(dtype)
     keep = keep_on_rank is None or _global_rank() == keep_on_rank
-    emitted: dict[str, str] = {}  # name sent -> raw name, to report collisions
 
     def emit(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[NamedTensor]:
         for raw, tensor in tensors:
-            name = mapper(raw)
+            name = named(raw)
             if name is None:
                 continue
-            if name in emitted:
-                raise ConfigError(
-                    f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
-                    "fix trainer.names.rename / rename_regex / strip_prefixes"
-                )
-            emitted[name] = raw
             if isinstance(tensor, DTensor):
                 with torch.no_grad():
                     full = tensor.full_tensor()  # a collective: every rank, same order
@@ -151,10 +151,7 @@ def iter_full_parameters(
             if not keep:
                 del full
                 continue
-            full = full.detach()
-            if cast is not None and full.is_floating_point() and full.dtype != cast:
-                full = full.to(cast)
-            yield name, full
+            yield name, cast_floating(full.detach(), cast)
             del full
 
     units = _fsdp1_units(module)

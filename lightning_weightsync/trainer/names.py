@@ -151,6 +151,27 @@ def is_wrapper_edge(parent: nn.Module, attr: str) -> bool:
     return attr == DDP_ATTR and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel))
 
 
+class SentNames:
+    """`NameMapper` plus the rule that two tensors are never sent under one name: every stream that names
+    tensors (the gather, the sharded send) checks it the same way, on every rank at the same point."""
+
+    def __init__(self, mapper: NameMapper) -> None:
+        self.mapper = mapper
+        self.emitted: dict[str, str] = {}  # name sent -> raw name, to report collisions
+
+    def __call__(self, raw: str) -> str | None:
+        name = self.mapper(raw)
+        if name is None:
+            return None
+        if name in self.emitted:
+            raise ConfigError(
+                f"tensors {self.emitted[name]!r} and {raw!r} are both sent as {name!r}; "
+                "fix trainer.names.rename / rename_regex / strip_prefixes"
+            )
+        self.emitted[name] = raw
+        return name
+
+
 def walk_modules(
     module: nn.Module, path: tuple[str, ...], stop: Callable[[nn.Module], bool]
 ) -> Iterator[tuple[tuple[str, ...], nn.Module]]:

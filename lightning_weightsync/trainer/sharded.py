@@ -28,8 +28,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..protocol.chunks import TensorShard
-from .gather import DTensor, _fsdp1_units, _walk_tensors, resolve_dtype
-from .names import NameMapper, own_tensors, walk_modules
+from .gather import DTensor, _fsdp1_units, _walk_tensors, cast_floating, resolve_dtype
+from .names import NameMapper, SentNames, own_tensors, walk_modules
 
 logger = logging.getLogger(__name__)
 
@@ -127,38 +127,28 @@ def iter_local_shards(
     """This rank's part of every tensor `iter_full_parameters` would send (same names, same exclusions,
     same cast), as `(name, TensorShard)` for a local shard or `(name, tensor)` for a whole tensor this
     rank owns. No collectives: every rank walks the same tree and decides alike."""
-    mapper = NameMapper.from_config(names_cfg, prefix=prefix)
+    named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
     cast = resolve_dtype(dtype)
     rank, world = _world()
-    emitted: dict[str, str] = {}
-    whole_index = 0  # tensors sent whole, counted in module order: the i-th goes from rank i mod world
     if _fsdp1_units(module):
-        yield from _fsdp1_local_shards(module, include_buffers, mapper, cast, rank, world)
+        yield from _fsdp1_local_shards(module, include_buffers, named, cast, rank, world)
         return
+    mine = _WholeOwner(rank, world)
     for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):
-        name = mapper(raw)
+        name = named(raw)
         if name is None:
             continue
-        if name in emitted:
-            raise ConfigError(
-                f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
-                "fix trainer.names.rename / rename_regex / strip_prefixes"
-            )
-        emitted[name] = raw
-        target = cast if cast is not None and tensor.is_floating_point() else None
         if isinstance(tensor, DTensor) and any(type(p).__name__ == "Shard" for p in tensor.placements):
             first_row = _shard0_offset(tensor)
             local = tensor.to_local().detach()
             if local.numel() == 0:
                 continue  # fewer rows than ranks: this rank holds none of it
-            if target is not None and local.dtype != target:
-                local = local.to(target)
+            local = cast_floating(local, cast)
             shape = tuple(tensor.shape)
             row_bytes = (local.numel() // local.shape[0]) * local.element_size()
             yield name, TensorShard(shape, local.dtype, first_row * row_bytes, local.contiguous())
             continue
-        owner, whole_index = whole_index % world, whole_index + 1
-        if owner != rank:
+        if not mine():
             continue
         if isinstance(tensor, DTensor):
             if any(type(p).__name__ != "Replicate" for p in tensor.placements):
@@ -169,14 +159,23 @@ def iter_local_shards(
             full = tensor.to_local()  # replicated: the local tensor is the whole one
         else:
             full = tensor
-        full = full.detach()
-        if target is not None and full.dtype != target:
-            full = full.to(target)
-        yield name, full
+        yield name, cast_floating(full.detach(), cast)
+
+
+class _WholeOwner:
+    """Which rank sends a tensor that goes whole: the i-th such tensor in module order goes from rank
+    i mod world (every rank walks the same tree, so every rank agrees without asking)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.index = rank, world, 0
+
+    def __call__(self) -> bool:
+        owner, self.index = self.index % self.world, self.index + 1
+        return owner == self.rank
 
 
 def _fsdp1_local_shards(
-    module: nn.Module, include_buffers: bool, mapper: NameMapper, cast: torch.dtype | None, rank: int, world: int
+    module: nn.Module, include_buffers: bool, named: SentNames, cast: torch.dtype | None, rank: int, world: int
 ) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
     """FSDP1: each unit's flat parameter holds, on this rank, a slice of the concatenation of its original
     parameters; `_shard_param_infos` says which elements of which parameter it is. Those slices go as
@@ -185,18 +184,6 @@ def _fsdp1_local_shards(
     parameters) goes whole from one owner, as for FSDP2."""
     paths = {id(mod): path for path, mod in walk_modules(module, (), lambda _: False)}
     managed: set[tuple[int, str]] = set()  # (module, attribute) of every parameter a flat parameter holds
-    emitted: dict[str, str] = {}
-
-    def named(raw: str) -> str | None:
-        name = mapper(raw)
-        if name is not None and name in emitted:
-            raise ConfigError(
-                f"tensors {emitted[name]!r} and {raw!r} are both sent as {name!r}; "
-                "fix trainer.names.rename / rename_regex / strip_prefixes"
-            )
-        if name is not None:
-            emitted[name] = raw
-        return name
 
     for _, unit in _fsdp1_units(module):
         handle = getattr(unit, "_handle", None)
@@ -218,26 +205,18 @@ def _fsdp1_local_shards(
             name = named(".".join((*paths[id(info.module)], info.param_name)))
             if name is None or not shard.in_shard or not shard.numel_in_shard:
                 continue
-            data = local[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
-            if cast is not None and data.is_floating_point() and data.dtype != cast:
-                data = data.to(cast)
+            data = cast_floating(local[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard], cast)
             yield name, TensorShard(tuple(shape), data.dtype, shard.intra_param_start_idx * data.element_size(), data)
-    whole_index, seen = 0, set()
+    mine, seen = _WholeOwner(rank, world), set()
     for path, mod in walk_modules(module, (), lambda _: False):
         for attr, tensor in own_tensors(mod, include_buffers):
             if (id(mod), attr) in managed or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             name = named(".".join((*path, attr)))
-            if name is None:
+            if name is None or not mine():
                 continue
-            owner, whole_index = whole_index % world, whole_index + 1
-            if owner != rank:
-                continue
-            full = tensor.detach()
-            if cast is not None and full.is_floating_point() and full.dtype != cast:
-                full = full.to(cast)
-            yield name, full
+            yield name, cast_floating(tensor.detach(), cast)
 
 
 __all__ = ["MembersRelay", "exchange_addresses", "iter_local_shards"]
