@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sharded_links import _lines, lab_run  # noqa: E402
+from benchmarks.sharded_links import _lines, await_versions, limit_uplink  # noqa: E402
 from tests.support.netlab import netlab, skip_reason  # noqa: E402
 
 PORT = 29713
@@ -98,9 +97,7 @@ def run_pair(rate_mbit: int, mode: str, mb: float, changed: float, count: int) -
     with netlab() as lab:
         for name in ("s", "r"):
             lab.add(name)
-        burst = max(64 * 1024, rate_mbit * 1_000_000 // 8 // 100)
-        lab_run("ip", "netns", "exec", lab.nodes["s"].ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+        limit_uplink(lab, "s", rate_mbit)
         host = lab.nodes["s"].ip
         sent, got = lab.workdir / "sent.jsonl", lab.workdir / "got.jsonl"
         procs = [
@@ -109,20 +106,8 @@ def run_pair(rate_mbit: int, mode: str, mb: float, changed: float, count: int) -
             lab.spawn("s", f"from benchmarks.delta_links import delta_sender as f; f({host!r}, {mode!r}, {mb}, "
                            f"{changed}, {count}, {str(sent)!r})", lab.workdir / "s.log"),
         ]  # fmt: skip
-        deadline = time.monotonic() + 600
-        while len(_lines(got)) < count and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except Exception:
-                lab.kill(proc)
-        received, stats = _lines(got), _lines(sent)
-        if len(received) < count or len(stats) < count:
-            logs = "\n".join(p.read_text()[-2000:] for p in sorted(lab.workdir.glob("*.log")))
-            raise RuntimeError(f"delta={mode}: {len(received)} of {count} versions received\n{logs}")
+        received = await_versions(lab, procs, got, count, "*.log", f"delta={mode}")
+        stats = _lines(sent)
     steady = stats[1:]  # version 0 is whole in every mode (nothing held yet) and forms the group
     return {
         "mode": mode,

@@ -120,11 +120,8 @@ def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versi
     names = [f"t{rank}" for rank in range(world)]
     for name in (*names, "r"):
         lab.add(name)
-    for name in names:  # each trainer rank's uplink: its egress inside its namespace
-        node = lab.nodes[name]
-        burst = max(64 * 1024, rate_mbit * 1_000_000 // 8 // 100)  # ~10 ms of traffic
-        lab_run("ip", "netns", "exec", node.ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+    for name in names:
+        limit_uplink(lab, name, rate_mbit)
     master = lab.nodes["t0"].ip
     out = lab.workdir / f"senders-{world}.jsonl"
     received = lab.workdir / f"receiver-{world}.jsonl"
@@ -135,20 +132,8 @@ def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versi
         code = (f"from benchmarks.sharded_links import bench_sender as f; f({rank}, {world}, {master!r}, "
                 f"{lab.nodes[name].ip!r}, {mb}, {tensor_mb}, {versions}, {str(out)!r})")  # fmt: skip
         procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{world}.log"))
-    deadline = time.monotonic() + 600
-    while len(_lines(received)) < versions and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            break
-        time.sleep(0.2)
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except Exception:
-            lab.kill(proc)
-    got, sent = _lines(received), _lines(out)
-    if len(got) < versions:
-        logs = "\n".join(p.read_text()[-2000:] for p in sorted(lab.workdir.glob(f"*-{world}.log")))
-        raise RuntimeError(f"{world} senders: {len(got)} of {versions} versions received\n{logs}")
+    got = await_versions(lab, procs, received, versions, f"*-{world}.log", f"{world} senders")
+    sent = _lines(out)
     steady = [e for e in sent if e["version"] > 1] or sent  # version 1 builds the groups
     rank0 = [e for e in steady if e["rank"] == 0]
     per_version: dict[int, float] = {}
@@ -167,6 +152,33 @@ def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versi
         "seconds": seconds,
         "stall_s": sum(per_version.values()) / len(per_version),
     }
+
+
+def limit_uplink(lab: Lab, name: str, rate_mbit: int) -> None:
+    """`tc tbf` on a node's egress inside its namespace: what it sends leaves at `rate_mbit`."""
+    burst = max(64 * 1024, rate_mbit * 1_000_000 // 8 // 100)  # ~10 ms of traffic
+    lab_run("ip", "netns", "exec", lab.nodes[name].ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+            f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+
+
+def await_versions(lab: Lab, procs: list[Any], received: Path, count: int, logs: str, what: str) -> list[Any]:
+    """The receiver's `count` lines (a process that fails ends the wait), every process reaped; raises
+    with the tails of the `logs` files when fewer arrived."""
+    deadline = time.monotonic() + 600
+    while len(_lines(received)) < count and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except Exception:
+            lab.kill(proc)
+    got = _lines(received)
+    if len(got) < count:
+        tails = "\n".join(p.read_text()[-2000:] for p in sorted(lab.workdir.glob(logs)))
+        raise RuntimeError(f"{what}: {len(got)} of {count} versions received\n{tails}")
+    return got
 
 
 def lab_run(*cmd: str, check: bool = True) -> None:
