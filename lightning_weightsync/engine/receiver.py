@@ -122,6 +122,13 @@ class WeightReceiver(Endpoint):
         """The version this receiver took part in and has not acked yet (it owes the sender one ack)."""
         return None if self._acked else self.version
 
+    async def register(self) -> None:
+        """Announce this receiver to the sender now; `wait_version` does it every heartbeat while it
+        waits, an engine worker between versions too (`rollout/engine_worker.py WorkerReceiver`)."""
+        if self._executor is None:
+            raise WeightSyncError("WeightReceiver.register() before start()")
+        await self._control.register()
+
     def sender_link(self) -> tuple[bool, float]:
         """(a trainer connected, seconds since that last changed): `ReceiverControl.sender_link`."""
         return self._control.sender_link()

@@ -2,10 +2,12 @@
 
 An engine's worker owns the model on its own thread and calls us there: vLLM's GPU worker in its
 `collective_rpc`, SGLang's scheduler in `update_weights_from_tensor`. Our `WeightReceiver` lives on its
-own asyncio loop in a daemon thread (`LoopThread`), so it keeps its ZeroMQ registration and heartbeats
-alive while the worker generates; a version runs the shared receive loop (`rollout/consume.py`) on that
-loop, and each merged tensor is handed back to the worker's thread for `model.load_weights`
-(`ModelLoadSink`): the engine's own name mapping, fusing and tensor-parallel sharding apply.
+own asyncio loop in a daemon thread (`LoopThread`), so it keeps its ZeroMQ connection and heartbeats
+alive while the worker generates, and re-registers every heartbeat between versions (`WorkerReceiver`):
+a restarted trainer knows every worker before its first version starts. A version runs the shared
+receive loop (`rollout/consume.py`) on that loop, and each merged tensor is handed back to the worker's
+thread for `model.load_weights` (`ModelLoadSink`): the engine's own name mapping, fusing and
+tensor-parallel sharding apply.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
+from omegaconf import DictConfig
 
-from ..errors import SinkError
+from ..engine.receiver import WeightReceiver
+from ..errors import SinkError, WeightSyncError
 from ..protocol.chunks import TensorMeta
 from ..transport.device import handoff
-from .consume import Call
+from .consume import Call, VersionSink, consume_version
+from .observability import VersionRecord
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,64 @@ class LoopThread:
             self.loop.close()
 
 
+class WorkerReceiver:
+    """An engine worker's receiver: its loop thread, its `WeightReceiver` (buckets taken now, before the
+    engine sizes its KV cache), and its registration kept between versions.
+
+    A daemon waits for the next version all the time, and that wait re-registers every heartbeat. An
+    engine worker waits only inside an update; between two it generates. Its connection keeps it known
+    to the trainer that is running, but a restarted trainer would hear of it only once the next update
+    began, racing its own version's start (a worker that registers late is left out of that version,
+    and its server holds tensor-parallel shards of two versions). So between versions this worker
+    re-registers every `transport.heartbeat_interval_s` on its own; while a version runs it does not
+    (a `Register` mid-version would reset what the sender knows of it)."""
+
+    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
+        self.loop = LoopThread(device)
+        self.receiver = WeightReceiver(cfg, preallocate=True)
+        self._receiving = False
+        self.registrations = 0  # sent between versions (tests read it)
+        try:
+            self.loop.call(self.receiver.start(), timeout_s=float(cfg.transport.timeout_s))
+        except BaseException:
+            self.loop.stop()
+            raise
+        interval_s = float(cfg.transport.heartbeat_interval_s)
+        asyncio.run_coroutine_threadsafe(self._keep_registered(interval_s), self.loop.loop)
+
+    async def _keep_registered(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._receiving:
+                continue
+            try:
+                await self.receiver.register()
+                self.registrations += 1
+            except WeightSyncError as exc:  # the next heartbeat tries again
+                logger.debug("%s: re-registering failed: %s", self.receiver.identity, exc)
+
+    def receive(self, sink: VersionSink, wait_s: float | None = None) -> VersionRecord:
+        """One version into `sink`, its methods called on this (the worker's) thread."""
+
+        async def one_version(call: Call) -> VersionRecord:
+            self._receiving = True  # set on the loop: no re-registration interleaves with the version's start
+            try:
+                return await consume_version(self.receiver, sink, call=call, wait_s=wait_s)
+            finally:
+                self._receiving = False
+
+        return self.loop.run_here(one_version)
+
+    def close(self) -> None:
+        """Cancel what runs (a version in flight, the registration), close the receiver, stop the loop."""
+        self.loop.cancel_all()
+        try:
+            self.loop.call(self.receiver.close(), timeout_s=30)
+        except Exception as exc:  # best effort: the worker may be going away
+            logger.warning("closing the weight receiver failed: %s", exc)
+        self.loop.stop()
+
+
 class ModelLoadSink:
     """The shared receive loop's sink for an engine worker: each tensor goes to `model.load_weights`
     (the engine's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
@@ -148,4 +211,4 @@ def worker_identity(base: str | None, rank: int) -> str:
     return f"{base or socket.gethostname()}-{os.getpid()}-w{rank}"
 
 
-__all__ = ["CONFIG_ENV", "LoopThread", "ModelLoadSink", "worker_identity", "worker_rank"]
+__all__ = ["CONFIG_ENV", "LoopThread", "ModelLoadSink", "WorkerReceiver", "worker_identity", "worker_rank"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,32 @@ def test_each_update_receives_one_version_bitwise_tensor_by_tensor(tmp_path: Pat
         sender.close()
 
 
+def test_a_worker_stays_registered_between_versions_so_a_restarted_trainer_knows_it_at_once(tmp_path: Path) -> None:
+    cfg, worker, model, sender = _setup(tmp_path)
+    restarted = None
+    try:
+        stats, errors = _update(worker, sender, 1)
+        assert not errors and stats.receivers == 1
+        sender.close()  # the trainer restarts; the worker generates meanwhile (no update is running)
+        restarted = BlockingWeightSender(cfg)
+        restarted.start()
+        identity = worker.weight_transfer_engine.identity
+        deadline = time.monotonic() + 10
+        while identity not in restarted.sender.registered and time.monotonic() < deadline:
+            restarted._run(restarted.sender._control.recv(0.2))  # what the sender reads when a version starts
+        assert identity in restarted.sender.registered, "the worker did not register with the restarted trainer"
+        assert worker.weight_transfer_engine._worker_receiver.registrations > 0
+        stats, errors = _update(worker, restarted, 2)
+        assert not errors and stats.receivers == 1
+        state = model.state_dict()
+        assert all(torch.equal(state[name], t) for name, t in _version(2))
+    finally:
+        worker.weight_transfer_engine.shutdown()
+        sender.close()
+        if restarted is not None:
+            restarted.close()
+
+
 def test_load_failure_is_nacked_drained_and_the_next_version_lands(tmp_path: Path) -> None:
     _, worker, model, sender = _setup(tmp_path)
     try:
@@ -162,7 +189,7 @@ def test_the_slots_are_taken_when_the_engine_is_built_and_used_by_every_version(
 
     cfg, worker, _, sender = _setup(tmp_path)
     try:
-        receiver = worker.weight_transfer_engine._receiver
+        receiver = worker.weight_transfer_engine._worker_receiver.receiver
         backend = receiver._backend
         assert backend is not None, "no slots before the first version"
         slots = [b.data_ptr() for b in backend.buckets]

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..consume import consume_version
-from ..engine_worker import CONFIG_ENV, LoopThread, ModelLoadSink, worker_identity, worker_rank
+from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,6 @@ class RankReceiver:
 
     def __init__(self, device: torch.device, config_path: str | None = None) -> None:
         from ...config import load_config
-        from ...engine.receiver import WeightReceiver
 
         path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
         if not path:
@@ -51,13 +49,8 @@ class RankReceiver:
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
         overrides = [f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"]
         cfg = load_config(base=cfg, overrides=overrides)
-        self.loop = LoopThread(device)
-        self.receiver = WeightReceiver(cfg, preallocate=True)
-        try:
-            self.loop.call(self.receiver.start(), timeout_s=float(cfg.transport.timeout_s))
-        except BaseException:
-            self.loop.stop()
-            raise
+        self.worker = WorkerReceiver(cfg, device)
+        self.receiver = self.worker.receiver
         self.version: int | None = None  # the version the model holds, when whole
         self.last_report: dict[str, Any] = {}
         logger.info("lightning_weightsync SGLang loader: rank %d is %s on %s", self.rank, self.identity, device)
@@ -66,7 +59,7 @@ class RankReceiver:
         """One version into `model`; its number. Raises on a failed version (recorded in `last_report`)."""
         sink = ModelLoadSink(model, None)  # SGLang passes no version: whichever the sender sends next
         try:
-            record = self.loop.run_here(lambda call: consume_version(self.receiver, sink, call=call))
+            record = self.worker.receive(sink)
         except Exception as exc:
             version = self.receiver.version
             self.last_report = {"ok": False, "version": version, "error": str(exc), "touched": sink.touched}
@@ -81,12 +74,7 @@ class RankReceiver:
         return record.version
 
     def close(self) -> None:
-        self.loop.cancel_all()
-        try:
-            self.loop.call(self.receiver.close(), timeout_s=30)
-        except Exception as exc:  # best effort: the server is going away
-            logger.warning("closing the weight receiver failed: %s", exc)
-        self.loop.stop()
+        self.worker.close()
 
 
 _rank: RankReceiver | None = None

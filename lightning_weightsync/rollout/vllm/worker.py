@@ -11,14 +11,14 @@ an engine-core `collective_rpc`:
     finish_weight_update()                 -> finish_weight_update
     shutdown_weight_transfer_engine()/exit -> shutdown
 
-Between two versions the worker generates; nothing of ours blocks it. Our `WeightReceiver` lives
-on its own asyncio loop in a daemon thread (`LoopThread`, `rollout/engine_worker.py`), so it keeps
-its ZeroMQ registration and heartbeats alive while the worker is busy; `receive_weights` runs exactly
-one version, pulling merged tensors from that loop and handing them to `model.load_weights` one at a time on the
-worker's thread (vLLM's own name mapping, fusing and tensor-parallel sharding apply). On GPU the
-buckets are on the worker's device (`transport.device` = the engine's `device`), so nothing makes
-a host hop. Memory beyond the model: two buckets, taken when the engine is built (before vLLM sizes
-its KV cache), plus one merged tensor at a time during a version.
+Between two versions the worker generates; nothing of ours blocks it. Our `WeightReceiver` lives on its
+own asyncio loop in a daemon thread (`WorkerReceiver`, `rollout/engine_worker.py`), so it keeps its
+ZeroMQ connection and heartbeats alive while the worker is busy, and re-registers between versions;
+`receive_weights` runs exactly one version, pulling merged tensors from that loop and handing them to
+`model.load_weights` one at a time on the worker's thread (vLLM's own name mapping, fusing and tensor-
+parallel sharding apply). On GPU the buckets are on the worker's device (`transport.device` = the
+engine's `device`), so nothing makes a host hop. Memory beyond the model: two buckets, taken when the
+engine is built (before vLLM sizes its KV cache), plus one merged tensor at a time during a version.
 
 The trainer drives a version (`trainer/rollout_control.py`): pause -> start_weight_update ->
 update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version) -> resume.
@@ -35,8 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...errors import ConfigError, SinkError
-from ..consume import consume_version
-from ..engine_worker import CONFIG_ENV, LoopThread, ModelLoadSink, worker_identity, worker_rank
+from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +127,7 @@ class WeightSyncEngineBody:
         self.version: int | None = None  # the version the model holds, when whole
         self.incomplete = False  # a version broke after it touched the model
         self.last_report: dict[str, Any] = {}
-        self._loop: LoopThread | None = None
-        self._receiver: Any = None
+        self._worker_receiver: WorkerReceiver | None = None
         self._reload_active = False
         self.identity: str | None = None
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
@@ -155,7 +153,7 @@ class WeightSyncEngineBody:
         """Check that the model can take weights now; begin vLLM's layerwise reload (every model, as
         vLLM's own engines: layers that derive weights after loading are re-processed)."""
         self._check_awake()
-        if self._receiver is None:
+        if self._worker_receiver is None:
             self._start_receiver([])
         if self._needs_layerwise_reload():
             self._begin_layerwise_reload()
@@ -171,14 +169,15 @@ class WeightSyncEngineBody:
         error is raised here (vLLM turns it into a failed `update_weights` RPC). The sender sees the
         same reason in its ack, so the trainer's error names it too.
         """
-        loop, receiver = self._loop, self._receiver
-        if loop is None or receiver is None:
+        worker = self._worker_receiver
+        if worker is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
+        receiver = worker.receiver
         sink = ModelLoadSink(self.model, getattr(update_info, "version", None))
         wait_s = getattr(update_info, "timeout_s", None)
         try:
             with self._load_context():
-                record = loop.run_here(lambda call: consume_version(receiver, sink, call=call, wait_s=wait_s))
+                record = worker.receive(sink, wait_s)
         except BaseException as exc:
             self.incomplete = self.incomplete or sink.touched
             self._abandon_layerwise_reload()
@@ -215,8 +214,8 @@ class WeightSyncEngineBody:
         fusing and sharding (vllm 0.33.0 entrypoints/rl/online/api_router.py:232-266), which no trainer can
         compute. `engine.verify.compare_checksums(report["checksums"], stats.checksums)` answers as its
         `compare` action does."""
-        receiver = self._receiver
-        report = receiver.last_verify if receiver is not None else None
+        worker = self._worker_receiver
+        report = worker.receiver.last_verify if worker is not None else None
         answer: dict[str, Any] = {"identity": self.identity, "version": self.version, "incomplete": self.incomplete}
         if report is None or report.version != self.version or self.incomplete:
             return {**answer, "verify": None, "tensors": 0, "verified": 0, "complete": False, "checksums": {}}
@@ -235,7 +234,6 @@ class WeightSyncEngineBody:
     # -- receiver life cycle ----------------------------------------------------------------------
     def _start_receiver(self, overrides: list[str]) -> None:
         from ...config import load_config
-        from ...engine.receiver import WeightReceiver
 
         if not self._config_path and not overrides:
             raise ConfigError(
@@ -249,14 +247,7 @@ class WeightSyncEngineBody:
             base=cfg,
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
-        loop = LoopThread(device)
-        receiver = WeightReceiver(cfg, preallocate=True)  # the slots before vLLM sizes its KV cache
-        try:
-            loop.call(receiver.start(), timeout_s=float(cfg.transport.timeout_s))
-        except BaseException:
-            loop.stop()
-            raise
-        self._loop, self._receiver = loop, receiver
+        worker = self._worker_receiver = WorkerReceiver(cfg, device)  # its slots before vLLM sizes its KV cache
         logger.info(
             "lightning_weightsync engine: worker %d receives as %s from %s:%d on %s (%.0f MiB of slots taken "
             "now; a version adds one merged tensor at a time)",
@@ -265,21 +256,13 @@ class WeightSyncEngineBody:
             cfg.transport.host,
             cfg.transport.port,
             device,
-            receiver.preallocated_bytes / 2**20,
+            worker.receiver.preallocated_bytes / 2**20,
         )
 
     def _stop_receiver(self) -> None:
-        loop, receiver = self._loop, self._receiver
-        self._loop = self._receiver = None
-        if loop is None:
-            return
-        loop.cancel_all()
-        if receiver is not None:
-            try:
-                loop.call(receiver.close(), timeout_s=30)
-            except Exception as exc:  # best effort: the worker may be going away
-                logger.warning("closing the weight receiver failed: %s", exc)
-        loop.stop()
+        worker, self._worker_receiver = self._worker_receiver, None
+        if worker is not None:
+            worker.close()
 
     # -- vLLM model hooks (overridden in engine.py with the real vLLM calls) -----------------------
     def _check_model_supported(self) -> None:
