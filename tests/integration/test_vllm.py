@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny_lm_cpu.yaml"
 RUN_TIMEOUT_S = 150
 PER_VERSION = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
+               "/collective_rpc",
                "/resume"]  # fmt: skip
 
 

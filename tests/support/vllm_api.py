@@ -60,9 +60,16 @@ METHODS: list[tuple[str, str, list[str]]] = [
         "Worker",
         ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"],
     ),
+    # --worker-extension-cls is mixed in here; /collective_rpc's method names resolve through __getattr__
+    ("v1/worker/worker_base.py", "WorkerWrapperBase", ["init_worker", "__getattr__"]),
 ]
-ROUTE_FILES = ["entrypoints/rl/online/api_router.py", "entrypoints/serve/dev/cache/api_router.py"]
+ROUTE_FILES = [
+    "entrypoints/rl/online/api_router.py",
+    "entrypoints/serve/dev/cache/api_router.py",
+    "entrypoints/serve/dev/rpc/api_router.py",
+]
 ROUTES = [
+    "/collective_rpc",
     "/get_world_size",
     "/pause",
     "/resume",
@@ -102,6 +109,23 @@ def _route_param_kind(arg: ast.arg, default: ast.expr | None) -> str | None:
     return "query"  # Query(...) or a plain scalar: FastAPI reads both from the query string
 
 
+def _raw_body_keys(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Keys a handler that parses the raw request itself reads from it: `body.get("k")` (/collective_rpc)."""
+    keys: list[str] = []
+    for node in ast.walk(fn):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "body"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            keys.append(str(node.args[0].value))
+    return keys
+
+
 def extract(vllm_root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"methods": [], "routes": []}
     for rel, cls, methods in METHODS:
@@ -138,6 +162,7 @@ def extract(vllm_root: Path) -> dict[str, Any]:
                         query.append(arg.arg)
                     elif kind == "body":
                         body.append(arg.arg)
+                body += _raw_body_keys(node)
                 out["routes"].append(
                     {"path": dec.args[0].value, "method": dec.func.attr.upper(), "query": query, "body": body}
                 )

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_weightsync.examples.tiny_lm import TinyLM, build_model
+from lightning_weightsync.rollout.vllm.extension import WeightSyncWorkerExtension
 from lightning_weightsync.rollout.vllm.worker import WeightSyncEngineBody
 
 
@@ -178,6 +179,7 @@ class StandInServer:
         "/finish_weight_update": ([], ["weight_version"]),
         "/reset_prefix_cache": (["reset_running_requests", "reset_external"], []),
         "/get_world_size": (["include_dp"], []),  # GET
+        "/collective_rpc": ([], ["method", "args", "kwargs", "timeout"]),
     }
 
     def __init__(self, worker: StandInWorker, model: StandInModel, out_dir: Path) -> None:
@@ -247,6 +249,13 @@ class StandInServer:
                     self.weight_version = str(body["weight_version"])
                 self.dump()
                 return {"message": "Weight update finished"}
+            if path == "/collective_rpc":  # vLLM: run_method(worker, method) on every worker (here one)
+                method = body.get("method")
+                fn = getattr(self.worker, method, None) if isinstance(method, str) else None
+                if fn is None:
+                    raise NotImplementedError(f"Method {method!r} is not implemented.")
+                result = fn(*body.get("args", []), **body.get("kwargs", {}))
+                return {"results": [result if result is None or isinstance(result, dict | list) else str(result)]}
             if path == "/reset_prefix_cache":
                 # as vLLM's scheduler: requests kept by pause(mode=keep) hold KV blocks, so the reset
                 # fails unless they are preempted (reset_running_requests=true)
@@ -317,13 +326,17 @@ class StandInServer:
         return Handler
 
 
-def standin_server_main(http_port: int, config_path: str, out_dir: str, run_s: float = 150.0) -> None:
+def standin_server_main(
+    http_port: int, config_path: str, out_dir: str, run_s: float = 150.0, extension: bool = True
+) -> None:
     """One stand-in `vllm serve` process: engine + worker + routes + generation, until killed."""
     torch.manual_seed(1234)  # start from weights different from the trainer's
     model = StandInModel(build_model().config)
     engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
                            config_path)  # fmt: skip
-    server = StandInServer(StandInWorker(engine), model, Path(out_dir))
+    # as `vllm serve --worker-extension-cls <ours>` (the launcher passes it): vLLM mixes it into its worker class
+    worker_cls = type("Worker", (StandInWorker, WeightSyncWorkerExtension), {}) if extension else StandInWorker
+    server = StandInServer(worker_cls(engine), model, Path(out_dir))
     httpd = ThreadingHTTPServer(("127.0.0.1", http_port), server.http_handler())
     threading.Thread(target=server.generate_forever, daemon=True).start()
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

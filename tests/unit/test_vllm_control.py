@@ -31,8 +31,10 @@ class Recorder:
         fail: str | None = None,
         block_update: threading.Event | None = None,
         world_size: int | None = None,
+        reports: list[dict[str, Any]] | None = None,
     ) -> None:
         self.calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self.reports = reports  # what /collective_rpc answers (each worker's weight_report); None: 404 (no dev mode)
         self.fail, self.block_update = fail, block_update
         recorder = self
 
@@ -56,6 +58,10 @@ class Recorder:
                     recorder.block_update.wait(10)
                 code = 500 if url.path == recorder.fail else 200
                 payload = b"Internal Server Error" if code == 500 else json.dumps({"success": True}).encode()
+                if url.path == "/collective_rpc" and code == 200:
+                    code = 404 if recorder.reports is None else 200
+                    answer = {"results": recorder.reports} if code == 200 else {"detail": "Not Found"}
+                    payload = json.dumps(answer).encode()
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -103,7 +109,8 @@ def control(
     return RolloutControl(clients, timeout_s=10, receive_timeout_s=30, **kwargs)
 
 
-FULL = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+FULL = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
+        "/collective_rpc", "/resume"]  # fmt: skip
 
 
 def test_one_version_calls_vllm_routes_in_order_with_their_real_parameters(servers) -> None:
@@ -140,6 +147,34 @@ def _eventually(pred: Any, timeout_s: float = 5) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_verify_asks_every_worker_over_http_and_names_one_that_holds_another_version(servers, caplog) -> None:
+    def worker(i: int, version: int, incomplete: bool = False) -> dict[str, Any]:
+        return {"identity": f"host-1-w{i}", "version": version, "incomplete": incomplete, "checksums": {}}
+
+    whole = servers(reports=[worker(0, 7), worker(1, 7)])
+    ctl = control(whole)
+    assert ctl.run_version(7, lambda: "stats") == "stats"
+    rpc = [body for path, _, body in whole.calls if path == "/collective_rpc"]
+    assert rpc == [{"method": "lightning_weightsync_weight_report"}]  # the worker extension's method, by name
+    ctl.close()
+    for reports in ([worker(0, 7), worker(1, 6)], [worker(0, 7), worker(1, 7, incomplete=True)]):
+        torn = servers(reports=reports)
+        ctl = control(torn)
+        with pytest.raises(PeerError, match="host-1-w1 holds version") as err:
+            ctl.run_version(7, lambda: "stats")
+        assert torn.url in str(err.value) and torn.paths()[-1] == "/resume"
+        ctl.close()
+    # a server without the route (or without our extension) is judged by its finish call, and says so once
+    bare = servers()
+    ctl = control(bare)
+    with caplog.at_level("WARNING"):
+        ctl.run_version(7, lambda: "stats")
+        ctl.run_version(8, lambda: "stats")
+    said = [r.message for r in caplog.records if "cannot ask its workers" in r.message]
+    assert len(said) == 1 and "--worker-extension-cls" in said[0], said
+    ctl.close()
 
 
 def test_a_failed_update_is_named_by_url_others_finish_and_everyone_resumes(servers) -> None:

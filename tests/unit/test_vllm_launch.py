@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import stat
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_weightsync.config import AUTH_TOKEN_ENV, auth_token, load_config
 from lightning_weightsync.errors import BackendUnavailable, ConfigError
+from lightning_weightsync.rollout.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
 from lightning_weightsync.rollout.vllm.launch import config_dir, launch, serve_command, write_config
 
 
@@ -20,9 +22,21 @@ def test_serve_command_selects_our_engine_dev_routes_and_config() -> None:
     cfg = load_config(overrides=["vllm.model=Qwen/Qwen3-8B", "vllm.serve_args=[--port,8001,--tensor-parallel-size,2]"])
     argv, env = serve_command(cfg, "/tmp/sync.yaml", "/bin/vllm")
     assert argv == ["/bin/vllm", "serve", "Qwen/Qwen3-8B", "--weight-transfer-config",
-                    '{"backend": "lightning_weightsync"}', "--port", "8001", "--tensor-parallel-size", "2"]  # fmt: skip
+                    '{"backend": "lightning_weightsync"}', "--port", "8001", "--tensor-parallel-size", "2",
+                    "--worker-extension-cls", EXTENSION_CLASS]  # fmt: skip
     assert json.loads(argv[4]) == {"backend": "lightning_weightsync"}
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "LIGHTNING_WEIGHTSYNC_CONFIG": "/tmp/sync.yaml"}
+    # the class vLLM will import by that name has the method the trainer's verify names
+    module, _, name = EXTENSION_CLASS.rpartition(".")
+    assert callable(getattr(getattr(importlib.import_module(module), name), REPORT_METHOD))
+
+
+def test_a_worker_extension_of_the_users_own_is_kept_and_the_launcher_says_what_verify_then_needs(caplog) -> None:
+    cfg = load_config(overrides=["vllm.model=m", "vllm.serve_args=[--host,127.0.0.1,--worker-extension-cls,my.Ext]"])
+    with caplog.at_level("WARNING"):
+        argv, _ = serve_command(cfg, "p")
+    assert argv.count("--worker-extension-cls") == 1 and argv[-1] == "my.Ext"
+    assert any("inherits" in r.message and EXTENSION_CLASS in r.message for r in caplog.records)
 
 
 def test_serve_command_refuses_no_model_and_a_second_weight_transfer_config() -> None:

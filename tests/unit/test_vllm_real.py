@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from lightning_weightsync.engine.sender import BlockingWeightSender
 from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.rollout.vllm import plugin
+from lightning_weightsync.rollout.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
 from tests.support.vllm_api import extract
@@ -109,6 +110,18 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         # the reload ended: no parameter is left on the meta device
         assert engine._needs_layerwise_reload() and not engine._reload_active
         assert not any(p.is_meta for p in model.parameters())
+        # verify over HTTP: the class `--worker-extension-cls` names passes vLLM's injection check against its
+        # real GPU worker (no name the worker has), and vLLM's own run_method finds our method by name
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.serial_utils import run_method
+        from vllm.v1.worker.gpu_worker import Worker
+
+        extension = resolve_obj_by_qualname(EXTENSION_CLASS)
+        assert not [a for a in dir(extension) if not a.startswith("__") and hasattr(Worker, a)]
+        worker = type("Worker", (extension,), {})()
+        worker.weight_transfer_engine = engine
+        report = run_method(worker, REPORT_METHOD, (), {})
+        assert report["version"] == 1 and not report["incomplete"] and report["identity"] == engine.identity
     finally:
         engine.shutdown()
         sender.close()
@@ -136,7 +149,7 @@ def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(record.read_text())
     assert got["argv"] == ["serve", "m", "--weight-transfer-config", '{"backend": "lightning_weightsync"}', "--port",
-                           "8123"]  # fmt: skip
+                           "8123", "--worker-extension-cls", EXTENSION_CLASS]  # fmt: skip
     assert got["env"]["VLLM_SERVER_DEV_MODE"] == "1"
     assert OmegaConf.load(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"]).transport.port == 29777
     os.unlink(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"])

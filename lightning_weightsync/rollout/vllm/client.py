@@ -11,6 +11,7 @@ vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/onli
                                                                   workers received our broadcast
     POST /finish_weight_update {"weight_version": "v"}         (vLLM records the version)
     POST /reset_prefix_cache                                   (blocks computed with old weights)
+    POST /collective_rpc {"method": REPORT_METHOD}             (verify: what every worker holds)
     POST /resume                                               (always, also after any failure)
 
 The rollout layer's trainer half: it imports nothing of the rollout side (the trainer loads it by path
@@ -32,11 +33,16 @@ from ...config import PauseMode
 from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import PeerError
 from ...transport.http import JSONEndpoint
+from .extension import EXTENSION_CLASS, REPORT_METHOD
 
 logger = logging.getLogger(__name__)
 
 ENGINE = "vLLM"  # how errors name it
 TIMEOUT_KNOB = "vllm.request_timeout_s"
+
+
+class CannotAsk(PeerError):
+    """The server runs without the route or the worker method that reports what each worker holds."""
 
 
 def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
@@ -97,6 +103,7 @@ class HTTPRolloutClient(_PrefixCacheReset):
         self.pause_mode = PauseMode(pause_mode)
         self.reset_prefix_cache = reset_prefix_cache
         self._weight_version: str | None = None
+        self._said_cannot_ask = False
 
     def pause(self) -> None:
         self.http.request("/pause", query={"mode": str(self.pause_mode)})
@@ -126,17 +133,49 @@ class HTTPRolloutClient(_PrefixCacheReset):
         return bool(answer.get("success")) if isinstance(answer, dict) else False
 
     def verify(self, version: int) -> None:
-        """A stub: the finish call's success is the evidence. vLLM 0.33.0 reports the version at `GET /weight_info`
-        (entrypoints/rl/online/api_router.py:226), not yet pinned in tests/data/vllm_api.json nor asked here; the
-        workers' content reports (`weight_report`, issue 22) need a worker method that /collective_rpc can name
-        (entrypoints/serve/dev/rpc/api_router.py:23 takes method names only), so over HTTP they are not asked:
-        the in-process client's `verify` asks them."""
+        """Every worker holds `version`, whole: each one's `weight_report`, asked through vLLM's POST
+        /collective_rpc (`weight_reports`). A server that cannot answer (started without our worker extension, or
+        without dev mode) is judged by the finish call alone, and says so once."""
+        if self._weight_version != str(version):
+            raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
+        try:
+            reports = self.weight_reports()
+        except CannotAsk as exc:
+            if not self._said_cannot_ask:
+                self._said_cannot_ask = True
+                logger.warning("%s", exc)
+            return
+        problems = [p for report in reports for p in weight_problems(self.name, version, report, None)]
+        if problems:
+            raise PeerError("; ".join(problems))
+
+    def weight_reports(self) -> list[dict[str, Any]]:
+        """Every worker's `weight_report`, through POST /collective_rpc {"method": REPORT_METHOD}: vLLM calls
+        worker methods by name only (entrypoints/serve/dev/rpc/api_router.py:23-59), so the server must run with
+        `--worker-extension-cls` naming ours (`extension.py`; the launcher passes it). `CannotAsk` when it does not."""
+        try:
+            answer = self.http.request("/collective_rpc", {"method": REPORT_METHOD})
+        except PeerError as exc:
+            text = str(exc)
+            # 404: dev mode off. 500: vLLM's answer to a method the workers lack (run_method raises
+            # NotImplementedError; the route has no handler for it, so no detail says which)
+            if "HTTP 404" in text or "HTTP 500" in text:
+                raise CannotAsk(
+                    f"vLLM rollout {self.name}: cannot ask its workers which weights they hold ({text[:200]}); start "
+                    f"`vllm serve` with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION_CLASS} "
+                    "(`lightning-weightsync rollout rollout.engine=vllm` does both)"
+                ) from None
+            raise
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise PeerError(f"vLLM rollout {self.name}: /collective_rpc answered {str(answer)[:200]!r}, not results")
+        return [dict(r) if isinstance(r, dict) else {"error": str(r)[:200]} for r in results]
 
     def resume(self) -> None:
         self.http.request("/resume")
 
     def weight_version(self) -> str | None:
-        """The version this client last finished (not asked of the server: see `verify`)."""
+        """The version this client last finished (`verify` asks the workers)."""
         return self._weight_version
 
     def workers(self) -> int | None:

@@ -1,16 +1,15 @@
 """`lightning-weightsync rollout rollout.engine=vllm`: one command, a vLLM server that generates
 and receives every version.
 
-It execs a stock `vllm serve <model> --weight-transfer-config '{"backend": "lightning_weightsync"}'`
-with `VLLM_SERVER_DEV_MODE=1` (vLLM registers its RL routes /pause, /start_weight_update,
-/update_weights, /finish_weight_update, /resume and /reset_prefix_cache only then; they take no
-credentials, `--api-key` covers /v1 only: docs/security.md) and `LIGHTNING_WEIGHTSYNC_CONFIG`
-pointing at the resolved config (written by `rollout/engine_launch.py`: no secret in it, the token
-goes to the server's environment).
-Our engine reaches vLLM through the `vllm.general_plugins` entry point, so vLLM must run from the
-environment this package is installed in. The trainer then drives each version through the
-server's URL (`vllm.urls` on the trainer side).
-"""
+It execs a stock `vllm serve <model> --weight-transfer-config '{"backend": "lightning_weightsync"}'
+--worker-extension-cls lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerExtension` (the worker
+method the trainer's verify asks through /collective_rpc) with `VLLM_SERVER_DEV_MODE=1` (vLLM registers its
+RL routes /pause, /start_weight_update, /update_weights, /finish_weight_update, /resume and
+/reset_prefix_cache only then; they take no credentials, `--api-key` covers /v1 only: docs/security.md) and
+`LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config (written by `rollout/engine_launch.py`: no
+secret in it, the token goes to the server's environment). Our engine reaches vLLM through the
+`vllm.general_plugins` entry point, so vLLM must run from the environment this package is installed in. The
+trainer then drives each version through the server's URL (`vllm.urls` on the trainer side). """
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from omegaconf import DictConfig
 from ...errors import BackendUnavailable, ConfigError
 from ..engine_launch import config_dir, write_config
 from ..engine_worker import CONFIG_ENV
+from .extension import EXTENSION_CLASS
 from .worker import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,14 @@ def serve_command(cfg: DictConfig, config_path: str, vllm_exe: str = "vllm") -> 
             "and let only the trainer reach the port (docs/security.md)"
         )
     argv = [vllm_exe, "serve", str(model), "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}), *args]
+    if any(a == "--worker-extension-cls" or a.startswith("--worker-extension-cls=") for a in args):
+        logger.warning(
+            "vllm.serve_args sets --worker-extension-cls; vLLM takes one, so the trainer cannot ask the workers which "
+            "weights they hold (verify) unless that class inherits %s",
+            EXTENSION_CLASS,
+        )
+    else:
+        argv += ["--worker-extension-cls", EXTENSION_CLASS]  # the method /collective_rpc names (verify)
     return argv, {DEV_MODE_ENV: "1", CONFIG_ENV: config_path}
 
 
