@@ -35,6 +35,10 @@ class VersionAborted(PeerError):
     """The sender aborted the version in flight; nothing of it may be applied."""
 
 
+class CannotAsk(PeerError):
+    """A rollout runs without what would say which weights its workers hold (a route, a worker method)."""
+
+
 class Interrupted(WeightSyncError):
     """A version stopped on purpose before it was delivered (a SIGTERM / SIGINT on some trainer rank)."""
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig
 
 from ..engine.verify import weight_problems
-from ..errors import ConfigError, PeerError
+from ..errors import CannotAsk, ConfigError, PeerError
 from ..rollout_engines import ROLLOUT_ENGINES, RolloutClient
 
 logger = logging.getLogger(__name__)
@@ -175,18 +175,23 @@ class RolloutControl:
                 logger.error("%s (generation stays paused there until /resume succeeds)", error)
 
     def check_weights(self, version: int, checksums: dict[str, str]) -> list[str]:
-        """After `version`: ask every rollout that can say (`weight_reports`: in-process vLLM engines) what each
-        worker holds and compare it with the trainer's fingerprints (`SendStats.checksums`); one line per
-        problem, [] when all match. Rollouts that cannot say (over HTTP) are skipped, once with a warning."""
+        """After `version`: ask every rollout that can say (`weight_reports`: vLLM in process, or over HTTP with
+        our worker extension) what each worker holds and compare it with the trainer's fingerprints
+        (`SendStats.checksums`); one line per problem, [] when all match. Rollouts that cannot say are skipped,
+        once with a warning that says why."""
         problems: list[str] = []
         for client in self.clients:
             ask = getattr(client, "weight_reports", None)
-            if ask is None:
+            try:
+                if ask is None:
+                    raise CannotAsk(f"rollout {client.name}: cannot ask which weights it holds (no weight_reports)")
+                reports = ask()
+            except CannotAsk as exc:
                 if client.name not in self._unasked:
                     self._unasked.add(client.name)
-                    logger.warning("rollout %s: cannot ask which weights it holds (no weight_reports)", client.name)
+                    logger.warning("%s", exc)
                 continue
-            for report in ask():
+            for report in reports:
                 problems += weight_problems(client.name, version, report, checksums)
         return problems
 

@@ -158,6 +158,11 @@ def test_verify_asks_every_worker_over_http_and_names_one_that_holds_another_ver
     assert ctl.run_version(7, lambda: "stats") == "stats"
     rpc = [body for path, _, body in whole.calls if path == "/collective_rpc"]
     assert rpc == [{"method": "lightning_weightsync_weight_report"}]  # the worker extension's method, by name
+    # the trainer's fingerprints against what every worker verified on arrival, over HTTP too
+    whole.reports = [{**r, "checksums": {"w": "00ff"}} for r in whole.reports]
+    assert ctl.check_weights(7, {"w": "00ff"}) == []
+    problems = ctl.check_weights(7, {"w": "1234"})
+    assert len(problems) == 2 and all("does not match" in p and "'w'" in p for p in problems), problems
     ctl.close()
     for reports in ([worker(0, 7), worker(1, 6)], [worker(0, 7), worker(1, 7, incomplete=True)]):
         torn = servers(reports=reports)
@@ -172,8 +177,9 @@ def test_verify_asks_every_worker_over_http_and_names_one_that_holds_another_ver
     with caplog.at_level("WARNING"):
         ctl.run_version(7, lambda: "stats")
         ctl.run_version(8, lambda: "stats")
+        assert ctl.check_weights(8, {"w": "00ff"}) == []  # nothing to compare with: skipped, not failed
     said = [r.message for r in caplog.records if "cannot ask its workers" in r.message]
-    assert len(said) == 1 and "--worker-extension-cls" in said[0], said
+    assert len(said) == 2 and all("--worker-extension-cls" in m for m in said), said
     ctl.close()
 
 

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from ...config import PauseMode
 from ...engine.verify import weight_problems, worker_weight_report
-from ...errors import PeerError
+from ...errors import CannotAsk, PeerError
 from ...transport.http import JSONEndpoint
 from .extension import EXTENSION_CLASS, REPORT_METHOD
 
@@ -39,10 +39,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE = "vLLM"  # how errors name it
 TIMEOUT_KNOB = "vllm.request_timeout_s"
-
-
-class CannotAsk(PeerError):
-    """The server runs without the route or the worker method that reports what each worker holds."""
 
 
 def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
