@@ -415,6 +415,12 @@ PLANTS = [
     Plant("vllm http client: the workers' reports not checked", f"{PKG}/rollout/vllm/client.py",
           "problems = [p for report in reports for p in weight_problems(self.name, version, report, None)]",
           "problems: list[str] = []", ("tests/unit/test_vllm_control.py", "-k", "verify")),
+    Plant("vllm engine: a server's workers do not agree on a version", f"{PKG}/rollout/vllm/worker.py",
+          "        group = self._server_group()\n", "        group = None\n",
+          ("tests/integration/test_vllm_server_rollback.py",)),
+    Plant("vllm engine: a failed version not rolled back", f"{PKG}/rollout/vllm/worker.py",
+          "lost = self._host_copy.restore(self.model)", "lost: list[str] = []",
+          ("tests/integration/test_vllm_server_rollback.py",)),
 ]  # fmt: skip
 
 

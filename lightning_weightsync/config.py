@@ -106,6 +106,13 @@ class DeltaMode(Choice):
     always = "always"  # a delta whenever it is smaller at all
 
 
+class RollbackMode(Choice):
+    """`vllm.rollback`: what a vLLM server's workers do when a version fails on any of them."""
+
+    host = "host"
+    none = "none"
+
+
 class PauseMode(Choice):
     """`vllm.pause_mode`: what a vLLM rollout does with in-flight requests while a version loads
     (vLLM's `pause_generation(mode=...)`)."""
@@ -292,6 +299,10 @@ class VLLMConfig:
     """Rollout side: the model `vllm serve` serves."""
     serve_args: list[str] = field(default_factory=list)
     """Rollout side: extra `vllm serve` arguments, e.g. ["--port", "8000", "--tensor-parallel-size", "2"]."""
+    rollback: RollbackMode = RollbackMode.host
+    """Rollout side: host = every worker keeps a host copy of its model shard (taken before each version) and a
+    version that fails on any worker of the server is undone on all; none = no copy (saves host memory the size
+    of the model), and a failed version leaves the server torn until the next one lands."""
 
 
 @dataclass

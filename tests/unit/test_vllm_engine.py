@@ -46,9 +46,9 @@ class Flaky(StandInModel):
         return super().load_weights(weights)
 
 
-def _setup(tmp_path: Path) -> tuple[Any, StandInWorker, Flaky, BlockingWeightSender]:
+def _setup(tmp_path: Path, **extra: Any) -> tuple[Any, StandInWorker, Flaky, BlockingWeightSender]:
     port = free_port()
-    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1, transport__verify="full")
+    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1, transport__verify="full", **extra)
     path = tmp_path / "sync.yaml"
     path.write_text(OmegaConf.to_yaml(cfg))
     torch.manual_seed(7)
@@ -141,9 +141,11 @@ def test_a_worker_stays_registered_between_versions_so_a_restarted_trainer_knows
             restarted.close()
 
 
-def test_load_failure_is_nacked_drained_and_the_next_version_lands(tmp_path: Path) -> None:
-    _, worker, model, sender = _setup(tmp_path)
+@pytest.mark.parametrize("rollback", ["host", "none"])
+def test_load_failure_is_nacked_drained_and_the_next_version_lands(tmp_path: Path, rollback: str) -> None:
+    _, worker, model, sender = _setup(tmp_path, vllm__rollback=rollback)
     try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         model.fail_on = "norm.weight"
         stats, errors = _update(worker, sender, 1)
         # the worker's update_weights fails naming the tensor (vLLM makes it an HTTP 500) ...
@@ -151,7 +153,14 @@ def test_load_failure_is_nacked_drained_and_the_next_version_lands(tmp_path: Pat
         assert "'norm.weight'" in str(errors[0]) and "shape mismatch" in str(errors[0])
         # ... and the sender's ack carries the same reason
         assert isinstance(stats, PeerError) and "norm.weight" in str(stats)
-        assert worker.weight_transfer_engine.incomplete and not worker._weight_update_active
+        assert not worker._weight_update_active
+        state = model.state_dict()
+        if rollback == "host":  # the model is as it was before the version, bitwise, and says so
+            assert "rolled back" in str(errors[0]) and not worker.weight_transfer_engine.incomplete
+            assert all(torch.equal(state[k], v) for k, v in before.items())
+        else:  # no copy: the tensors loaded before norm.weight stay, and the engine says it is torn
+            assert worker.weight_transfer_engine.incomplete and "rollback=none" in str(errors[0])
+            assert not all(torch.equal(state[k], v) for k, v in before.items())
         model.fail_on = None
         stats, errors = _update(worker, sender, 2)  # same group, next version: complete
         assert not errors and not isinstance(stats, BaseException)

@@ -138,6 +138,26 @@ class LightningWeightSyncEngine(
 
         finalize_layerwise_reload(self.model, self.model_config)
 
+    def _server_group(self) -> Any:
+        # every worker of this server: vLLM's world group spans TP x PP x PCP and, with data parallelism, the DP
+        # ranks too (distributed/parallel_state.py init_distributed_environment: world_size_across_dp); its
+        # gloo cpu_group is what vLLM itself uses for small CPU collectives (GroupCoordinator.cpu_all_reduce_)
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        return world.cpu_group if world.world_size > 1 else None
+
+    def _after_restore(self) -> None:
+        # As vLLM's reload ends (model_loader/reload/layerwise.py _finalize_attention_layer): attention layers
+        # re-derive what they keep outside their kernel tensors (MLA's W_UK_T / W_UV from kv_b_proj) from the
+        # restored weights.
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        dtype = getattr(self.model_config, "dtype", None)
+        for layer in self.model.modules():
+            if is_deferred_attention_layer(layer):
+                layer.process_weights_after_loading(dtype)
+
     def _load_context(self) -> Any:
         # As vLLM's NCCL engine: a checkpoint stream may omit MTP layers the target does not load.
         return self._no_mtp_check()

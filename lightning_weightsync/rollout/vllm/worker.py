@@ -34,8 +34,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ...errors import ConfigError, SinkError
+from ...config import RollbackMode
+from ...errors import ConfigError, SinkError, explain
 from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
+from ..host_copy import HostCopy
+from ..observability import VersionRecord
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class WeightSyncEngineBody:
         self.incomplete = False  # a version broke after it touched the model
         self.last_report: dict[str, Any] = {}
         self._worker_receiver: WorkerReceiver | None = None
+        self._host_copy: HostCopy | None = None  # vllm.rollback=host: the model as it was before this version
         self._reload_active = False
         self.identity: str | None = None
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
@@ -155,12 +159,15 @@ class WeightSyncEngineBody:
         self._check_awake()
         if self._worker_receiver is None:
             self._start_receiver([])
+        if self._host_copy is not None:
+            self._host_copy.take(self.model)
         if self._needs_layerwise_reload():
             self._begin_layerwise_reload()
             self._reload_active = True
 
     def receive_weights(self, update_info: Any) -> None:
-        """Receive one version from the trainer and load it tensor by tensor into `self.model`.
+        """Receive one version from the trainer and load it tensor by tensor into `self.model`; every worker
+        of the server keeps it, or none does.
 
         The rollouts' shared receive loop (`rollout/consume.py`) runs on the receiver's loop thread
         and hands each tensor back to this thread (vLLM's worker thread owns the model). A
@@ -168,6 +175,11 @@ class WeightSyncEngineBody:
         sender and the other receivers stay in step, the version is nacked with the reason, and the
         error is raised here (vLLM turns it into a failed `update_weights` RPC). The sender sees the
         same reason in its ack, so the trainer's error names it too.
+
+        Then the server's workers agree (`_failed_workers`: one small all-reduce, on every worker, whatever
+        happened): with tensor parallelism a version that one worker lacks is no version at all. If any
+        failed, every worker undoes it (`vllm.rollback=host`: its host copy goes back in place, and the server
+        resumes on the version it held, whole), and raises, naming how many failed.
         """
         worker = self._worker_receiver
         if worker is None:
@@ -175,17 +187,33 @@ class WeightSyncEngineBody:
         receiver = worker.receiver
         sink = ModelLoadSink(self.model, getattr(update_info, "version", None))
         wait_s = getattr(update_info, "timeout_s", None)
+        failure: BaseException | None = None
         try:
             with self._load_context():
                 record = worker.receive(sink, wait_s)
         except BaseException as exc:
-            self.incomplete = self.incomplete or sink.touched
-            self._abandon_layerwise_reload()
-            version = receiver.version
-            self.last_report = {"ok": False, "version": version, "error": str(exc), "touched": sink.touched}
-            if isinstance(exc, SinkError):
-                raise SinkError(f"{self.identity}: version {version}: {exc}") from None
-            raise
+            failure = exc
+        failed = self._failed_workers(failure is None)
+        if failure is None and not failed:
+            self._loaded(record)
+            return
+        version = receiver.version
+        self._abandon_layerwise_reload()
+        undone = self._undo(version, touched=sink.touched or failure is None, whole=failure is None)
+        if failure is None:
+            failure = SinkError(
+                f"{failed} of this server's workers failed version {version} (their errors name why); this worker "
+                f"had it whole and {undone}"
+            )
+        elif isinstance(failure, SinkError):
+            failure = SinkError(f"{failure}; {undone}")
+        self.last_report = {"ok": False, "version": version, "error": str(failure), "touched": sink.touched}
+        if isinstance(failure, SinkError):
+            raise SinkError(f"{self.identity}: version {version}: {failure}") from None
+        logger.error("%s: version %s failed (%s); %s", self.identity, version, explain(failure), undone)
+        raise failure
+
+    def _loaded(self, record: VersionRecord) -> None:
         assert record.version is not None
         self.version, self.incomplete = record.version, False
         self.last_report = {
@@ -204,6 +232,42 @@ class WeightSyncEngineBody:
             record.nbytes / 1e6,
             record.seconds,
         )
+
+    def _undo(self, version: int | None, *, touched: bool, whole: bool) -> str:
+        """After a version this server does not keep: put the model back as it was; says what was done."""
+        if not touched:
+            return f"this worker's model was not touched (it holds version {self.version})"
+        if self._host_copy is None:
+            if whole:  # this worker's part is whole; the server is not
+                self.version, self.incomplete = version, False
+                return "this worker keeps it (vllm.rollback=none): the server is torn until the next version lands"
+            self.incomplete = True
+            return "this worker's model holds part of it until the next version lands (vllm.rollback=none)"
+        lost = self._host_copy.restore(self.model)
+        if lost:
+            self.incomplete = True
+            logger.error("%s: rolling back version %s left %d tensors as they were: %s", self.identity, version,
+                         len(lost), lost[:5])  # fmt: skip
+            return f"the rollback could not restore {len(lost)} tensors (first: {lost[0]}); this worker is torn"
+        self._after_restore()
+        return f"this worker rolled back to version {self.version}"
+
+    def _failed_workers(self, ok: bool) -> int:
+        """How many workers of this server failed this version (this one included): every worker calls it once
+        per update, whatever happened, so the server's workers agree. A server whose workers cannot be asked
+        counts as failed: better the old version on all than two versions in one model."""
+        group = self._server_group()
+        if group is None:
+            return 0 if ok else 1
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, group=group)
+        except Exception as exc:
+            logger.error("%s: cannot learn whether the other workers took the version (%s)", self.identity, exc)
+            return max(1, int(not ok))
+        return int(flag.item())
 
     def weight_report(self) -> dict[str, Any]:
         """Which version this worker's model holds and what was verified of it (`transport.verify`):
@@ -248,6 +312,14 @@ class WeightSyncEngineBody:
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
         worker = self._worker_receiver = WorkerReceiver(cfg, device)  # its slots before vLLM sizes its KV cache
+        if RollbackMode(cfg.vllm.rollback) is RollbackMode.host and self._host_copy is None:
+            self._host_copy = HostCopy(self.model)  # taken now, before the first version, never during one
+            logger.info(
+                "lightning_weightsync engine: worker %d keeps a host copy of its model for rollback (%.0f MiB of host "
+                "memory; vllm.rollback=none saves it, and a failed version then leaves the server torn)",
+                self.rank,
+                self._host_copy.nbytes / 2**20,
+            )
         logger.info(
             "lightning_weightsync engine: worker %d receives as %s from %s:%d on %s (%.0f MiB of slots taken "
             "now; a version adds one merged tensor at a time)",
@@ -294,6 +366,18 @@ class WeightSyncEngineBody:
         import contextlib
 
         return contextlib.nullcontext()
+
+    def _server_group(self) -> Any:
+        """The CPU process group of this server's workers (None: this worker is the only one). Outside vLLM, the
+        default group when it is gloo (tests run workers that way); `engine.py` uses vLLM's world group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return dist.group.WORLD if dist.get_backend() == "gloo" else None
+
+    def _after_restore(self) -> None:
+        """Re-derive what lives outside the model's parameters and buffers after `HostCopy.restore`."""
 
 
 __all__ = [
