@@ -10,6 +10,7 @@ import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from lightning_weightsync.engine.sender import BlockingWeightSender
+from lightning_weightsync.errors import PeerError
 from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.rollout.vllm import plugin
 from lightning_weightsync.rollout.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
@@ -89,10 +91,10 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         expected = {k: v.detach().clone() for k, v in build_model(seed=5).state_dict().items()}
         errors: list[BaseException] = []
 
-        def rollout() -> None:
+        def rollout(version: int = 1) -> None:
             try:
                 engine.start_weight_update()
-                engine.update_weights({"version": 1, "timeout_s": 20})  # vLLM's own base method
+                engine.update_weights({"version": version, "timeout_s": 20})  # vLLM's own base method
                 engine.finish_weight_update()
             except BaseException as exc:
                 errors.append(exc)
@@ -122,6 +124,29 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         worker.weight_transfer_engine = engine
         report = run_method(worker, REPORT_METHOD, (), {})
         assert report["version"] == 1 and not report["incomplete"] and report["identity"] == engine.identity
+
+        # version 2 breaks half-way inside vLLM's real layerwise reload (load_weights raises on a late tensor):
+        # the layers processed before it hold version 2, vLLM's finalize puts the others back; the engine's
+        # host copy (vllm.rollback=host) makes the model version 1 again, bitwise, nothing left on meta
+        loads = model.load_weights
+
+        def failing(weights: Any) -> Any:
+            weights = list(weights)
+            if any(name == "norm.weight" for name, _ in weights):
+                raise ValueError("injected")
+            return loads(weights)
+
+        model.load_weights = failing  # type: ignore[method-assign]
+        thread = threading.Thread(target=rollout, args=(2,))
+        thread.start()
+        with pytest.raises(PeerError, match=r"norm\.weight"):
+            sender.send_weights(list({k: v + 1 for k, v in expected.items()}.items()), version=2)
+        thread.join(30)
+        assert len(errors) == 1 and "rolled back to version 1" in str(errors[0]), errors
+        state = model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in expected.items())
+        assert engine.version == 1 and not engine.incomplete and not engine._reload_active
+        assert not any(p.is_meta for p in model.parameters())
     finally:
         engine.shutdown()
         sender.close()

@@ -142,9 +142,11 @@ class LightningWeightSyncEngine(
         # every worker of this server: vLLM's world group spans TP x PP x PCP and, with data parallelism, the DP
         # ranks too (distributed/parallel_state.py init_distributed_environment: world_size_across_dp); its
         # gloo cpu_group is what vLLM itself uses for small CPU collectives (GroupCoordinator.cpu_all_reduce_)
-        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed import parallel_state
 
-        world = get_world_group()
+        if parallel_state._WORLD is None:  # not in a vLLM worker (vLLM's own tests build engines bare)
+            return super()._server_group()
+        world = parallel_state.get_world_group()
         return world.cpu_group if world.world_size > 1 else None
 
     def _after_restore(self) -> None:
