@@ -510,7 +510,7 @@ async def test_hostile_messages_mid_version_are_dropped_and_the_version_still_la
             for i, (name, tensor) in enumerate(stream(1)):
                 if i == 5:  # the receiver is inside the version now
                     for frames in junk:
-                        await sender._control._sock.send_multipart([sender._control.route_of("r0"), *frames])
+                        await sender._control.inject(sender._control.route_of("r0"), frames)
                 yield name, tensor
 
         got, stats = await with_timeout(

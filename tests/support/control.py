@@ -48,16 +48,17 @@ async def prepare(sender: SenderControl, receiver: ReceiverControl, version: int
     return msg
 
 
-def record_sends(sock: Any) -> tuple[Any, list[list[bytes]]]:
-    """Make `sock` keep a copy of every multipart message it sends; returns its real send (to replay
-    a copy on the same authenticated connection) and the copies."""
-    original, sent = sock.send_multipart, []
+def record_sends(sock: Any, method: str = "send_multipart") -> tuple[Any, list[list[bytes]]]:
+    """Make `sock` keep a copy of every multipart message it sends through `method` (the sender's socket
+    thread: "submit"); returns the real method (to replay a copy on the same authenticated connection)
+    and the copies."""
+    original, sent = getattr(sock, method), []
 
     def recording_send(frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
         sent.append(list(frames))
         return original(frames, *args, **kwargs)
 
-    sock.send_multipart = recording_send
+    setattr(sock, method, recording_send)
     return original, sent
 
 

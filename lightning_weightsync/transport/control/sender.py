@@ -18,11 +18,20 @@ per identity and `REFUSE_EVERY_S`; the rest are dropped and counted (`throttled_
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges); bad messages are
 counted and dropped, never acted upon, and logged at most once per `DROP_LOG_INTERVAL_S` with a count.
 What a message means for a version of weights is the engine's business (`engine/session.py`).
+
+Reading never waits for the trainer: a thread of its own owns the ROUTER (`router.py`), reads whatever
+arrives at once and keeps it in per-connection queues with a budget (`inbox.py`: 256 messages and 1 MiB a
+connection, 32 MiB in all; past it the oldest go, counted in `overflowed_messages`). A training step
+(minutes without a `recv`) therefore costs at most the budget, whatever a token holder sends meanwhile;
+before, it all waited in libzmq's pipe, which may not stop reading (`transport/sockets.py`). This class
+stays on the asyncio side: it takes messages from the queues (round-robin over connections), unseals,
+checks and books them here, and hands each send to the thread, awaiting its outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -35,7 +44,6 @@ from typing import Any
 
 import torch.distributed as dist
 import zmq
-import zmq.asyncio
 
 from ...errors import ConfigError, PeerError, ProtocolError
 from ...protocol.messages import (
@@ -61,12 +69,14 @@ from .link import (
     link_options,
     resolve_host,
 )
+from .inbox import Inbox
+from .router import RouterThread
 from .store import StoreServer
 
 logger = logging.getLogger(__name__)
 PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
-MAX_KEPT = 65536  # messages the sender keeps for its next `recv` while a version streams
+MAX_KEPT = 4096  # decoded messages kept for the next `recv` while a version streams (honest: ~2 a receiver)
 REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
 
 
@@ -109,6 +119,7 @@ class SenderControl:
         self.session = session or secrets.token_hex(8)
         self.peers: dict[str, Peer] = {}
         self._dropped = 0
+        self._overflowed_before = 0  # `overflowed_messages` of a closed socket
         self._failed_handshakes = 0
         self._monitor: zmq.Socket[Any] | None = None
         self.replayed_messages = 0
@@ -126,12 +137,12 @@ class SenderControl:
         self._pumped_at = 0.0
         self._store = StoreServer(f"lws/{self.session}/")  # the data-plane rendezvous, behind this socket
         self._drops = DropLog("dropped a control message", log=logger)
+        self._overflows = DropLog("dropped a queued control message", log=logger)  # the socket thread's
         self._refusals = DropLog("refused a registration", log=logger)
         self._zap: TokenHolders | None = None
         self._auth: Any = None
         self._sync_ctx: zmq.Context[Any] | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._router: RouterThread | None = None  # owns the ROUTER socket from `start` to `close`
 
     @property
     def address(self) -> str:
@@ -149,16 +160,21 @@ class SenderControl:
         return self._failed_handshakes + (self._zap.rejected if self._zap is not None else 0)
 
     @property
+    def overflowed_messages(self) -> int:
+        """Messages read but dropped unprocessed: their connection's queue (or all queues together) was over
+        the budget while the trainer did not read (`inbox.py`). Honest receivers never get near it."""
+        return self._router.inbox.overflowed if self._router is not None else self._overflowed_before
+
+    @property
     def dropped_messages(self) -> int:
         """Messages dropped as malformed, unauthenticated or replayed, and refused handshakes."""
         return self._dropped + self.rejected_handshakes
 
     async def start(self) -> None:
         resolve_host(self.host)
-        self._sync_ctx = zmq.Context()
         # one libzmq context for the socket and the ZAP handler thread (ZAP is per context)
-        self._ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
-        sock = self._ctx.socket(zmq.ROUTER)
+        self._sync_ctx = zmq.Context()
+        sock = self._sync_ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connection never takes over another's id
         link_options(sock, self.host, self.liveness_s, to_sender=True)
@@ -174,9 +190,7 @@ class SenderControl:
             sock.curve_secretkey = keys.server_secret
             sock.curve_publickey = keys.server_public
             failed = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            self._monitor = zmq.Socket.shadow(monitor.underlying)
-            self._monitor_async = monitor
+            self._monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             if self.requested_port == 0:
                 self.port = sock.bind_to_random_port(endpoint(self.host, 0).rsplit(":", 1)[0])
@@ -191,24 +205,31 @@ class SenderControl:
             else:
                 fix = f"set transport.host to an address of this machine (got {self.host!r})"
             raise ConfigError(f"cannot bind the control socket on {where}: {exc}; {fix}") from None
-        self._sock = sock
+        inbox = Inbox(on_drop=lambda route, why: self._overflows.note(f"connection {route.hex()}", why))
+        # a blocked send outlives a frozen peer's connection (dropped after liveness_s) by this much at most
+        self._router = RouterThread(sock, self._sync_ctx, inbox, send_wait_s=2 * self.liveness_s + 1)
+        self._router.start(asyncio.get_running_loop())
         logger.info(
             "weight sender control plane listening on %s (%s)", self.address, "CURVE + signed" if self.key else "open"
         )
 
     async def close(self) -> None:
+        router, self._router = self._router, None
+        if router is not None:
+            self._overflowed_before = router.inbox.overflowed
+            # joining takes a poll interval at most; off the loop, so receivers in this loop keep running
+            if not await asyncio.to_thread(router.stop):
+                return  # the thread still owns the socket: leave it (and the context) to the process exit
         if self._monitor is not None:
-            self._sock.disable_monitor() if self._sock is not None else None
-            self._monitor_async.close(linger=0)
+            if router is not None:
+                router.sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._monitor = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if router is not None:
+            router.sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        if self._ctx is not None:
-            self._ctx = None
         if self._sync_ctx is not None:
             self._sync_ctx.term()
             self._sync_ctx = None
@@ -221,18 +242,38 @@ class SenderControl:
         return seal(msg, self.key, Seal(self.session, self.session, self._seq, False))
 
     async def _send_route(self, route: bytes, msg: Message, who: str) -> None:
-        assert self._sock is not None, "call start() first"
+        await self._sent(self._started().submit([route, *self._frames(msg)]), who)
+
+    async def _sent(self, send: concurrent.futures.Future[None], who: str) -> None:
+        """The outcome of a send the socket thread performs, as `PeerError` when it failed."""
         try:
-            await self._sock.send_multipart([route, *self._frames(msg)])
+            await asyncio.wrap_future(send)
+        except zmq.Again:
+            raise PeerError(
+                f"receiver {who!r} is unreachable (its connection took no message for "
+                f"{self._started().send_wait_s:.0f}s: the process is frozen or not reading)"
+            ) from None
         except zmq.ZMQError as exc:
             raise PeerError(f"receiver {who!r} is unreachable ({exc})") from None
 
+    def _started(self) -> RouterThread:
+        assert self._router is not None, "call start() first"
+        return self._router
+
+    async def inject(self, route: bytes, frames: list[bytes]) -> None:
+        """Send raw `frames` on connection `route` through the socket thread (tests forge sender messages
+        with it); raises what the socket raises."""
+        await self._started().send_multipart([route, *frames])
+
     async def send(self, identity: str, msg: Message) -> None:
+        await self._send_route(self._route_to(identity), msg, identity)
+
+    def _route_to(self, identity: str) -> bytes:
         peer = self.peers.get(identity)
         route = peer.route if peer is not None else self._former.get(identity)
         if route is None:
             raise PeerError(f"receiver {identity!r} is not connected")
-        await self._send_route(route, msg, identity)
+        return route
 
     def route_of(self, identity: str) -> bytes:
         """The connection id a registered receiver talks from (tests inject frames through it)."""
@@ -240,22 +281,25 @@ class SenderControl:
 
     async def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """One valid message, or None when `timeout_s` passed; bad messages are dropped."""
-        assert self._sock is not None, "call start() first"
+        router = self._started()
         if self._kept:
             return self._kept.pop(0)
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):
-                return None
-            got = await self._read_one()
+            frames = router.take()
+            if frames is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await router.wait(left):
+                    return None
+                continue
+            got = await self._read_one(frames)
             if got is not None:
                 return got
+            if time.monotonic() >= deadline:  # a stream of bad messages ends the wait too
+                return None
 
-    async def _read_one(self) -> tuple[str, Message] | None:
-        """Read, check and book-keep one message; returns it if the caller should see it."""
-        assert self._sock is not None
-        frames = await self._sock.recv_multipart()
+    async def _read_one(self, frames: list[bytes]) -> tuple[str, Message] | None:
+        """Check and book-keep one message read by the socket thread; returns it if the caller should see it."""
         route = frames[0]
         try:
             msg, envelope = self._open(route, frames[1:])
@@ -280,11 +324,11 @@ class SenderControl:
         """While a version streams nobody calls `recv`: read what arrived (progress reports,
         registrations) without waiting, so receivers' queues never fill up and drop an Ack; what
         a caller should see is kept for its next `recv`."""
-        assert self._sock is not None
+        router = self._started()
         for _ in range(1000):
-            if len(self._kept) >= MAX_KEPT or not await self._sock.poll(0):
+            if len(self._kept) >= MAX_KEPT or (frames := router.take()) is None:
                 return
-            got = await self._read_one()
+            got = await self._read_one(frames)
             if got is not None:
                 self._kept.append(got)
 
@@ -325,10 +369,10 @@ class SenderControl:
         """Whether the connection that registered `identity` is still up (an empty probe frame,
         which receivers ignore; ROUTER_MANDATORY refuses it once ZeroMQ dropped the connection)."""
         peer = self.peers.get(identity)
-        if peer is None or self._sock is None:
+        if peer is None or self._router is None:
             return False
         try:
-            await self._sock.send_multipart([peer.route, b""], flags=zmq.NOBLOCK)
+            await self._router.send_multipart([peer.route, b""], zmq.NOBLOCK)
         except zmq.Again:
             return True  # its pipe is full: there, but slow
         except zmq.ZMQError:
@@ -415,11 +459,10 @@ class SenderControl:
             "own rollout.identity (null = <hostname>-<pid>)"
         )
         self._refusals.note(f"{msg.host[:256]!r} pid {msg.pid}", reason)
-        assert self._sock is not None
         # never wait on the refused connection: a flooder that does not read would stall the sender
         with contextlib.suppress(zmq.ZMQError):
             frames = self._frames(Refuse(msg.identity, reason, msg.nonce))
-            await self._sock.send_multipart([route, *frames], flags=zmq.NOBLOCK)
+            await self._started().send_multipart([route, *frames], zmq.NOBLOCK)
 
     def forget(self, identity: str) -> None:
         """Drop a receiver from the registry (it re-registers if it is alive)."""
@@ -428,8 +471,12 @@ class SenderControl:
             self._routes.pop(peer.route, None)
 
     async def send_all(self, identities: list[str], msg: Message) -> None:
-        for identity in identities:
-            await self.send(identity, msg)
+        """`msg` to every one of `identities`; the first that fails raises `PeerError` (the others are sent
+        anyway: all sends go to the socket thread at once, then their outcomes are awaited in order)."""
+        router = self._started()
+        sends = [(router.submit([self._route_to(i), *self._frames(msg)]), i) for i in identities]
+        for send, identity in sends:
+            await self._sent(send, identity)
         # called once per bucket while streaming: read what arrived at most every PUMP_EVERY_S (receivers
         # only write on a stall or to register, so their queues cannot fill in that time)
         now = time.monotonic()
@@ -453,6 +500,6 @@ class SenderControl:
             if left <= 0:
                 raise asyncio.TimeoutError
             await asyncio.wait({work}, timeout=min(left, PUMP_EVERY_S))
-            if not work.done() and self._sock is not None:
+            if not work.done() and self._router is not None:
                 await self._pump()
         return work.result()
