@@ -60,6 +60,7 @@ from ...protocol.messages import (
     unseal,
 )
 from ..sockets import DEFAULT_LIVENESS_S
+from .inbox import Inbox
 from .link import (
     DropLog,
     Replay,
@@ -69,7 +70,6 @@ from .link import (
     link_options,
     resolve_host,
 )
-from .inbox import Inbox
 from .router import RouterThread
 from .store import StoreServer
 
