@@ -17,6 +17,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +33,7 @@ from lightning_weightsync.protocol.messages import Prepare, Ready, Register, Sea
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
 from lightning_weightsync.transport.control.sender import REFUSE_EVERY_S
 from tests.support import zmtp
-from tests.support.engine import engine_cfg
+from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream
 from tests.support.mp import free_port, run_workers, spawned
 from tests.support.vllm_standin import standin_server_main
 
@@ -134,6 +135,111 @@ def test_a_register_flood_then_reset_neither_kills_nor_stalls_a_busy_sender(toke
     assert result["refused"] + result["overflowed"] >= 1000, result
     answered = result["refused"] - result["throttled"]  # each answer costs a probe and a Refuse
     assert answered <= result["served_s"] / REFUSE_EVERY_S + 2, result
+
+
+# -- a token holder's flood while the trainer does not read (item 1: memory after authentication) ----------
+
+STEP_FLOOD_S = 4.0  # the flooder sends for this long (or FLOOD_BYTES) while the trainer is in its training step
+FLOOD_BYTES = 256 << 20
+JUNK_BYTES = 60_000  # a frame under the sender's MAXMSGSIZE (68,925): authenticated by CURVE, not by the seal
+BACKLOG_RSS_BOUND = 24 << 20  # under the inbox's 32 MiB total: one connection that only the total stopped fails it
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+
+
+def _stepping_trainer(port: int, phases: dict[str, Any]) -> dict[str, Any]:
+    """A WeightSender that sends version 1 to the honest rollout, then spends a training step without
+    touching its loop (the control socket is not read by the trainer meanwhile) while a thread samples
+    this process's RSS, then sends version 2."""
+
+    async def main() -> dict[str, Any]:
+        async with WeightSender(engine_cfg(port, transport__auth_token=TOKEN)) as sender:
+            await _until_registered(sender, 60)
+            await sender.send_weights(stream(1), version=1)  # the data plane and its buffers exist from here on
+            baseline, peak, stepping = _rss(), [0], threading.Event()
+
+            def sample() -> None:
+                while not stepping.wait(0.05):
+                    peak[0] = max(peak[0], _rss())
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            phases["step"].set()
+            time.sleep(STEP_FLOOD_S + 2.0)  # on purpose: the training step (the flood ends 2 s before it)
+            stepping.set()
+            sampler.join(5)
+            stats = await sender.send_weights(stream(2), version=2)
+            return {
+                "grown": peak[0] - baseline,
+                "overflowed": getattr(sender._control, "overflowed_messages", None),
+                "receivers": stats.receivers,
+                "failed": stats.failed,
+            }
+
+    return asyncio.run(main())
+
+
+def _honest_rollout(port: int) -> bool:
+    async def main() -> bool:
+        async with WeightReceiver(engine_cfg(port, transport__auth_token=TOKEN), identity="honest") as receiver:
+            assert_bitwise(await receive_once(receiver), stream(1))
+            assert_bitwise(await receive_once(receiver), stream(2))
+        return True
+
+    return asyncio.run(main())
+
+
+def _token_holder_flood(port: int, phases: dict[str, Any]) -> int:
+    """Sealed `Register`s for its own identity (valid, fresh seqs) among frames just under MAXMSGSIZE,
+    as fast as the link takes them, for STEP_FLOOD_S or FLOOD_BYTES; returns the bytes sent."""
+    assert phases["step"].wait(120), "the trainer did not reach its training step"
+    keys, key, instance = curve_keys(_key(TOKEN)), _key(TOKEN), f"flood-{os.getpid()}"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+        keys.server_public, keys.client_public, keys.client_secret,
+    )  # fmt: skip
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    junk, sent, seq = [b"m" * 32, b"seal", os.urandom(JUNK_BYTES)], 0, 0
+    try:
+        until = time.monotonic() + STEP_FLOOD_S
+        while time.monotonic() < until and sent < FLOOD_BYTES:
+            seq += 1
+            register = Register("flooder", "flooder", os.getpid(), "cpu", instance=instance, nonce=f"n{seq}")
+            frames = seal(register, key, Seal("", instance, seq, True)) if seq % 2 else junk
+            sock.send_multipart(frames)
+            sent += sum(len(f) for f in frames)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return sent
+
+
+def _backlog_role(role: int, port: int, phases: dict[str, Any]) -> Any:
+    if role == 0:
+        return _stepping_trainer(port, phases)
+    if role == 1:
+        return _honest_rollout(port)
+    return _token_holder_flood(port, phases)
+
+
+def test_a_token_holders_flood_during_a_training_step_costs_the_trainer_a_bounded_backlog() -> None:
+    """Before: libzmq kept everything a token holder sent while the trainer did not read (its pipe may not
+    stop reading, or a reset peer aborts the process): the trainer grew by what was sent. Now a thread reads
+    it at once into per-connection queues with a budget and drops the oldest past it, counted."""
+    port, manager = free_port(), mp.get_context("spawn").Manager()
+    with manager:
+        phases = {"step": manager.Event()}
+        trainer, honest, sent = run_workers(_backlog_role, [(i, port, phases) for i in range(3)], timeout_s=180)
+    assert sent > 4 * BACKLOG_RSS_BOUND or sent >= FLOOD_BYTES, f"the flood sent only {sent >> 20} MiB"
+    grown = trainer["grown"]
+    assert grown < BACKLOG_RSS_BOUND, f"the trainer grew by {grown >> 20} MiB for {sent >> 20} MiB of flood"
+    assert honest and trainer["receivers"] >= 1 and not trainer["failed"], trainer  # version 2 landed, bitwise
+    assert trainer["overflowed"], trainer  # the budget dropped the flood's excess, counted
 
 
 # -- a stranger's huge frame before authentication (item 4) -------------------------------------------------
