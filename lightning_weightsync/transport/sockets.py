@@ -15,8 +15,11 @@ a receiver's DEALER) has no RCVHWM, so its engine never stops reading and `_io_e
 whatever a peer sends, pings or resets. That lets both ends keep the ZMTP heartbeat, which is what
 bounds how long a frozen or vanished peer counts as connected (`liveness_s`: no FIN ever comes from a
 SIGSTOPped process or a cut link). The price: what an authenticated peer sends while the application
-does not read waits in memory (docs/security.md: with `transport.auth_token` only a token holder can
-send anything; a stranger gets no further than one handshake frame, bounded below). The shm / nixl
+does not read would wait in libzmq's pipe without bound. So the application must read: the sender's
+ROUTER is read all the time by a thread of its own into per-connection queues with a budget
+(`control/router.py`, `control/inbox.py`: a trainer reads nothing during a training step); a receiver's
+DEALER faces only the sender it chose (docs/security.md: with `transport.auth_token` only a token holder
+can send anything; a stranger gets no further than one handshake frame, bounded below). The shm / nixl
 release sockets keep their RCVHWM and run no heartbeat instead: no timer, and no PING from our peers.
 Every socket also has TCP keepalive and TCP_MAXRT (`TCP_USER_TIMEOUT`) at the same bound, in the
 kernel, for the links no ZMTP ping covers.

@@ -12,12 +12,12 @@ The budget, and why these numbers. An honest receiver sends a handful of message
 `Ack`, a `BucketDone` per stalled bucket, a few `StoreRequest`s while the data-plane group forms) and one
 `Register` per `transport.heartbeat_interval_s` while idle; the sender reads every `PUMP_EVERY_S` while a
 version runs, so only the idle `Register`s pile up: 256 of them is 8.5 minutes of training step at the
-default 2 s, about 140 KiB. Past a budget the OLDEST message of that connection goes: for an honest peer
-that is a superseded `Register` (the newest one carries the nonce its `Prepare` must echo, and the
-receiver remembers only its last 256), for a flooder its own backlog; a flood never costs another
-connection its messages. The total cap bounds many connections together: past it, the largest queues are
-cut (oldest first) to a common level, 7/8 of the cap, so a trim is rare and honest (small) queues are the
-last to lose anything.
+default 2 s, about 125 KiB (a sealed `Register` is ~250 B, counted with its Python objects as ~500).
+Past a budget the OLDEST message of that connection goes: for an honest peer that is a superseded
+`Register` (the newest one carries the nonce its `Prepare` must echo, and the receiver remembers only its
+last 256), for a flooder its own backlog; a flood never costs another connection its messages. The total
+cap bounds many connections together: past it, the largest queues are cut (oldest first) to a common
+level, 7/8 of the cap, so a trim is rare and honest (small) queues are the last to lose anything.
 
 Thread-safe: the socket thread `put`s, the asyncio side `take`s; one lock, held for a few dict and deque
 operations.
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 QUEUE_MESSAGES = 256  # per connection: 8.5 min of an idle receiver's Registers at the default 2 s heartbeat
-QUEUE_BYTES = 1 << 20  # per connection: 256 honest messages are ~140 KiB; 15 of the largest legal frame
-TOTAL_BYTES = 32 << 20  # all connections together (a full queue of honest Registers each: ~230 receivers)
-MESSAGE_OVERHEAD = 256  # bytes a queued message costs beyond its frames (a list of <= 5 bytes objects)
+QUEUE_BYTES = 1 << 20  # per connection: 256 honest messages are ~125 KiB; 15 of the largest legal frame
+TOTAL_BYTES = 32 << 20  # all connections together (a full queue of honest Registers each: ~260 receivers)
+MESSAGE_OVERHEAD = 256  # bytes a queued message costs beyond its frames (measured: a list of 4 bytes objects, 220)
 TRIM_TO = 7 / 8  # past TOTAL_BYTES the largest queues are cut until this fraction of it is left
 
 
