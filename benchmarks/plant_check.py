@@ -154,7 +154,7 @@ PLANTS = [
     Plant("sender inbox: one connection served until empty", f"{PKG}/transport/control/inbox.py",
           "                self._queues.move_to_end(route)", "                pass", ("tests/unit/test_inbox.py",)),
     Plant("sockets: the control sockets' receive high-water mark back", f"{PKG}/transport/sockets.py",
-          "    sock.setsockopt(zmq.RCVHWM, 0)\n", "", (HOSTILE, "-k", "register_flood")),
+          "    sock.setsockopt(zmq.RCVHWM, 0)\n", "", (HOSTILE, "-k", "register_flood or dies_with")),
     Plant("shm: a warning line per garbage release frame", f"{PKG}/transport/backends/shared.py",
           '                self._drops.note("a release connection", exc)',
           '                logger.warning("dropped a bad release message: %s", exc)', (HOSTILE, "-k", "shm")),

@@ -17,6 +17,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -135,6 +136,53 @@ def test_a_register_flood_then_reset_neither_kills_nor_stalls_a_busy_sender(toke
     assert result["refused"] + result["overflowed"] >= 1000, result
     answered = result["refused"] - result["throttled"]  # each answer costs a probe and a Refuse
     assert answered <= result["served_s"] / REFUSE_EVERY_S + 2, result
+
+
+def _busy_rollout(port: int, registered: Any) -> bool:
+    """A receiver whose loop is held up for IDLE_S (a sink that blocks), then reads on."""
+
+    async def main() -> bool:
+        receiver = ReceiverControl("127.0.0.1", port, None, "busy-rollout", "cpu")
+        await receiver.start()
+        try:
+            assert registered.wait(60), "the trainer did not see the registration"
+            time.sleep(IDLE_S)  # on purpose: nothing reads the DEALER meanwhile
+            await receiver.recv(0.5)
+            return True
+        finally:
+            await receiver.close()
+
+    return asyncio.run(main())
+
+
+def test_a_trainer_that_dies_with_a_backlog_queued_to_a_busy_rollout_does_not_kill_it() -> None:
+    """The other end of the same libzmq abort: a receiver's DEALER is read by its event loop only, so a
+    trainer that queued more than a pipe holds (RCVHWM) and then died with an RST made libzmq abort the
+    rollout. Its DEALER has no RCVHWM, so its engine never stops reading (`transport/sockets.py`)."""
+    port, registered = free_port(), mp.get_context("spawn").Event()
+    ctx = zmq.Context()
+    trainer = ctx.socket(zmq.ROUTER)  # a stand-in for a trainer: it only has to send, then die
+    trainer.setsockopt(zmq.SNDHWM, 0)
+    trainer.bind(f"tcp://127.0.0.1:{port}")
+    exit_codes: list[int | None] = []
+    try:
+        with spawned(_busy_rollout, port, registered) as rollout:
+            assert trainer.poll(60_000), "the rollout did not register"
+            route = trainer.recv_multipart()[0]
+            registered.set()
+            for _ in range(FLOOD_MESSAGES):
+                trainer.send_multipart([route, b""])  # empty frames: receivers ignore them
+            time.sleep(1.0)  # on the wire: the rollout's pipe fills if it has a high-water mark
+            for conn in psutil.Process().net_connections("tcp"):  # close with an RST, as a killed process
+                if conn.laddr and conn.laddr.port == port and conn.raddr and conn.fd >= 0:
+                    zmtp.reset(socket.socket(fileno=os.dup(conn.fd)))
+            trainer.close(linger=0)
+            rollout.join(IDLE_S + 30)
+            exit_codes.append(rollout.exitcode)
+    finally:
+        trainer.close(linger=0)
+        ctx.term()
+    assert exit_codes == [0], f"the rollout did not survive its trainer's death (exit code {exit_codes})"
 
 
 # -- a token holder's flood while the trainer does not read (item 1: memory after authentication) ----------
