@@ -76,7 +76,7 @@ from .store import StoreServer
 logger = logging.getLogger(__name__)
 PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at most this often
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
-MAX_KEPT = 4096  # decoded messages kept for the next `recv` while a version streams (honest: ~2 a receiver)
+MAX_KEPT = 8192  # decoded messages kept for the next `recv` while a version streams (2 for each of 4096 receivers)
 REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
 
 
@@ -115,6 +115,8 @@ class SenderControl:
     ) -> None:
         self.host, self.requested_port, self.key, self.bucket_size = host, port, key, bucket_size
         self.liveness_s = liveness_s
+        # a blocked send outlives a frozen peer's connection (dropped after liveness_s) by this much at most
+        self.send_wait_s = 2 * liveness_s + 1
         self.port = port
         self.session = session or secrets.token_hex(8)
         self.peers: dict[str, Peer] = {}
@@ -206,8 +208,7 @@ class SenderControl:
                 fix = f"set transport.host to an address of this machine (got {self.host!r})"
             raise ConfigError(f"cannot bind the control socket on {where}: {exc}; {fix}") from None
         inbox = Inbox(on_drop=lambda route, why: self._overflows.note(f"connection {route.hex()}", why))
-        # a blocked send outlives a frozen peer's connection (dropped after liveness_s) by this much at most
-        self._router = RouterThread(sock, self._sync_ctx, inbox, send_wait_s=2 * self.liveness_s + 1)
+        self._router = RouterThread(sock, self._sync_ctx, inbox, send_wait_s=self.send_wait_s)
         self._router.start(asyncio.get_running_loop())
         logger.info(
             "weight sender control plane listening on %s (%s)", self.address, "CURVE + signed" if self.key else "open"
@@ -251,7 +252,7 @@ class SenderControl:
         except zmq.Again:
             raise PeerError(
                 f"receiver {who!r} is unreachable (its connection took no message for "
-                f"{self._started().send_wait_s:.0f}s: the process is frozen or not reading)"
+                f"{self.send_wait_s:.0f}s: the process is frozen or not reading)"
             ) from None
         except zmq.ZMQError as exc:
             raise PeerError(f"receiver {who!r} is unreachable ({exc})") from None
@@ -321,9 +322,9 @@ class SenderControl:
         return (identity, msg) if keep else None
 
     async def _pump(self) -> None:
-        """While a version streams nobody calls `recv`: read what arrived (progress reports,
-        registrations) without waiting, so receivers' queues never fill up and drop an Ack; what
-        a caller should see is kept for its next `recv`."""
+        """While a version streams nobody calls `recv`: handle what the socket thread read (progress
+        reports, registrations, store requests) without waiting, so no connection's queue nears its budget
+        and drops an Ack; what a caller should see is kept for its next `recv`."""
         router = self._started()
         for _ in range(1000):
             if len(self._kept) >= MAX_KEPT or (frames := router.take()) is None:
@@ -477,8 +478,8 @@ class SenderControl:
         sends = [(router.submit([self._route_to(i), *self._frames(msg)]), i) for i in identities]
         for send, identity in sends:
             await self._sent(send, identity)
-        # called once per bucket while streaming: read what arrived at most every PUMP_EVERY_S (receivers
-        # only write on a stall or to register, so their queues cannot fill in that time)
+        # called once per bucket while streaming: handle what arrived at most every PUMP_EVERY_S (receivers
+        # only write on a stall or to register, so their queues cannot near the budget in that time)
         now = time.monotonic()
         if now - self._pumped_at >= PUMP_EVERY_S:
             self._pumped_at = now
