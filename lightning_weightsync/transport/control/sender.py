@@ -208,7 +208,7 @@ class SenderControl:
                 fix = f"set transport.host to an address of this machine (got {self.host!r})"
             raise ConfigError(f"cannot bind the control socket on {where}: {exc}; {fix}") from None
         inbox = Inbox(on_drop=lambda route, why: self._overflows.note(f"connection {route.hex()}", why))
-        self._router = RouterThread(sock, self._sync_ctx, inbox, send_wait_s=self.send_wait_s)
+        self._router = RouterThread(sock, inbox, send_wait_s=self.send_wait_s)
         self._router.start(asyncio.get_running_loop())
         logger.info(
             "weight sender control plane listening on %s (%s)", self.address, "CURVE + signed" if self.key else "open"
@@ -246,9 +246,12 @@ class SenderControl:
         await self._sent(self._started().submit([route, *self._frames(msg)]), who)
 
     async def _sent(self, send: concurrent.futures.Future[None], who: str) -> None:
-        """The outcome of a send the socket thread performs, as `PeerError` when it failed."""
+        """The outcome of a send (done at once, unless it waits in the socket thread for a full pipe), as
+        `PeerError` when it failed."""
         try:
-            await asyncio.wrap_future(send)
+            if not send.done():
+                await asyncio.wrap_future(send)
+            send.result()
         except zmq.Again:
             raise PeerError(
                 f"receiver {who!r} is unreachable (its connection took no message for "

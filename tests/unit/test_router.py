@@ -1,0 +1,54 @@
+"""The sender's socket thread (`transport/control/router.py`) on a real ROUTER: it reads while nobody awaits,
+sends happen in place under its lock, and a stale wake-up never ends a wait early (before: a `recv` woken by a
+notification whose message a send's read had already handed out returned None, "no message", at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from lightning_weightsync.transport.control.inbox import Inbox
+from lightning_weightsync.transport.control.router import RouterThread
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    yield router, dealer
+    dealer.close(linger=0)
+    router.close(linger=0)
+    ctx.term()
+
+
+async def test_reads_while_nobody_waits_sends_in_place_and_a_stale_wakeup_does_not_end_a_wait(pair) -> None:
+    router_sock, dealer = pair
+    thread = RouterThread(router_sock, Inbox(), send_wait_s=2.0)
+    thread.start(asyncio.get_running_loop())
+    try:
+        dealer.send(b"hello")
+        deadline = time.monotonic() + 5
+        while not thread.inbox and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop does not run: the thread reads anyway
+        route, body = thread.take()  # type: ignore[misc]
+        assert body == b"hello"
+        future = thread.submit([route, b"back"])
+        assert future.done() and future.result() is None  # in place, not a thread hop
+        assert dealer.poll(5000) and dealer.recv() == b"back"
+        with pytest.raises(zmq.ZMQError):  # a connection that is gone: ROUTER_MANDATORY's error, as before
+            await thread.send_multipart([b"no-such-route", b"x"])
+        thread._arrived.set()  # type: ignore[union-attr]  # a notification whose message is already taken
+        threading.Timer(0.2, lambda: dealer.send(b"later")).start()
+        assert await thread.wait(5), "a stale wake-up ended the wait with nothing queued"
+        assert thread.take()[1] == b"later"  # type: ignore[index]
+        assert not await thread.wait(0.05)
+    finally:
+        assert await asyncio.to_thread(thread.stop)
