@@ -19,13 +19,14 @@ Every received frame goes through `unseal` / `decode` (signature, schema, ranges
 counted and dropped, never acted upon, and logged at most once per `DROP_LOG_INTERVAL_S` with a count.
 What a message means for a version of weights is the engine's business (`engine/session.py`).
 
-Reading never waits for the trainer: a thread of its own owns the ROUTER (`router.py`), reads whatever
-arrives at once and keeps it in per-connection queues with a budget (`inbox.py`: 256 messages and 1 MiB a
+Reading never waits for the trainer: a thread of its own reads the ROUTER (`router.py`), whatever
+arrives, at once, and keeps it in per-connection queues with a budget (`inbox.py`: 256 messages and 1 MiB a
 connection, 32 MiB in all; past it the oldest go, counted in `overflowed_messages`). A training step
 (minutes without a `recv`) therefore costs at most the budget, whatever a token holder sends meanwhile;
 before, it all waited in libzmq's pipe, which may not stop reading (`transport/sockets.py`). This class
 stays on the asyncio side: it takes messages from the queues (round-robin over connections), unseals,
-checks and books them here, and hands each send to the thread, awaiting its outcome.
+checks and books them here, and sends in place under the router's lock (a send that meets a full pipe
+waits in the thread, which retries it).
 """
 
 from __future__ import annotations
@@ -265,8 +266,8 @@ class SenderControl:
         return self._router
 
     async def inject(self, route: bytes, frames: list[bytes]) -> None:
-        """Send raw `frames` on connection `route` through the socket thread (tests forge sender messages
-        with it); raises what the socket raises."""
+        """Send raw `frames` on connection `route` (tests forge sender messages with it); raises what the
+        socket raises."""
         await self._started().send_multipart([route, *frames])
 
     async def send(self, identity: str, msg: Message) -> None:
@@ -476,7 +477,7 @@ class SenderControl:
 
     async def send_all(self, identities: list[str], msg: Message) -> None:
         """`msg` to every one of `identities`; the first that fails raises `PeerError` (the others are sent
-        anyway: all sends go to the socket thread at once, then their outcomes are awaited in order)."""
+        anyway: all are submitted at once, then their outcomes, almost always known already, are checked in order)."""
         router = self._started()
         sends = [(router.submit([self._route_to(i), *self._frames(msg)]), i) for i in identities]
         for send, identity in sends:
