@@ -32,6 +32,7 @@ PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata 
 WAITING_LOG_EVERY_S = 10.0  # while too few receivers are ready, one line this often naming what is missing
 LIVENESS_POLL_S = 0.5  # while a wait depends on receivers, whether they are still connected is asked this often
 GONE = "disconnected (its process stopped or the link is down)"
+NACK_GRACE_S = 0.1  # once a member is found gone: how long its nack, sent just before it left, may still take
 
 T = TypeVar("T")
 
@@ -221,14 +222,18 @@ class SenderSession:
         gone = [i for i in self.members if not await self.control.connected(i)]
         if not gone:
             return None
+        # a rollout that nacks and exits at once: its nack and its disconnect arrive together, and the nack may
+        # still be on its way into the sender's queues when the probe finds the connection gone
+        said = {**said, **await self._failed_early(NACK_GRACE_S)}
         named = [f"receiver {i} failed: {said[i]}" if i in said else f"receiver {i} {GONE}" for i in gone]
         return PeerError(f"{what}: " + "; ".join(named))
 
-    async def _failed_early(self) -> dict[str, str]:
+    async def _failed_early(self, grace_s: float = 0.0) -> dict[str, str]:
         """The members that nacked this version already, with their reasons (read from what the socket kept
         while streaming). Not a reason to stop on its own: a receiver whose consumer failed nacks, then still
         takes part in the version's broadcasts so that the others get it."""
-        while (got := await self.control.recv(0.001)) is not None:  # kept while streaming, or still queued
+        deadline = time.monotonic() + grace_s
+        while (got := await self.control.recv(max(deadline - time.monotonic(), 0.001))) is not None:
             identity, msg = got
             if isinstance(msg, Ack) and msg.version == self.version and identity in self.members:
                 self.early[identity] = msg
