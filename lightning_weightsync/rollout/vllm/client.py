@@ -33,11 +33,15 @@ from ...config import PauseMode
 from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import CannotAsk, PeerError
 from ...transport.http import JSONEndpoint
-from .extension import EXTENSION_CLASS, REPORT_METHOD
 
 logger = logging.getLogger(__name__)
 
 ENGINE = "vLLM"  # how errors name it
+REPORT_METHOD = "lightning_weightsync_weight_report"
+"""The worker method verify names over /collective_rpc (`extension.py` defines it on vLLM's worker)."""
+EXTENSION_CLASS = "lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerExtension"
+"""What `vllm serve --worker-extension-cls` must name for it (the launcher passes it). Strings here: this
+module is the trainer's and imports nothing of the rollout side."""
 TIMEOUT_KNOB = "vllm.request_timeout_s"
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...engine.verify import worker_weight_report
-
-EXTENSION_CLASS = "lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerExtension"
-REPORT_METHOD = "lightning_weightsync_weight_report"
+from .client import EXTENSION_CLASS, REPORT_METHOD
 
 
 class WeightSyncWorkerExtension:
@@ -27,6 +25,7 @@ class WeightSyncWorkerExtension:
         return worker_weight_report(self)
 
 
-assert REPORT_METHOD in vars(WeightSyncWorkerExtension)
+assert REPORT_METHOD in vars(WeightSyncWorkerExtension)  # the name the trainer's client asks for
+assert f"{__name__}.{WeightSyncWorkerExtension.__qualname__}" == EXTENSION_CLASS
 
 __all__ = ["EXTENSION_CLASS", "REPORT_METHOD", "WeightSyncWorkerExtension"]
