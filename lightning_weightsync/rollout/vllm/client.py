@@ -83,7 +83,35 @@ class _PrefixCacheReset:
             logger.warning("vLLM rollout %s: resetting the prefix cache failed: %s", self.name, exc)
 
 
-class HTTPRolloutClient(_PrefixCacheReset):
+class _WorkersHoldIt:
+    """`verify`, the same over HTTP and in process: the finish call recorded `version`, and every worker says it
+    holds that version, whole (`weight_reports`: which version its model holds and how many of its tensors
+    matched the trainer's fingerprints on arrival; a mismatch would have failed the version). A rollout that
+    cannot be asked (`CannotAsk`) is judged by the finish call alone, and says so once."""
+
+    name: str
+    _weight_version: str | None
+    _said_cannot_ask = False
+
+    def weight_reports(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def verify(self, version: int) -> None:
+        if self._weight_version != str(version):
+            raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
+        try:
+            reports = self.weight_reports()
+        except CannotAsk as exc:
+            if not self._said_cannot_ask:
+                self._said_cannot_ask = True
+                logger.warning("%s", exc)
+            return
+        problems = [p for report in reports for p in weight_problems(self.name, version, report, None)]
+        if problems:
+            raise PeerError("; ".join(problems))
+
+
+class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
     """`vllm serve` (started with VLLM_SERVER_DEV_MODE=1, which registers the RL and cache routes).
 
     Routes and bodies as vLLM 0.33.0 defines them: `/pause` takes `mode` as a query parameter;
@@ -103,7 +131,6 @@ class HTTPRolloutClient(_PrefixCacheReset):
         self.pause_mode = PauseMode(pause_mode)
         self.reset_prefix_cache = reset_prefix_cache
         self._weight_version: str | None = None
-        self._said_cannot_ask = False
 
     def pause(self) -> None:
         self.http.request("/pause", query={"mode": str(self.pause_mode)})
@@ -131,23 +158,6 @@ class HTTPRolloutClient(_PrefixCacheReset):
         query = {"reset_running_requests": "true"} if reset_running_requests else None
         answer = self.http.request("/reset_prefix_cache", query=query)
         return bool(answer.get("success")) if isinstance(answer, dict) else False
-
-    def verify(self, version: int) -> None:
-        """Every worker holds `version`, whole: each one's `weight_report`, asked through vLLM's POST
-        /collective_rpc (`weight_reports`). A server that cannot answer (started without our worker extension, or
-        without dev mode) is judged by the finish call alone, and says so once."""
-        if self._weight_version != str(version):
-            raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
-        try:
-            reports = self.weight_reports()
-        except CannotAsk as exc:
-            if not self._said_cannot_ask:
-                self._said_cannot_ask = True
-                logger.warning("%s", exc)
-            return
-        problems = [p for report in reports for p in weight_problems(self.name, version, report, None)]
-        if problems:
-            raise PeerError("; ".join(problems))
 
     def weight_reports(self) -> list[dict[str, Any]]:
         """Every worker's `weight_report`, through POST /collective_rpc {"method": REPORT_METHOD}: vLLM calls
@@ -195,7 +205,7 @@ class _UpdateRequest:
     update_info: dict[str, Any] = field(default_factory=dict)
 
 
-class EngineRolloutClient(_PrefixCacheReset):
+class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
     """An in-process `vllm.LLM` or `vllm.v1.engine.async_llm.AsyncLLM`.
 
     `AsyncLLM` methods are coroutines bound to the loop the engine runs on: pass that `loop` (this
@@ -255,21 +265,11 @@ class EngineRolloutClient(_PrefixCacheReset):
     def _reset(self, reset_running_requests: bool) -> bool:
         return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
 
-    def verify(self, version: int) -> None:
-        """Every worker holds `version`, whole: each one's `weight_report` (through `collective_rpc`) says which
-        version its model holds and how many of its tensors matched the trainer's fingerprints on arrival
-        (`transport.verify`; a mismatch would have failed the version). An engine without `collective_rpc`
-        (a stand-in) is judged by the finish call alone."""
-        if self._weight_version != str(version):
-            raise PeerError(f"vLLM rollout {self.name}: holds weight_version {self._weight_version}, not {version}")
-        if not hasattr(self.llm, "collective_rpc"):
-            return
-        problems = [p for report in self.weight_reports() for p in weight_problems(self.name, version, report, None)]
-        if problems:
-            raise PeerError("; ".join(problems))
-
     def weight_reports(self) -> list[dict[str, Any]]:
-        """Every worker's `weight_report` (`engine.verify.worker_weight_report` through `collective_rpc`)."""
+        """Every worker's `weight_report` (`engine.verify.worker_weight_report` through `collective_rpc`);
+        `CannotAsk` for an engine without `collective_rpc` (a stand-in)."""
+        if not hasattr(self.llm, "collective_rpc"):
+            raise CannotAsk(f"vLLM rollout {self.name}: the engine has no collective_rpc to ask its workers")
         answer = self._call("collective_rpc", worker_weight_report)
         return [dict(r) if isinstance(r, dict) else {"error": repr(r)[:200]} for r in (answer or [])]
 
