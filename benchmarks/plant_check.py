@@ -428,6 +428,24 @@ PLANTS = [
     Plant("vllm engine: a failed version not rolled back", f"{PKG}/rollout/vllm/worker.py",
           "lost = self._host_copy.restore(self.model)", "lost: list[str] = []",
           ("tests/integration/test_vllm_server_rollback.py",)),
+    # -- issue 31: behaviours the suite let through (each with a test written for it)
+    Plant("router: a send to a peer that stops reading retried forever", f"{PKG}/transport/control/router.py",
+          "self._try(self._blocked[0], give_up=time.monotonic() >= self._blocked[0].deadline)",
+          "self._try(self._blocked[0], give_up=False)", ("tests/unit/test_router.py",)),
+    Plant("receiver session: the next bucket's wait bounded by timeout_s, not liveness_s", f"{PKG}/engine/session.py",
+          "if not linked and since >= self.control.liveness_s:", "if not linked and since >= timeout_s:",
+          ("tests/integration/test_session.py", "-k", "killed_between")),
+    Plant("host copy: a refused copy leaves the older one to restore", f"{PKG}/rollout/host_copy.py",
+          "        self.taken = False\n        live = _live_tensors(model)\n",
+          "        live = _live_tensors(model)\n",
+          ("tests/unit/test_host_copy.py",)),
+    Plant("vllm engine: a worker cut off from the agreement keeps the version", f"{PKG}/rollout/vllm/worker.py",
+          "return max(1, int(not ok))", "return int(not ok)",
+          ("tests/unit/test_vllm_engine.py", "tests/integration/test_vllm_server_rollback.py")),
+    Plant("engine worker: re-registers in the middle of a version", f"{PKG}/rollout/engine_worker.py",
+          "            if self._receiving:\n                continue",
+          "            if False:\n                continue",
+          ("tests/unit/test_vllm_engine.py",)),
 ]  # fmt: skip
 
 

@@ -373,6 +373,67 @@ async def test_a_receiver_frozen_mid_version_fails_it_within_liveness_s() -> Non
     assert quick, f"{elapsed:.1f}s: not noticed within transport.liveness_s=2 (timeout_s=60)"
 
 
+def _send_then_die(port: int, after: int) -> None:
+    """A real sender process that streams a version and is SIGKILLed between two buckets: the buckets before
+    `after` went out whole, the next one's metadata never comes."""
+    import os
+    import signal
+
+    async def main() -> None:
+        async def weights():
+            for i in range(2 * after):
+                if i == after:
+                    await asyncio.sleep(1.0)  # the buckets so far are broadcast; the receiver awaits the next
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield f"t{i}", _tensor(BUCKET, i)
+
+        cfg = engine_cfg(port, bucket_size_mb=BUCKET / 2**20, **LIVE)
+        async with WeightSender(cfg) as sender:
+            await sender.send_weights(weights(), version=1)
+
+    asyncio.run(main())
+
+
+def _receive_until_the_sender_dies(port: int) -> dict:
+    """A real receiver process: the seconds from its last tensor to the error that ends the version."""
+
+    async def main() -> dict:
+        receiver = WeightReceiver(engine_cfg(port, bucket_size_mb=BUCKET / 2**20, **LIVE), identity="r")
+        await receiver.start()
+        got: list[str] = []
+        last = time.monotonic()
+        try:
+            async for name, _ in receiver.receive_weights():
+                got.append(name)
+                last = time.monotonic()
+        except WeightSyncError as exc:
+            return {"got": got, "error": f"{type(exc).__name__}: {exc}", "after_last_s": time.monotonic() - last}
+        finally:
+            await receiver.close()
+        return {"got": got, "error": None}
+
+    return asyncio.run(main())
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+@pytest.mark.slow
+def test_a_sender_killed_between_buckets_fails_the_receive_within_liveness_s() -> None:
+    """The receiver's wait for the next bucket's metadata is bounded by transport.liveness_s once the sender's
+    connection is gone (timeout_s=60 is far above it: a wait bounded by the wrong knob fails this test)."""
+    from tests.support.mp import free_port, run_workers
+
+    port = free_port()
+    roles = [(_receive_until_the_sender_dies, port), (_send_then_die, port, 4)]
+    got, _ = run_workers(_call, roles, timeout_s=45, doomed=[1])  # a wait of timeout_s=60 runs past this
+    assert got["error"] is not None and "transport.liveness_s=2" in got["error"], got
+    # the sender slept 1 s after the last bucket, then died; then liveness_s=2, never timeout_s=60
+    assert got["after_last_s"] < 1 + 2 + LOAD_SLACK_S, got
+    assert 0 < len(got["got"]) <= 4, got  # the buckets before the kill arrived; the version did not end
+
+
 @pytest.mark.slow
 async def test_no_version_is_lost_to_the_rendezvous_over_many_token_mode_starts_and_rebuilds() -> None:
     """Issue 24 item 3, counted: with a token, version 0 was lost in 2 of 7 fresh starts and 2 of 8 rebuilds

@@ -95,5 +95,63 @@ def test_a_version_one_worker_fails_is_undone_on_every_worker_of_the_server(tmp_
         assert w["holds"] == [1] and w["version"] == 1 and not w["incomplete"], w
 
 
+def _cut_off_worker(group_port: int, cfg_path: str) -> dict[str, Any]:
+    """Worker 0 of a 2-worker server whose other worker is gone after version 1 (its process exited): version 2
+    arrives here whole, but the agreement cannot reach the other worker."""
+    from datetime import timedelta
+
+    from lightning_weightsync.examples.tiny_lm import build_model
+    from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=0, world_size=2,
+                            timeout=timedelta(seconds=20))  # fmt: skip
+    model = StandInModel(build_model().config)
+    engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
+                           cfg_path)  # fmt: skip
+    worker = StandInWorker(engine)
+    errors: dict[str, str] = {}
+    try:
+        for v in (1, 2):
+            worker.start_weight_update()
+            try:
+                worker.update_weights({"version": v, "timeout_s": 60})
+                worker.finish_weight_update()
+            except Exception as exc:
+                errors[str(v)] = f"{type(exc).__name__}: {exc}"
+        state = model.state_dict()
+        holds = [v for v in (1, 2) if all(torch.equal(state[n], t) for n, t in _version(v))]
+        return {"errors": errors, "holds": holds, "version": engine.version}
+    finally:
+        engine.shutdown()
+
+
+def _peer_that_leaves(group_port: int) -> dict[str, Any]:
+    """The other worker: agrees on version 1 (a version it had whole), then its process is gone."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=1, world_size=2,
+                            timeout=timedelta(seconds=20))  # fmt: skip
+    dist.all_reduce(torch.tensor([0], dtype=torch.int64))
+    return {}
+
+
+def test_a_worker_cut_off_from_the_agreement_does_not_keep_the_version(tmp_path: Path) -> None:
+    """A worker that cannot ask the others whether they took a version must count it as failed and roll back:
+    better the old version on every worker than two versions in one server."""
+    cfg = engine_cfg(free_port(), bucket_size_mb=0.03125, trainer__min_receivers=1, transport__ready_timeout_s=30)
+    path = tmp_path / "sync.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    group_port = free_port()
+    roles = [("sender", str(path)), ("cut_off", group_port, str(path)), ("leaves", group_port)]
+    sent, w0, _ = run_workers(_dispatch, roles, timeout_s=120)
+    assert sent["1"] == "ok to 1", sent
+    assert "1" not in w0["errors"] and "2" in w0["errors"], w0  # it had version 2 whole, and still failed it
+    assert w0["holds"] == [1] and w0["version"] == 1, w0
+
+
 def _dispatch(role: str, *args: Any) -> dict[str, Any]:
+    if role == "cut_off":
+        return _cut_off_worker(*args)
+    if role == "leaves":
+        return _peer_that_leaves(*args)
     return _sender(*args) if role == "sender" else _worker(*args)

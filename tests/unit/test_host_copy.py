@@ -54,3 +54,17 @@ def test_what_cannot_be_restored_is_named() -> None:
 def test_restore_on_a_gpu_with_pinned_memory() -> None:
     _roundtrip("cuda")
     assert all(t.is_pinned() for t in HostCopy(_model("cuda")).copies.values())
+
+
+def test_a_refused_copy_is_never_restored_from_an_older_version() -> None:
+    """A copy refused because the model's tensors changed must not leave the previous version's copy in
+    place: `restore` would then put back an older version and report it as the one before the failure."""
+    model = _model()
+    copy = HostCopy(model)
+    copy.take(model)  # before version 1: accepted
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # version 1 lands
+    model.register_buffer("transient", torch.zeros(2))  # the tensor set changes: the copy for version 2 is refused
+    copy.take(model)
+    del model.transient  # ... and changes back while version 2 runs (e.g. a layer rebuilt by the reload)
+    assert copy.restore(model) == ["(no copy was taken before this version)"], "an older version's copy restored"

@@ -52,3 +52,29 @@ async def test_reads_while_nobody_waits_sends_in_place_and_a_stale_wakeup_does_n
         assert not await thread.wait(0.05)
     finally:
         assert await asyncio.to_thread(thread.stop)
+
+
+async def test_a_blocking_send_to_a_peer_that_stops_reading_fails_after_the_send_wait(pair) -> None:
+    """A peer that keeps its connection (and its heartbeat) but never reads fills its pipe; a blocking send to it
+    is retried by the thread and must fail with `zmq.Again` once `send_wait_s` has passed, never wait on (the
+    sender would stall the version, and every later one, on one frozen rollout)."""
+    router_sock, dealer = pair
+    router_sock.setsockopt(zmq.SNDHWM, 4)
+    send_wait_s = 0.5
+    thread = RouterThread(router_sock, Inbox(), send_wait_s=send_wait_s)
+    thread.start(asyncio.get_running_loop())
+    try:
+        dealer.send(b"hello")  # the route; after it the dealer never reads again
+        deadline = time.monotonic() + 5
+        while not thread.inbox and time.monotonic() < deadline:
+            time.sleep(0.01)
+        route, _ = thread.take()  # type: ignore[misc]
+        payload = b"x" * 65536  # a few of these fill the kernel buffers and the pipe's high-water mark
+        started = time.monotonic()
+        with pytest.raises(zmq.Again):
+            for _ in range(10_000):  # far more than the pipe and both kernels' buffers hold
+                await asyncio.wait_for(thread.send_multipart([route, payload]), timeout=send_wait_s + 5)
+        waited = time.monotonic() - started
+        assert waited < send_wait_s + 5, f"the send to a peer that does not read took {waited:.1f}s"
+    finally:
+        assert await asyncio.to_thread(thread.stop)

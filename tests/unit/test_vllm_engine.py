@@ -259,3 +259,44 @@ def test_the_engine_says_which_version_it_holds_and_rollout_control_checks_it(tm
         control.close()
         worker.weight_transfer_engine.shutdown()
         sender.close()
+
+
+class Slow(Flaky):
+    """Each `load_weights` takes a while and notes how often the worker had registered by then."""
+
+    seen_registrations: list[int]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self.seen_registrations.append(self.engine._worker_receiver.registrations)
+        time.sleep(0.05)
+        return super().load_weights(weights)
+
+
+def test_no_registration_interleaves_with_a_version(tmp_path: Path) -> None:
+    """A `Register` in the middle of a version resets what the sender knows of the worker (its group, its
+    ready state): the keeper re-registers between versions only, however short its interval."""
+    port = free_port()
+    cfg = engine_cfg(port, bucket_size_mb=0.03125, trainer__min_receivers=1, transport__heartbeat_interval_s=0.01)
+    path = tmp_path / "sync.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    model = Slow(build_model().config)
+    model.rollout_threads, model.load_threads, model.seen_registrations = set(), set(), []
+    engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
+                           str(path))  # fmt: skip
+    model.engine = engine
+    worker = StandInWorker(engine)
+    sender = BlockingWeightSender(cfg)
+    sender.start()
+    try:
+        stats, errors = _update(worker, sender, 1)
+        assert not errors and stats.receivers == 1
+        seen = model.seen_registrations
+        assert len(seen) >= 5, seen  # the version lasted many heartbeat intervals
+        assert len(set(seen)) == 1, f"the worker re-registered during the version: {seen}"
+        deadline = time.monotonic() + 10  # between versions it does, every interval
+        while engine._worker_receiver.registrations <= seen[-1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine._worker_receiver.registrations > seen[-1]
+    finally:
+        engine.shutdown()
+        sender.close()
