@@ -284,7 +284,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
             for version in range(repeats + 2):
                 t0, c0 = time.perf_counter(), time.process_time()
                 with _RssPeak() if version == repeats + 1 else contextlib.nullcontext() as rss:
-                    stats = await sender.send_weights(stream, version=version, stable_tensors=True)  # a list: stable
+                    stats = await sender.send_weights(stream, version=version)  # public API, no flag: a list is stable
                 if 0 < version <= repeats:
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     if wall < engine.seconds:

@@ -85,6 +85,7 @@ class WeightReceiver(Endpoint):
         # the version the consumer holds whole and can apply a delta to (`receive_weights(base=...)`), said in
         # every Ready; None: it cannot (no held version, or a sink that holds no tensors) and gets whole tensors
         self.delta_base: int | None = None
+        self._keeps = False  # this version's consumer keeps what it receives (it passed `base`)
         self.last_verify: VerifyReport | None = None  # what was checked of the last complete version
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -232,15 +233,33 @@ class WeightReceiver(Endpoint):
         `base(meta)`: the tensor of version `self.delta_base` the consumer holds under that name, onto which
         a delta (`transport.delta`) is applied; the result lands in `into(meta)` (which may be that same
         tensor, updated in place) or a new tensor. Without it, or with `delta_base` None, a delta fails.
+        Passing `base` declares that the consumer keeps what it receives (`base` answers with this version's
+        tensors next time): once the version is acked ok, `delta_base` becomes its number, so the next one
+        may be a delta with no bookkeeping by the caller; a version that fails or is nacked clears it (its
+        tensors may be torn), and the next version comes whole.
 
         Raises `VersionAborted` when the sender drops the version mid-way, `WeightSyncTimeout`
         when a wait expires; in both cases nothing of the version may be applied.
         """
         plan = await self.wait_version(wait_s)
+        self._keeps = base is not None
         if plan.senders:
-            async for item in self._receive_sharded(plan, into, auto_ack):
+            parts = self._receive_sharded(plan, into, auto_ack)
+        else:
+            parts = self._receive_whole(plan, into, auto_ack, base)
+        try:
+            async for item in parts:
                 yield item
-            return
+        except BaseException:
+            if self._keeps:  # whatever landed in the consumer's tensors, they are no version to apply a delta to
+                self.delta_base = None
+            await parts.aclose()  # the part's own GeneratorExit handling (drain, ack) runs when the consumer stops
+            raise
+
+    async def _receive_whole(
+        self, plan: Plan, into: Into | None, auto_ack: bool, base: Into | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """A version from one sender (the usual case): its buckets merged into whole tensors."""
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
         destinations = Destinations(into) if into is not None else None
@@ -385,6 +404,8 @@ class WeightReceiver(Endpoint):
         if self._acked:
             return
         self._acked = True
+        if self._keeps:  # `receive_weights(base=...)`: the consumer holds what it acked whole, nothing it nacked
+            self.delta_base = version if ok and self.last_complete_version == version else None
         await self._others.ack(version, ok, error)  # a sharded version: every sender hears the same
         await self._steps.ack(version, ok, error)  # 5
 

@@ -60,6 +60,23 @@ from .verify import SenderFingerprints
 logger = logging.getLogger(__name__)
 
 
+_HOLDING_TYPES: tuple[type, ...] = (list, tuple, type({}.items()), type({}.values()))
+_HOLDING_TYPES += tuple({type(iter(c)) for c in ([], (), {}.items(), {}.values())})
+_MODULE_WALKS = torch.nn.Module.named_parameters.__code__.co_filename  # named_parameters(), state_dict walks, ...
+
+
+def holds_its_tensors(weights: object) -> bool:
+    """Whether `weights` cannot hand out memory it reuses for a later tensor, so the sender may still read a
+    tensor after pulling the next (`stable_tensors` decided for the caller): a list, a tuple, a dict's items or
+    values (a state_dict's), an iterator over one of those, or a module's own walk (`named_parameters()`,
+    `named_buffers()`: the module's tensors themselves). Anything else, a user's generator above all, may
+    yield views of one buffer it overwrites (FSDP1's unsharded walk does), and keeps the safe path."""
+    if isinstance(weights, _HOLDING_TYPES):
+        return True
+    code = getattr(weights, "gi_code", None)
+    return code is not None and code.co_filename == _MODULE_WALKS
+
+
 class _Drainable:
     """Wraps the caller's iterable so that, after a failure, the rest can still be consumed.
 
@@ -216,6 +233,18 @@ class WeightSender(Endpoint):
         """Control messages rejected (malformed, unsigned, badly signed, replayed) since start."""
         return self._control.dropped_messages
 
+    @property
+    def overflowed_messages(self) -> int:
+        """Control messages read while the trainer was busy and dropped, unread, past the queue budget."""
+        return self._control.overflowed_messages
+
+    @property
+    def lost_messages(self) -> int:
+        """Every control message this sender did not act on, for whatever reason: `dropped_messages` (it was
+        bad) + `overflowed_messages` (too many, too fast). The one number to alert on: an honest fleet keeps
+        it at 0, so any rise is a broken or hostile peer (the WARNING lines name which)."""
+        return self.dropped_messages + self.overflowed_messages
+
     def request_full_sync(self) -> None:
         """The next version goes whole to every receiver, whatever `transport.delta` says."""
         self._delta_base.full_requested = True
@@ -253,7 +282,7 @@ class WeightSender(Endpoint):
         weights: NamedTensors,
         *,
         version: int,
-        stable_tensors: bool = False,
+        stable_tensors: bool | None = None,
         tied: Mapping[str, Iterable[str]] | None = None,
         sharding: Sharding | None = None,
     ) -> SendStats:
@@ -263,7 +292,9 @@ class WeightSender(Endpoint):
         stats attached (`exc.stats`): the bytes went out, but not every rollout holds them.
 
         `stable_tensors`: the iterable yields tensors whose memory it does not reuse for the next
-        one, so a direct broadcast may still read a tensor while the next is produced (overlap).
+        one, so a direct broadcast may still read a tensor while the next is produced (overlap). None (the
+        default): decided from the iterable (`holds_its_tensors`: a list, a dict's items, `named_parameters()`
+        are; a generator of the caller's is not, and gets the safe path unless it says True).
         `tied`: {name sent: other names of that tensor} (tied embeddings, sent once); it travels
         with the first bucket so every sink can restore the tie.
         `sharding`: this sender's part in a sharded version (see `Sharding`); `weights` may then
@@ -302,6 +333,8 @@ class WeightSender(Endpoint):
         only = frozenset(sharding.members) if sharding is not None and sharding.index > 0 else None
         # a shard's chunks end before its tensor's last byte, so "the caller may reuse this tensor now" cannot be
         # read from the metadata: shards are the module's own local storage, untouched during a sync (stable)
+        if stable_tensors is None:
+            stable_tensors = holds_its_tensors(weights)
         stable_tensors = stable_tensors or sharding is not None
         index = sharding.index if sharding is not None else 0
         try:
@@ -657,7 +690,7 @@ class BlockingWeightSender:
         weights: Iterable[tuple[str, torch.Tensor]],
         *,
         version: int,
-        stable_tensors: bool = False,
+        stable_tensors: bool | None = None,
         tied: Mapping[str, Iterable[str]] | None = None,
         sharding: Sharding | None = None,
     ) -> SendStats:

@@ -8,6 +8,7 @@ Daemons in-process against a real `WeightSender` over real ZeroMQ sockets and re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -211,3 +212,43 @@ async def test_auto_falls_back_to_whole_versions_by_itself_where_deltas_measure_
             deltas.append((await pair.sync(weights))[2])
             assert not differing(pair.held, weights)
     assert deltas == [0] * PROBE_EVERY + [4], deltas
+
+
+async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookkeeping() -> None:
+    """`receive_weights(into=..., base=...)`: the receiver counts each version it acked whole as held, so the
+    next one comes as a delta without the caller setting `delta_base`; a version the consumer stopped half-way
+    clears it (its tensors may be torn) and the next one comes whole."""
+    from lightning_weightsync import WeightReceiver
+
+    port = free_port()
+    weights = sent(0)
+    mine = {name: torch.empty_like(t) for name, t in weights.items()}  # the consumer's own tensors
+
+    async def receive_into_mine(stop_after: int | None = None) -> Any:
+        n = 0
+        async for _name, _ in receiver.receive_weights(into=lambda m: mine[m.name], base=lambda m: mine[m.name]):
+            n += 1
+            if n == stop_after:
+                break
+        return receiver.last_stats
+
+    receiver = WeightReceiver(daemon_cfg(port, transport__verify="full"), identity="low-level")
+    async with delta_sender(port) as sender:
+        await receiver.start()
+        try:
+            deltas = []
+            for version in range(3):
+                got, _ = await asyncio.gather(receive_into_mine(), sender.send_weights(weights.items(),
+                                                                                          version=version))
+                assert not differing(mine, weights), version
+                assert receiver.delta_base == version
+                deltas.append(got.delta_tensors)
+                weights = step(weights, version + 1)
+            assert deltas[0] == 0 and deltas[1] > 0 and deltas[2] > 0, deltas
+            with contextlib.suppress(Exception):  # the consumer stops after one tensor: the version fails
+                await asyncio.gather(receive_into_mine(stop_after=1), sender.send_weights(weights.items(), version=3))
+            assert receiver.delta_base is None
+            got, _ = await asyncio.gather(receive_into_mine(), sender.send_weights(weights.items(), version=4))
+            assert got.delta_tensors == 0 and not differing(mine, weights)  # whole, onto torn tensors: correct
+        finally:
+            await receiver.close()

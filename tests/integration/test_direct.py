@@ -9,6 +9,7 @@ the next tensor while the direct broadcast of the previous one is still in fligh
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import torch
 
@@ -97,7 +98,18 @@ async def _collect(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
     return {name: t.clone() async for name, t in receiver.receive_weights()}
 
 
-async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
+class _WatchedList(list):
+    """A list (so the sender may take the fast path without a flag) that calls `on_pull(name)` per item."""
+
+    on_pull: Any = None
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.on_pull(item[0])
+            yield item
+
+
+async def _next_pulled_while_broadcast_in_flight(stable: bool | None, as_list: bool = False) -> bool:
     """Stream [a, b1, b2, c] (a, b1, b2 direct) to a consumer that dawdles 1 s after `a`, holding its slot.
     The consumer gives no destinations, so the receiver takes the direct buckets into its slots: b2's
     (the slot of `a`) cannot complete until the consumer wakes. Returns whether the sender asked for `c`
@@ -108,11 +120,19 @@ async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
     woke = asyncio.Event()
     pulled_before_wake: list[bool] = []
 
+    def pulled(name: str) -> None:
+        if name == "c":
+            pulled_before_wake.append(not woke.is_set())
+
     def produce():
         for name, tensor in weights:
-            if name == "c":
-                pulled_before_wake.append(not woke.is_set())
+            pulled(name)
             yield name, tensor
+
+    source: Any = produce()
+    if as_list:
+        source = _WatchedList(weights)
+        source.on_pull = pulled
 
     async def consume() -> dict[str, torch.Tensor]:
         got = {}
@@ -125,7 +145,7 @@ async def _next_pulled_while_broadcast_in_flight(stable: bool) -> bool:
 
     try:
         got, _ = await with_timeout(
-            asyncio.gather(consume(), sender.send_weights(produce(), version=1, stable_tensors=stable))
+            asyncio.gather(consume(), sender.send_weights(source, version=1, stable_tensors=stable))
         )
     finally:
         await receiver.close()
@@ -140,3 +160,23 @@ async def test_stable_producer_overlaps_the_next_tensor_with_the_broadcast() -> 
 
 async def test_unstable_producer_waits_for_the_broadcast_before_the_next_tensor() -> None:
     assert not await _next_pulled_while_broadcast_in_flight(stable=False)
+
+
+async def test_a_list_takes_the_fast_path_without_a_flag_and_a_generator_keeps_the_safe_one() -> None:
+    """The low-level API as the README shows it: a list (which cannot reuse memory) overlaps the next tensor
+    with the broadcast by default; a generator of the caller's, which might, waits for it by default."""
+    assert await _next_pulled_while_broadcast_in_flight(stable=None, as_list=True)
+    assert not await _next_pulled_while_broadcast_in_flight(stable=None)
+
+
+def test_which_iterables_hold_their_tensors() -> None:
+    from lightning_weightsync.engine.sender import holds_its_tensors
+
+    model = torch.nn.Linear(2, 2)
+    items = [("w", torch.zeros(1))]
+    holding = [items, tuple(items), dict(items).items(), iter(items), iter(dict(items).items()),
+               model.named_parameters(), model.named_buffers(), model.state_dict().items()]  # fmt: skip
+    assert all(holds_its_tensors(w) for w in holding), [type(w).__name__ for w in holding if not holds_its_tensors(w)]
+    mine = [(n, t) for n, t in items]
+    assert not holds_its_tensors(x for x in mine)  # a generator may refill one buffer: the safe path
+    assert not holds_its_tensors(map(tuple, mine))

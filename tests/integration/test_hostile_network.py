@@ -222,7 +222,8 @@ def _stepping_trainer(port: int, phases: dict[str, Any]) -> dict[str, Any]:
             stats = await sender.send_weights(stream(2), version=2)
             return {
                 "grown": peak[0] - baseline,
-                "overflowed": getattr(sender._control, "overflowed_messages", None),
+                "overflowed": sender.overflowed_messages,
+                "lost": sender.lost_messages,  # the one total an alert watches
                 "receivers": stats.receivers,
                 "failed": stats.failed,
             }
@@ -288,6 +289,7 @@ def test_a_token_holders_flood_during_a_training_step_costs_the_trainer_a_bounde
     assert grown < BACKLOG_RSS_BOUND, f"the trainer grew by {grown >> 20} MiB for {sent >> 20} MiB of flood"
     assert honest and trainer["receivers"] >= 1 and not trainer["failed"], trainer  # version 2 landed, bitwise
     assert trainer["overflowed"], trainer  # the budget dropped the flood's excess, counted
+    assert trainer["lost"] >= trainer["overflowed"], trainer  # ... and in the total an operator alerts on
 
 
 # -- a stranger's huge frame before authentication (item 4) -------------------------------------------------

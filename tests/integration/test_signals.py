@@ -91,6 +91,8 @@ def _signal_mid_sync(cmd: list[str], rank: int, signum: int, tmp: Path) -> tuple
 def _stopped_on_both_ranks(out: str, name: str, rank: int) -> None:
     said = f"weight sync of version 0 stopped (not delivered) by {name} on global rank {rank}"
     assert out.count(said) == 2, f"expected once per rank: {said!r}\n{out[-4000:]}"
+    fate = "the rollouts were told to abort it and keep the version they held; none applies part of it"
+    assert fate in out, out[-4000:]  # what became of the interrupted version (nothing was delivered before it)
 
 
 @pytest.mark.slow
