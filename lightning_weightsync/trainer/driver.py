@@ -416,12 +416,16 @@ class SyncDriver:
         others which receivers it gathered. Returns this rank's failure (None: its part went out)."""
         from ..engine.sender import Sharding
         from ..protocol.messages import SenderAddress
-        from .sharded import MembersRelay, iter_local_shards
+        from .sharded import LayoutMismatch, MembersRelay, iter_local_shards
 
         tr = self.cfg.trainer
-        weights = iter_local_shards(
-            module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=self.prefix
-        )
+        try:  # on every rank alike, before any rank sends: a bad layout raises ConfigError, drift fails the version
+            weights = iter_local_shards(
+                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
+                prefix=self.prefix, device=self.device, version=version,
+            )  # fmt: skip
+        except LayoutMismatch as exc:
+            return exc
         relay = MembersRelay(self.device)
         tied = self.tied(module)
         self.last_stats = None
