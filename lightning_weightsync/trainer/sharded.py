@@ -150,14 +150,16 @@ def _held(raw: str, name: str, tensor: Any) -> _Held:
         return _Held(raw, name, tensor.detach(), shape, (0,) * len(shape), shape, None, 1, 0)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     shape, placements, mesh = tuple(tensor.shape), tuple(tensor.placements), tensor.device_mesh
     for placement in placements:
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):
-            raise _refused(raw, tensor, f"{type(placement).__name__} holds no whole bytes of the tensor on any rank "
-                                        "(a pending reduction)")  # fmt: skip
+        if not isinstance(placement, (Shard, _StridedShard)):  # _StridedShard: FSDP2 over TP (a box still)
+            pending = type(placement).__name__ == "Partial"
+            why = "no rank holds the tensor's bytes (a pending reduction)" if pending else "an unknown placement"
+            raise _refused(raw, tensor, why)
         if any(size != 1 for size in shape[: placement.dim]):
             raise _refused(raw, tensor, f"a Shard({placement.dim}) local shard of a {list(shape)} tensor is a strided "
                                         "box, not one byte range (only Shard(0), and Shard(d) after size-1 dims, are "
