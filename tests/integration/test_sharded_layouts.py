@@ -43,7 +43,8 @@ def _model(layout: str, world: int, rank: int) -> torch.nn.Module:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         dp = mesh
     else:
-        shape = (world, 1) if layout.startswith("dp") else (1, world)  # dp x tp; ModelParallelStrategy: 1 x N
+        # dp x tp: ModelParallelStrategy's defaults are 1 x N; on 4 ranks the TP layouts are 2 x 2
+        shape = (world, 1) if layout.startswith("dp") else (world // 2, 2) if world == 4 else (1, world)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
         dp = mesh["data_parallel"]
     if layout == "mp-defaults-tied":
@@ -187,8 +188,9 @@ def test_two_rank_layouts_send_their_own_bytes_in_sharded_mode_and_refuse_what_t
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_sends_every_shard_once_from_its_replicas_bitwise() -> None:
+def test_hsdp_and_fsdp2_over_tp_2x2_send_every_byte_once_from_every_rank_bitwise() -> None:
     """HSDP on 4 ranks (a 2 x 2 replicate x shard mesh): each shard is held by two replicas, and each sends
-    half of it, so all four ranks send and the bytes add up to the model's exactly."""
-    trainers, received = _run(4, ["hsdp"])
+    half of it; then FSDP2 over column-wise tensor parallel on a 2 x 2 dp x tp mesh. All four ranks send,
+    and the bytes add up to the model's exactly."""
+    trainers, received = _run(4, ["hsdp", "tp-colwise"])
     _check_bitwise(trainers, received)
