@@ -388,7 +388,8 @@ PLANTS = [
           ("tests/integration/test_sharded_layouts.py", "-k", "two_rank")),
     Plant("sharded: a Partial tensor sent as if replicated", f"{PKG}/trainer/sharded.py",
           "        if isinstance(placement, Replicate):\n            continue",
-          "        if isinstance(placement, Replicate) or type(placement).__name__ == \"Partial\":\n            continue",
+          "        if isinstance(placement, Replicate) or type(placement).__name__ == \"Partial\":\n"
+          "            continue",
           ("tests/integration/test_sharded_layouts.py", "-k", "two_rank")),
     Plant("daemon: silent while no trainer connects", f"{PKG}/rollout/daemon.py",
           "            elif not connected and for_s >= warn_at:", "            elif False:",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import FailurePolicy, SendMode
+from ..config import DeltaMode, FailurePolicy, SendMode, VerifyMode
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -275,6 +275,22 @@ class SyncDriver:
             from .sharded import exchange_addresses
 
             self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
+            self._say_sharded_skips()
+
+    def _say_sharded_skips(self) -> None:
+        """Sharded versions carry no fingerprints and no deltas yet (a rank holds shards, and both are computed
+        on whole tensors): said once, at start, naming the knobs, instead of silently checking nothing."""
+        t = self.cfg.transport
+        skipped = []
+        if VerifyMode(t.verify) is not VerifyMode.off:
+            skipped.append(f"transport.verify={t.verify} (nothing is verified)")
+        if DeltaMode(t.delta) is not DeltaMode.off:
+            skipped.append(f"transport.delta={t.delta} (every version goes whole)")
+        if skipped and self.is_sender:
+            logger.warning(
+                "trainer.send_mode=sharded does not verify or send deltas yet: %s; set them to off to silence this, "
+                "or use trainer.send_mode=gather for both", " and ".join(skipped),
+            )  # fmt: skip
 
     def close(self) -> None:
         if self.rollouts is not None:

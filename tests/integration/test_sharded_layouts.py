@@ -71,6 +71,16 @@ def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], la
     faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=True)
     store = dist.TCPStore("127.0.0.1", trainer_port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    import logging
+
+    warnings: list[str] = []  # what the driver says at start (sharded mode: what it does not do)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("lightning_weightsync.trainer.driver").addHandler(Keep())
     drivers = {}
     for mode in MODES:
         cfg = load_config(
@@ -80,7 +90,7 @@ def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], la
         )  # fmt: skip
         drivers[mode] = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
         drivers[mode].start()
-    out: dict[str, Any] = {"expected": [], "bytes": [], "errors": {}}
+    out: dict[str, Any] = {"expected": [], "bytes": [], "errors": {}, "warnings": warnings}
     version = 0
     try:
         for layout in layouts:
@@ -177,6 +187,9 @@ def test_two_rank_layouts_send_their_own_bytes_in_sharded_mode_and_refuse_what_t
     layouts = ["mp-defaults-tied", "dp-plain-root", "tp-colwise", "drift", "tp-rowwise", "partial"]
     trainers, received = _run(2, layouts)
     _check_bitwise(trainers, received)
+    # the default transport.verify=sample checks nothing in sharded mode: said once, at start, naming the knob
+    said = [w for w in trainers[0]["warnings"] if "transport.verify=sample" in w]
+    assert len(said) == 1 and "send_mode=sharded" in said[0], trainers[0]["warnings"]
     for rank, trainer in enumerate(trainers):
         errors = trainer["errors"]
         assert errors["drift"].startswith("LayoutMismatch") and "'head.bias'" in errors["drift"], (rank, errors)
