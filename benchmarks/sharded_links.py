@@ -40,8 +40,31 @@ def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
     return {f"layers.{i}.weight": torch.randn(rows, cols, generator=gen) for i in range(count)}
 
 
+def hsdp_part(version: int, mb: float, tensor_mb: float, world: int) -> list[Any]:
+    """This rank's part of the stream placed as HSDP places it (a 2 x world/2 replicate x shard mesh,
+    `(Replicate(), Shard(0))`), chosen by the sharded send path itself (`iter_local_shards`: each shard's
+    two replicas send half of it each). Each rank cuts its local shard from the stream it generates."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from lightning_weightsync.trainer.sharded import iter_local_shards
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    placements = (Replicate(), Shard(0))
+    root, layers = torch.nn.Module(), torch.nn.ModuleList()
+    for _, tensor in stream(version, mb, tensor_mb).items():
+        local = torch.chunk(tensor, world // 2, dim=0)[mesh.get_coordinate()[1]].clone()
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
+                                          requires_grad=False)  # fmt: skip
+        layers.append(layer)
+    root.layers = layers
+    return list(iter_local_shards(root, device=torch.device("cpu"), version=version))
+
+
 def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tensor_mb: float, versions: int,
-                 out: str) -> None:  # fmt: skip
+                 out: str, layout: str = "rows") -> None:  # fmt: skip
     import asyncio
     from datetime import timedelta
 
@@ -65,7 +88,10 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
         async with WeightSender(cfg) as sender:
             addresses = exchange_addresses(host, sender.port, torch.device("cpu"))
             for version in range(1, versions + 1):
-                mine = [(n, s) for n, t in stream(version, mb, tensor_mb).items() if (s := _rows(t, rank, world))]
+                if layout == "hsdp":
+                    mine = hsdp_part(version, mb, tensor_mb, world)
+                else:
+                    mine = [(n, s) for n, t in stream(version, mb, tensor_mb).items() if (s := _rows(t, rank, world))]
                 relay = MembersRelay(torch.device("cpu"))
                 dist.barrier()
                 started = time.perf_counter()
@@ -116,21 +142,23 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versions: int) -> dict[str, Any]:
+def run(
+    lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versions: int, layout: str = "rows"
+) -> dict[str, Any]:
     names = [f"t{rank}" for rank in range(world)]
     for name in (*names, "r"):
         lab.add(name)
     for name in names:
         limit_uplink(lab, name, rate_mbit)
     master = lab.nodes["t0"].ip
-    out = lab.workdir / f"senders-{world}.jsonl"
-    received = lab.workdir / f"receiver-{world}.jsonl"
+    out = lab.workdir / f"senders-{world}-{layout}.jsonl"
+    received = lab.workdir / f"receiver-{world}-{layout}.jsonl"
     code = (f"from benchmarks.sharded_links import bench_receiver as f; f({master!r}, {mb}, {tensor_mb}, {versions}, "
             f"{str(received)!r})")  # fmt: skip
     procs = [lab.spawn("r", code, lab.workdir / f"r-{world}.log")]
     for rank, name in enumerate(names):
         code = (f"from benchmarks.sharded_links import bench_sender as f; f({rank}, {world}, {master!r}, "
-                f"{lab.nodes[name].ip!r}, {mb}, {tensor_mb}, {versions}, {str(out)!r})")  # fmt: skip
+                f"{lab.nodes[name].ip!r}, {mb}, {tensor_mb}, {versions}, {str(out)!r}, {layout!r})")  # fmt: skip
         procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{world}.log"))
     got = await_versions(lab, procs, received, versions, f"*-{world}.log", f"{world} senders")
     sent = _lines(out)
@@ -147,6 +175,7 @@ def run(lab: Lab, world: int, rate_mbit: int, mb: float, tensor_mb: float, versi
         del lab.nodes[node]
     return {
         "senders": world,
+        "layout": "HSDP 2x2" if layout == "hsdp" else "rows",
         "bitwise": all(e["bitwise"] for e in got),
         "MB/s": total / seconds / 1e6,
         "seconds": seconds,
@@ -194,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mb", type=float, default=4.0)
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--hsdp", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run HSDP on 4 ranks (2 x 2 replicate x shard: each shard from its two replicas)")
     args = parser.parse_args(argv)
     reason = skip_reason()
     if reason:
@@ -204,14 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.senders:
             rows.append(run(lab, world, args.rate_mbit, args.mb, args.tensor_mb, args.versions))
             print(json.dumps(rows[-1]), flush=True)
+        if args.hsdp:
+            rows.append(run(lab, 4, args.rate_mbit, args.mb, args.tensor_mb, args.versions, "hsdp"))
+            print(json.dumps(rows[-1]), flush=True)
     base = next((r["MB/s"] for r in rows if r["senders"] == 1), None)
     print(f"\nper-link rate {args.rate_mbit} Mbit/s ({args.rate_mbit / 8:.1f} MB/s), {args.mb} MB a version")
-    print("| senders | aggregate MB/s | vs N x 1 sender | s a version | stall a sync (slowest rank) | bitwise |")
-    print("|---|---|---|---|---|---|")
+    print("| senders | layout | aggregate MB/s | vs N x 1 sender | s a version | stall a sync (slowest rank) "
+          "| bitwise |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['MB/s'] / (r['senders'] * base):.2f}" if base else "-"
-        print(f"| {r['senders']} | {r['MB/s']:.1f} | {ratio} | {r['seconds']:.2f} | {r['stall_s']:.2f} s | "
-              f"{r['bitwise']} |")  # fmt: skip
+        print(f"| {r['senders']} | {r['layout']} | {r['MB/s']:.1f} | {ratio} | {r['seconds']:.2f} | "
+              f"{r['stall_s']:.2f} s | {r['bitwise']} |")  # fmt: skip
     return 0
 
 

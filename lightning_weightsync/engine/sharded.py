@@ -88,6 +88,7 @@ class OtherSenders:
                 f"sees it?): {exc}"
             ) from None
         if got.version != version or got.senders:
+            sub._fail_group()  # it joined that sender's group: give it up, so its broadcast ends now, not at timeout_s
             await sub._send_ack(got.version, False, f"expected version {version} of a sharded version")
             raise ProtocolError(
                 f"sender {sub._control.address} started version {got.version}"

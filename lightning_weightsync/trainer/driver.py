@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import FailurePolicy, SendMode
+from ..config import DeltaMode, FailurePolicy, SendMode, VerifyMode
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -275,6 +275,22 @@ class SyncDriver:
             from .sharded import exchange_addresses
 
             self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
+            self._say_sharded_skips()
+
+    def _say_sharded_skips(self) -> None:
+        """Sharded versions carry no fingerprints and no deltas yet (a rank holds shards, and both are computed
+        on whole tensors): said once, at start, naming the knobs, instead of silently checking nothing."""
+        t = self.cfg.transport
+        skipped = []
+        if VerifyMode(t.verify) is not VerifyMode.off:
+            skipped.append(f"transport.verify={t.verify} (nothing is verified)")
+        if DeltaMode(t.delta) is not DeltaMode.off:
+            skipped.append(f"transport.delta={t.delta} (every version goes whole)")
+        if skipped and self.is_sender:
+            logger.warning(
+                "trainer.send_mode=sharded does not verify or send deltas yet: %s; set them to off to silence this, "
+                "or use trainer.send_mode=gather for both", " and ".join(skipped),
+            )  # fmt: skip
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -421,12 +437,16 @@ class SyncDriver:
         others which receivers it gathered. Returns this rank's failure (None: its part went out)."""
         from ..engine.sender import Sharding
         from ..protocol.messages import SenderAddress
-        from .sharded import MembersRelay, iter_local_shards
+        from .sharded import LayoutMismatch, MembersRelay, iter_local_shards
 
         tr = self.cfg.trainer
-        weights = iter_local_shards(
-            module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=self.prefix
-        )
+        try:  # on every rank alike, before any rank sends: a bad layout raises ConfigError, drift fails the version
+            weights = iter_local_shards(
+                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
+                prefix=self.prefix, device=self.device, version=version,
+            )  # fmt: skip
+        except LayoutMismatch as exc:
+            return exc
         relay = MembersRelay(self.device)
         tied = self.tied(module)
         self.last_stats = None

@@ -1,11 +1,15 @@
 """Sharded send mode, the trainer's half: what each rank owns, and what the ranks tell each other.
 
-    every rank:  iter_local_shards(model)    its own bytes of every tensor, no collective at all:
-                 FSDP2 `Shard(0)` parameters -> the local shard, at its byte offset in the whole tensor
-                 (uneven shards as torch.chunk cuts them; an empty local shard is skipped)
-                 everything else (replicated DTensors, buffers, unsharded parameters) -> the whole tensor,
-                 from one owner: the i-th such tensor from rank i mod world (every rank walks the same
-                 module tree in the same order, so every rank agrees on the owner without asking)
+    every rank:  iter_local_shards(model)    its own bytes of every tensor, from the DTensor placements
+                 and mesh (`LocalShards`): a tensor's local box (FSDP2 / TP `Shard`, uneven as torch cuts
+                 it) and how many ranks hold that same box (the mesh's Replicate dims, and the copies of
+                 a mesh that covers a subset of the ranks: FSDP2 on a data-parallel submesh, HSDP's
+                 replicate dim, plain tensors on every rank); of a box held by R ranks each sends one
+                 of R stripes, so exactly one rank sends each byte and every rank sends. One small
+                 all-gather per version carries each rank's meshes and the fingerprints of the tensors
+                 it holds whole (which must agree). A layout it cannot send (`Partial`, a strided box)
+                 is a ConfigError on every rank before anything is sent. FSDP1 flat parameters: their
+                 slices, with no collective (`_fsdp1_local_shards`).
     at start:    exchange_addresses          each rank's control endpoint, to every rank (rank 0 lists
                                              the others in its plans)
     per version: MembersRelay                rank 0's gathered receivers, to every other rank (each serves
@@ -19,14 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
 from .gather import DTensor, _fsdp1_units, _walk_tensors, cast_floating, resolve_dtype
 from .names import NameMapper, SentNames, own_tensors, walk_modules
@@ -101,19 +106,218 @@ class MembersRelay:
         return got
 
 
-def _shard0_offset(tensor: Any) -> int:
-    """First row of this rank's `Shard(0)` local shard, as torch.chunk (and FSDP2) cut the rows."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+GATHER_KNOB = "trainer.send_mode=gather"
 
-    placements = tuple(tensor.placements)
-    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+
+def _mesh_text(mesh: Any) -> str:
+    names = f" {tuple(mesh.mesh_dim_names)}" if getattr(mesh, "mesh_dim_names", None) else ""
+    return f"a {'x'.join(str(n) for n in mesh.mesh.shape)} mesh{names} of global ranks {mesh.mesh.tolist()}"
+
+
+def _refused(raw: str, tensor: Any, why: str) -> ConfigError:
+    return ConfigError(
+        f"trainer.send_mode=sharded cannot send {raw!r}: it is placed {tuple(tensor.placements)} on "
+        f"{_mesh_text(tensor.device_mesh)}; {why}; use {GATHER_KNOB}"
+    )
+
+
+@dataclass
+class _Held:
+    """One tensor as this rank holds it: its box of the whole tensor (per-dim offsets and sizes) and who
+    else holds the same box (`mesh_key`: the ranks of its mesh, None for a plain tensor; `replicas` and
+    `replica`: the count and this rank's index over the mesh's Replicate dims)."""
+
+    raw: str
+    name: str
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    mesh_key: tuple[int, ...] | None
+    replicas: int
+    replica: int
+
+    @property
+    def whole(self) -> bool:
+        return self.sizes == self.shape
+
+
+def _held(raw: str, name: str, tensor: Any) -> _Held:
+    """What this rank holds of `tensor`, from its DTensor placements and mesh (refused: a layout whose
+    local bytes are not one contiguous byte range of the whole tensor, or are not the tensor's at all)."""
+    if not isinstance(tensor, DTensor):
+        shape = tuple(tensor.shape)
+        return _Held(raw, name, tensor.detach(), shape, (0,) * len(shape), shape, None, 1, 0)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shape, placements, mesh = tuple(tensor.shape), tuple(tensor.placements), tensor.device_mesh
+    for placement in placements:
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):  # _StridedShard: FSDP2 over TP (a box still)
+            pending = type(placement).__name__ == "Partial"
+            why = "no rank holds the tensor's bytes (a pending reduction)" if pending else "an unknown placement"
+            raise _refused(raw, tensor, why)
+        if any(size != 1 for size in shape[: placement.dim]):
+            raise _refused(raw, tensor, f"a Shard({placement.dim}) local shard of a {list(shape)} tensor is a strided "
+                                        "box, not one byte range (only Shard(0), and Shard(d) after size-1 dims, are "
+                                        "sent)")  # fmt: skip
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise _refused(raw, tensor, f"global rank {_world()[0]} is not in that mesh")
+    local = tensor.to_local().detach()
+    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise _refused(raw, tensor, f"its local shard is {list(local.shape)}, the placements say {list(local_shape)}")
+    replicas, replica = 1, 0
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            replicas, replica = replicas * mesh.size(dim), replica * mesh.size(dim) + coordinate[dim]
+    key = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return _Held(raw, name, local, shape, tuple(offsets), tuple(local_shape), key, replicas, replica)
+
+
+def _all_gather_json(value: Any, device: torch.device | None) -> list[Any]:
+    """`value` of every rank, in rank order (two tiny all-gathers: the sizes, then the padded payloads)."""
+    _rank, world = _world()
+    payload = json.dumps(value).encode()
+    if world == 1:
+        return [json.loads(payload)]
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf)
+    return [json.loads(bytes(part.cpu().tolist()[: int(n.item())])) for part, n in zip(parts, sizes, strict=True)]
+
+
+def _copies(meshes: list[list[list[int]]], world: int) -> list[list[tuple[int, ...]]]:
+    """Per mesh (in first-use order), the copies of it that the ranks hold: a tensor whose mesh covers a
+    subset of the ranks (FSDP2 on a data-parallel submesh) is held alike by every copy. The copies must
+    partition the ranks, or the ranks do not agree on who holds what."""
+    if len({len(m) for m in meshes}) != 1:
         raise ConfigError(
-            f"trainer.send_mode=sharded sends FSDP2 Shard(0) parameters on a 1-D mesh; this one is placed "
-            f"{placements} on a {tensor.device_mesh.ndim}-D mesh; use trainer.send_mode=gather"
+            f"trainer.send_mode=sharded: the trainer ranks place their tensors on different numbers of meshes "
+            f"({[len(m) for m in meshes]}, by rank); use {GATHER_KNOB}"
         )
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    return int(offset[0])
+    out = []
+    for index in range(len(meshes[0])):
+        copies = sorted({tuple(m[index]) for m in meshes})
+        covered = sorted(r for copy in copies for r in copy)
+        if covered != list(range(world)) or len({len(c) for c in copies}) != 1:
+            raise ConfigError(
+                f"trainer.send_mode=sharded: a mesh's copies over the trainer ranks ({[list(c) for c in copies]}) "
+                f"do not split the {world} ranks into equal parts, so the ranks cannot agree who sends which "
+                f"bytes; use {GATHER_KNOB}"
+            )
+        out.append(copies)
+    return out
+
+
+class LayoutMismatch(WeightSyncError):
+    """Tensors every rank holds whole differ between ranks: the version would mix ranks' values."""
+
+
+class LocalShards:
+    """This rank's part of one sharded version, planned before anything is sent (on every rank alike):
+
+    1. walk the tensors (the names, exclusions and cast of `iter_full_parameters`); each one's box and
+       holders come from its DTensor placements and mesh, and a layout that cannot be sent is a
+       ConfigError here, on every rank, before any collective or socket;
+    2. one small all-gather (JSON): each rank's meshes (so every rank knows the copies of a mesh that
+       covers a subset of the ranks) and the fingerprint of every tensor it holds whole;
+    3. a tensor held whole by every rank must be the same everywhere, or `LayoutMismatch` fails the
+       version on every rank (naming the tensor and the ranks);
+    4. `__iter__`: of a box held by R ranks, each sends one of R stripes (the box split along its first
+       dim of more than one element, stripe p from replica (p + i) mod R for the i-th tensor, so small
+       tensors spread over the ranks too): exactly one rank sends each byte, and every rank sends."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | None,
+        *,
+        include_buffers: bool = True,
+        names_cfg: Mapping[str, Any] | Any | None = None,
+        dtype: torch.dtype | str | None = None,
+        prefix: str | None = None,
+        version: int | None = None,
+    ) -> None:
+        from ..protocol.fingerprint import fingerprint
+
+        named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
+        self.cast = resolve_dtype(dtype)
+        self.rank, self.world = _world()
+        self.items: list[_Held] = []
+        for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):  # 1
+            name = named(raw)
+            if name is not None:
+                self.items.append(_held(raw, name, tensor))
+        keys = list(dict.fromkeys(h.mesh_key for h in self.items if h.mesh_key is not None))
+        whole = self.world > 1  # a single rank has nobody to disagree with
+        mine = {"meshes": [list(k) for k in keys],
+                "fingerprints": [fingerprint(h.local) if whole and h.whole else None for h in self.items]}  # fmt: skip
+        everyone = _all_gather_json(mine, device)  # 2
+        copies = _copies([e["meshes"] for e in everyone], self.world) if keys else []
+        self.holders: list[tuple[int, int]] = []  # per item: (how many ranks hold its box, this rank's index)
+        for held in self.items:
+            if held.mesh_key is None:  # a plain tensor: every rank holds it whole
+                self.holders.append((self.world, self.rank))
+                continue
+            these = copies[keys.index(held.mesh_key)]
+            copy = these.index(held.mesh_key)
+            self.holders.append((len(these) * held.replicas, copy * held.replicas + held.replica))
+        self._check_same(everyone, version)  # 3
+
+    def _check_same(self, everyone: list[Any], version: int | None) -> None:
+        for index, held in enumerate(self.items):
+            values = [e["fingerprints"][index] for e in everyone]
+            if None in values or len(set(values)) == 1:
+                continue
+            by_value: dict[int, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            groups = "; ".join(f"ranks {ranks} hold fingerprint {value:016x}" for value, ranks in by_value.items())
+            raise LayoutMismatch(
+                f"version {version}: {held.name!r} (every trainer rank holds it whole) differs between ranks: "
+                f"{groups}; a sharded version would mix ranks' values (keep it in step, e.g. shard or broadcast "
+                f"it, or use {GATHER_KNOB}, which sends global rank 0's)"
+            )
+
+    def __iter__(self) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:  # 4
+        for index, (held, (replicas, replica)) in enumerate(zip(self.items, self.holders, strict=True)):
+            if held.local.numel() == 0:
+                continue  # fewer rows than ranks: this rank holds none of it
+            split = next((d for d, n in enumerate(held.sizes) if n > 1), None)
+            length = held.sizes[split] if split is not None else 1
+            step = -(-length // replicas)
+            stripe = (replica - index) % replicas
+            if stripe * step >= length:
+                continue  # fewer stripes than holders: another replica sends this one
+            offsets, data = list(held.offsets), held.local
+            if split is not None:
+                size = min(step, length - stripe * step)
+                offsets[split] += stripe * step
+                data = data.narrow(split, stripe * step, size)
+            data = cast_floating(data, self.cast)
+            if tuple(data.shape) == held.shape:
+                yield held.name, data
+                continue
+            yield held.name, TensorShard(held.shape, data.dtype, _linear(offsets, held.shape) * data.element_size(),
+                                         data.contiguous())  # fmt: skip
+
+
+def _linear(offsets: list[int], shape: tuple[int, ...]) -> int:
+    """The element index of `offsets` in a contiguous tensor of `shape`."""
+    index = 0
+    for offset, size in zip(offsets, shape, strict=True):
+        index = index * size + offset
+    return index
 
 
 def iter_local_shards(
@@ -123,43 +327,19 @@ def iter_local_shards(
     names_cfg: Mapping[str, Any] | Any | None = None,
     dtype: torch.dtype | str | None = None,
     prefix: str | None = None,
-) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
+    device: torch.device | None = None,
+    version: int | None = None,
+) -> Iterable[tuple[str, TensorShard | torch.Tensor]]:
     """This rank's part of every tensor `iter_full_parameters` would send (same names, same exclusions,
-    same cast), as `(name, TensorShard)` for a local shard or `(name, tensor)` for a whole tensor this
-    rank owns. No collectives: every rank walks the same tree and decides alike."""
-    named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
-    cast = resolve_dtype(dtype)
-    rank, world = _world()
+    same cast), as `(name, TensorShard)` for a part or `(name, tensor)` for a whole tensor this rank sends.
+    Call on every rank: FSDP2 / DTensor models are planned at once (`LocalShards`: one small collective,
+    and a layout it cannot send raises ConfigError here); FSDP1 needs no collective."""
     if _fsdp1_units(module):
-        yield from _fsdp1_local_shards(module, include_buffers, named, cast, rank, world)
-        return
-    mine = _WholeOwner(rank, world)
-    for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):
-        name = named(raw)
-        if name is None:
-            continue
-        if isinstance(tensor, DTensor) and any(type(p).__name__ == "Shard" for p in tensor.placements):
-            first_row = _shard0_offset(tensor)
-            local = tensor.to_local().detach()
-            if local.numel() == 0:
-                continue  # fewer rows than ranks: this rank holds none of it
-            local = cast_floating(local, cast)
-            shape = tuple(tensor.shape)
-            row_bytes = (local.numel() // local.shape[0]) * local.element_size()
-            yield name, TensorShard(shape, local.dtype, first_row * row_bytes, local.contiguous())
-            continue
-        if not mine():
-            continue
-        if isinstance(tensor, DTensor):
-            if any(type(p).__name__ != "Replicate" for p in tensor.placements):
-                raise ConfigError(
-                    f"trainer.send_mode=sharded: {raw!r} is placed {tuple(tensor.placements)} (only Shard(0) and "
-                    "Replicate are sent without a collective); use trainer.send_mode=gather"
-                )
-            full = tensor.to_local()  # replicated: the local tensor is the whole one
-        else:
-            full = tensor
-        yield name, cast_floating(full.detach(), cast)
+        rank, world = _world()
+        named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
+        return _fsdp1_local_shards(module, include_buffers, named, resolve_dtype(dtype), rank, world)
+    return LocalShards(module, device, include_buffers=include_buffers, names_cfg=names_cfg, dtype=dtype,
+                       prefix=prefix, version=version)  # fmt: skip
 
 
 class _WholeOwner:
@@ -219,4 +399,4 @@ def _fsdp1_local_shards(
             yield name, cast_floating(tensor.detach(), cast)
 
 
-__all__ = ["MembersRelay", "exchange_addresses", "iter_local_shards"]
+__all__ = ["LayoutMismatch", "LocalShards", "MembersRelay", "exchange_addresses", "iter_local_shards"]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load, save
 
-from lightning_weightsync import WeightReceiver, load_config
+from lightning_weightsync import WeightReceiver, WeightSender, load_config
 from lightning_weightsync.trainer.driver import SyncDriver
 from lightning_weightsync.trainer.gather import named_full_state_dict
 from tests.integration.test_gather import Net
@@ -365,3 +365,114 @@ def test_a_sender_the_rollouts_cannot_reach_fails_the_version_within_ready_timeo
     assert received.startswith("failed") and "no connection to it" in received and "sender_host" in received, received
     assert results[1][0].startswith("failed") and "sender_host" in results[1][0], results[1]
     assert elapsed < 40, elapsed  # process start-up included; the transfer timeout would be 60 s
+
+
+# -- senders that lie about their part (issue 31): each version refused, nothing of it committed ---------------
+
+LIE_WORLD = 2
+LIES = {1: "hole", 2: "dtype", 3: "rogue"}  # version -> what rank 1 lies about; version 4 is honest
+
+
+def _liar_sender(rank: int, trainer_port: int, port: int) -> list[str]:
+    """Rank `rank` of a 2-rank sharded sender group (no FSDP: torch.chunk row shards); rank 1 lies in the
+    versions of LIES (tests/support/lying.py), a different lie each, and tells the truth in version 4."""
+    from lightning_weightsync.engine.sender import Sharding
+    from lightning_weightsync.protocol.messages import SenderAddress
+    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
+    from tests.support.lying import RogueCoordinator, retyped, with_a_hole
+
+    store = dist.TCPStore("127.0.0.1", trainer_port, LIE_WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=LIE_WORLD)
+    cfg = load_config(
+        overrides=[f"transport.port={port if rank == 0 else 0}", "transport.timeout_s=60",
+                   f"transport.liveness_s={LIVENESS_S}", "transport.bucket_size_mb=0.001",
+                   "transport.direct_min_mb=0.002", "trainer.min_receivers=1", "transport.ready_timeout_s=5"]
+    )  # fmt: skip
+    rogue_in = [v for v, lie in LIES.items() if lie == "rogue"]
+
+    async def main() -> list[str]:
+        outcomes = []
+        sender = RogueCoordinator(cfg, lie_in=rogue_in) if rank == 1 else WeightSender(cfg)
+        await sender.start()
+        addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+        try:
+            for version in (*LIES, 4):
+                shards = ((n, s) for n, t in _weights(version).items() if (s := _rows(t, rank, LIE_WORLD)))
+                lie = LIES.get(version) if rank == 1 else None
+                if lie == "hole":
+                    shards = with_a_hole(shards, "w0")
+                elif lie == "dtype":
+                    shards = retyped(shards, "w0", torch.int32)  # float32 bytes, said to be int32
+                relay = MembersRelay(torch.device("cpu"))
+                try:
+                    if rank == 0:
+                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
+                        sharding = Sharding(0, others=others, on_members=relay)
+                    else:
+                        sharding = Sharding(rank, members=tuple(relay.receive()))
+                    await sender.send_weights(shards, version=version, sharding=sharding)
+                    outcomes.append("ok")
+                except Exception as exc:
+                    outcomes.append(f"failed: {exc}")
+                finally:
+                    relay.finish() if rank == 0 else None
+        finally:
+            await sender.close()
+        return outcomes
+
+    try:
+        return asyncio.run(asyncio.wait_for(main(), KILL_TIMEOUT_S * 2))
+    finally:
+        dist.destroy_process_group()
+
+
+def _liar_receiver(port: int) -> list[Any]:
+    cfg = load_config(
+        overrides=[f"transport.port={port}", "transport.timeout_s=60", "rollout.identity=rollout-0",
+                   f"transport.liveness_s={LIVENESS_S}", "transport.heartbeat_interval_s=0.2",
+                   "transport.ready_timeout_s=5"]
+    )  # fmt: skip
+
+    async def main() -> list[Any]:
+        out: list[Any] = []
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(len(LIES) + 1):
+                started = time.monotonic()
+                try:
+                    got = {n: t.clone() async for n, t in receiver.receive_weights()}
+                    out.append(("ok", receiver.last_complete_version, save(got), time.monotonic() - started))
+                except Exception as exc:
+                    out.append(("failed", receiver.version, str(exc), time.monotonic() - started))
+        return out
+
+    return asyncio.run(asyncio.wait_for(main(), KILL_TIMEOUT_S * 2))
+
+
+def _liar_role(role: int, trainer_port: int, port: int) -> Any:
+    return _liar_receiver(port) if role == LIE_WORLD else _liar_sender(role, trainer_port, port)
+
+
+def test_lying_senders_a_hole_a_dtype_and_a_rogue_coordinator_are_refused_and_the_honest_version_lands() -> None:
+    """Real sender processes, each version a different lie by rank 1: a row of `w0` sent by no rank (the
+    receiver's tiling loop must run the end-of-version gap check), `w0` said to be int32 by one rank and
+    float32 by the other (same shape, same bytes), and a plan from rank 1 listing other senders. Each is
+    refused on the receiver naming what is wrong, every rank hears the nack, and the honest version 4 lands
+    bitwise."""
+    trainer_port, port = free_port(), free_port()
+    results = run_workers(_liar_role, [(role, trainer_port, port) for role in range(LIE_WORLD + 1)],
+                          timeout_s=3 * KILL_TIMEOUT_S)  # fmt: skip
+    received = results[-1]
+    print("receiver:", [(*r[:2], r[2] if r[0] == "failed" else "", round(r[3], 1)) for r in received])
+    hole, dtype, rogue, honest = received
+    assert hole[0] == "failed" and hole[1] == 1 and "gap in 'w0'" in hole[2], hole
+    assert dtype[0] == "failed" and dtype[1] == 2 and "'w0' is torch." in dtype[2], dtype
+    assert "int32" in dtype[2] and "float32" in dtype[2], dtype
+    assert rogue[0] == "failed" and rogue[1] == 3 and "listing other senders" in rogue[2], rogue
+    assert honest[:2] == ("ok", 4), honest
+    # a refused sender is let go at once (its group given up), not left to broadcast until timeout_s (60 s)
+    assert all(r[3] < 30 for r in received), [r[3] for r in received]
+    want, got = _weights(4), load(honest[2])
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
+    for rank in range(LIE_WORLD):  # every sender was nacked for each lie, and delivered the honest version
+        assert [o[:6] for o in results[rank]] == ["failed"] * 3 + ["ok"], (rank, results[rank])

@@ -154,6 +154,11 @@ def test_senders_disagreeing_on_shape_or_dtype_fail() -> None:
     merger.push(0, TensorMeta("w", (4, 2), torch.float32, 0, 16, 0), torch.zeros(16, dtype=torch.uint8))
     with pytest.raises(ProtocolError, match=r"is torch.float32\[4, 2\] in one sender's chunks"):
         merger.push(1, TensorMeta("w", (2, 4), torch.float32, 16, 16, 0), torch.zeros(16, dtype=torch.uint8))
+    # the same shape and byte count, another dtype: the bytes would fit, the tensor would be garbage
+    merger = TilingMerger(512, None, "cpu", ["a", "b"])
+    merger.push(0, TensorMeta("w", (4, 2), torch.float32, 0, 16, 0), torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(ProtocolError, match=r"torch.float32\[4, 2\] in one sender's chunks and torch.int32\[4, 2\]"):
+        merger.push(1, TensorMeta("w", (4, 2), torch.int32, 16, 16, 0), torch.zeros(16, dtype=torch.uint8))
 
 
 def test_chunks_land_straight_in_the_consumers_destination() -> None:

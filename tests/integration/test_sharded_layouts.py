@@ -1,0 +1,209 @@
+"""Sharded send mode on the layouts trainers build (issue 34): who sends what comes from the DTensor
+placements and mesh. Real processes: a gloo trainer group with FSDP2 (and tensor parallel) DTensors on CPU,
+a real receiver per send mode, real ZeroMQ sockets and gloo data-plane groups. Every layout goes in both
+send modes, bitwise against the gathered model; in sharded mode every rank sends, and the ranks' bytes add
+up to the model's exactly (one rank per byte)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load, save
+
+from lightning_weightsync import WeightReceiver, load_config
+from lightning_weightsync.trainer.driver import SyncDriver
+from lightning_weightsync.trainer.gather import named_full_state_dict
+from tests.integration.test_gather import Net
+from tests.support.mp import free_port, run_workers
+
+TIMEOUT_S = 150
+MODES = ("sharded", "gather")
+
+
+def _model(layout: str, world: int, rank: int) -> torch.nn.Module:
+    """Tiny models placed as trainers place them (101-row embedding: larger than the 1 KiB bucket)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = Net(vocab=101, dim=7)
+    if layout == "partial":  # a pending reduction: no rank holds the tensor's bytes
+        from torch.distributed.tensor import DTensor, Partial
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        net.head.weight = torch.nn.Parameter(DTensor.from_local(net.head.weight.detach(), mesh, [Partial()]))
+        return net
+    if layout == "hsdp":  # replicate x shard
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dp = mesh
+    else:
+        # dp x tp: ModelParallelStrategy's defaults are 1 x N; on 4 ranks the TP layouts are 2 x 2
+        shape = (world, 1) if layout.startswith("dp") else (world // 2, 2) if world == 4 else (1, world)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+        dp = mesh["data_parallel"]
+    if layout == "mp-defaults-tied":
+        net.head.weight = net.embed.weight
+    if layout == "tp-colwise":
+        parallelize_module(net, mesh["tensor_parallel"], {"head": ColwiseParallel(), "blocks.0.fc": ColwiseParallel()})
+    if layout == "tp-rowwise":
+        parallelize_module(net, mesh["tensor_parallel"], {"head": RowwiseParallel()})
+    for block in net.blocks:
+        fully_shard(block, mesh=dp)
+    if layout not in ("dp-plain-root", "drift"):  # else the root's tensors stay plain, beside sharded ones
+        fully_shard(net, mesh=dp)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.25)  # the same on every rank: replicas stay in step
+        if layout == "drift" and rank == 1:
+            net.head.bias.add_(1.0)  # a plain tensor that one rank changed alone
+    return net
+
+
+def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], layouts: list[str]) -> Any:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=True)
+    store = dist.TCPStore("127.0.0.1", trainer_port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    import logging
+
+    warnings: list[str] = []  # what the driver says at start (sharded mode: what it does not do)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("lightning_weightsync.trainer.driver").addHandler(Keep())
+    drivers = {}
+    for mode in MODES:
+        cfg = load_config(
+            overrides=[f"transport.port={ports[mode]}", "transport.timeout_s=60", "transport.heartbeat_interval_s=0.2",
+                       "transport.bucket_size_mb=0.001", "transport.direct_min_mb=0.002", "trainer.min_receivers=1",
+                       f"trainer.send_mode={mode}"]
+        )  # fmt: skip
+        drivers[mode] = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
+        drivers[mode].start()
+    out: dict[str, Any] = {"expected": [], "bytes": [], "errors": {}, "warnings": warnings}
+    version = 0
+    try:
+        for layout in layouts:
+            model = _model(layout, world, rank)
+            if layout in ("drift", "tp-rowwise", "partial"):
+                try:
+                    drivers["sharded"].sync(model, 100 + len(out["errors"]))
+                    out["errors"][layout] = "sent"
+                except Exception as exc:
+                    out["errors"][layout] = f"{type(exc).__name__}: {exc}"
+                continue
+            version += 1
+            sent = {}
+            for mode in MODES:
+                assert drivers[mode].sync(model, version), f"{layout}: version {version} not delivered ({mode})"
+                stats = drivers[mode].last_stats
+                sent[mode] = stats.nbytes if stats is not None else 0
+            out["bytes"].append(sent)
+            full = named_full_state_dict(model)  # collective
+            out["expected"].append((layout, save(full), sum(t.nbytes for t in full.values())) if rank == 0 else None)
+    finally:
+        for driver in drivers.values():
+            driver.close()
+        dist.destroy_process_group()
+    return out
+
+
+def _receiver(ports: dict[str, int], versions: int) -> dict[str, list[bytes]]:
+    async def one(mode: str) -> list[bytes]:
+        cfg = load_config(
+            overrides=[f"transport.port={ports[mode]}", "transport.timeout_s=60", "transport.heartbeat_interval_s=0.2",
+                       f"rollout.identity=rollout-{mode}"]
+        )  # fmt: skip
+        got = []
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(versions):
+                got.append(save({n: t.clone() async for n, t in receiver.receive_weights()}))
+        return got
+
+    async def main() -> dict[str, list[bytes]]:
+        results = await asyncio.gather(*(one(mode) for mode in MODES))
+        return dict(zip(MODES, results, strict=True))
+
+    return asyncio.run(asyncio.wait_for(main(), TIMEOUT_S - 20))
+
+
+def _role(role: int, world: int, trainer_port: int, ports: dict[str, int], layouts: list[str]) -> Any:
+    if role < world:
+        return _trainer(role, world, trainer_port, ports, layouts)
+    sent = [x for x in layouts if x not in ("drift", "tp-rowwise", "partial")]
+    return _receiver(ports, len(sent))
+
+
+def _run(world: int, layouts: list[str]) -> tuple[list[Any], dict[str, list[bytes]]]:
+    trainer_port, ports = free_port(), {mode: free_port() for mode in MODES}
+    results = run_workers(_role, [(role, world, trainer_port, ports, layouts) for role in range(world + 1)],
+                          timeout_s=TIMEOUT_S)  # fmt: skip
+    return results[:world], results[world]
+
+
+def _check_bitwise(trainers: list[Any], received: dict[str, list[bytes]]) -> None:
+    problems = []
+    for mode in MODES:
+        for index, (layout, want_raw, _) in enumerate(trainers[0]["expected"]):
+            got, want = load(received[mode][index]), load(want_raw)
+            if layout.endswith("tied"):
+                want = {k: v for k, v in want.items() if k != "head.weight"}  # sent once, as embed.weight
+            if sorted(got) != sorted(want):
+                problems.append(f"{mode} {layout}: names {sorted(set(got) ^ set(want))}")
+                continue
+            for name, ref in want.items():
+                t = got[name]
+                if (
+                    t.dtype != ref.dtype
+                    or t.shape != ref.shape
+                    or not torch.equal(t.view(torch.uint8), ref.view(torch.uint8))
+                ):
+                    problems.append(f"{mode} {layout}: {name} differs")
+    assert not problems, problems
+    for index, (layout, _, nbytes) in enumerate(trainers[0]["expected"]):
+        sharded = [t["bytes"][index]["sharded"] for t in trainers]
+        gathered = [t["bytes"][index]["gather"] for t in trainers]
+        assert all(b > 0 for b in sharded), (layout, sharded)  # every rank sends, replicas included
+        assert sum(sharded) == nbytes, (layout, sharded, nbytes)  # exactly one rank sends each byte
+        assert gathered[0] == nbytes and not any(gathered[1:]), (layout, gathered)
+
+
+def test_two_rank_layouts_send_their_own_bytes_in_sharded_mode_and_refuse_what_they_cannot() -> None:
+    """ModelParallelStrategy's defaults (1 x 2 mesh, FSDP2 on the 1-rank data-parallel submesh: both ranks
+    hold whole copies), dp 2 x tp 1 with the root's tensors left plain beside sharded blocks, and FSDP2 over
+    column-wise tensor parallel (2-D placements); then a plain tensor one rank changed (the version fails on
+    every rank naming it and both ranks), row-wise tensor parallel (a Shard(1) strided box) and a Partial
+    tensor (each a ConfigError on every rank naming the tensor, its placements, its mesh and the knob)."""
+    layouts = ["mp-defaults-tied", "dp-plain-root", "tp-colwise", "drift", "tp-rowwise", "partial"]
+    trainers, received = _run(2, layouts)
+    _check_bitwise(trainers, received)
+    # the default transport.verify=sample checks nothing in sharded mode: said once, at start, naming the knob
+    said = [w for w in trainers[0]["warnings"] if "transport.verify=sample" in w]
+    assert len(said) == 1 and "send_mode=sharded" in said[0], trainers[0]["warnings"]
+    for rank, trainer in enumerate(trainers):
+        errors = trainer["errors"]
+        assert errors["drift"].startswith("LayoutMismatch") and "'head.bias'" in errors["drift"], (rank, errors)
+        assert "ranks [0]" in errors["drift"] and "ranks [1]" in errors["drift"], errors["drift"]
+        for layout, placed in (("tp-rowwise", "Shard(dim=1)"), ("partial", "Partial(")):
+            error = errors[layout]
+            assert error.startswith("ConfigError") and "'head.weight'" in error and placed in error, (rank, error)
+            assert "mesh" in error and "global ranks" in error and "trainer.send_mode=gather" in error, error
+
+
+@pytest.mark.slow
+def test_hsdp_and_fsdp2_over_tp_2x2_send_every_byte_once_from_every_rank_bitwise() -> None:
+    """HSDP on 4 ranks (a 2 x 2 replicate x shard mesh): each shard is held by two replicas, and each sends
+    half of it; then FSDP2 over column-wise tensor parallel on a 2 x 2 dp x tp mesh. All four ranks send,
+    and the bytes add up to the model's exactly."""
+    trainers, received = _run(4, ["hsdp", "tp-colwise"])
+    _check_bitwise(trainers, received)
