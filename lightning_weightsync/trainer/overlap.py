@@ -258,6 +258,8 @@ class OverlapSync:
 
         d = self.driver
         if version is not None and self._skipped_last == version:
+            self.skipped -= 1  # sent after all: not a skipped version
+            d.record.overlap_skipped = self.skipped
             self.sync(module, version, policy=OverlapPolicy.wait)
         d._syncs += 1
         error: BaseException | None = None
