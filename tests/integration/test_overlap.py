@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,12 +24,13 @@ pl = pytest.importorskip("lightning.pytorch")
 from safetensors.torch import load, save  # noqa: E402
 
 from lightning_weightsync import WeightReceiver, load_config  # noqa: E402
-from tests.support.mp import free_port, run_workers  # noqa: E402
+from tests.support.mp import LOAD_SLACK_S, free_port, run_workers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 RECEIVE_DELAY_S = 0.4  # per version, in the receiver: much longer than one training step of this model
 WORKER_TIMEOUT_S = 150.0
+STEPS = 5
 
 
 def _cfg(port: int, *extra: str) -> Any:
@@ -112,6 +115,7 @@ def _fit(rank: int, port: int, steps: int, extra: list[str]) -> dict[str, Any]:
         use_distributed_sampler=False,
     )
     error = None
+    began = time.monotonic()
     try:
         trainer.fit(Net(), train_dataloaders=data)
     except Exception as exc:  # the raise-policy case: the failure is the result
@@ -124,6 +128,7 @@ def _fit(rank: int, port: int, steps: int, extra: list[str]) -> dict[str, Any]:
         "step_started": step_started,
         "error": error,
         "step": trainer.global_step,
+        "seconds": time.monotonic() - began,
     }
 
 
@@ -140,13 +145,14 @@ def _trainer(rank: int, master_port: int, port: int, fits: list[tuple[int, list[
     return [_fit(rank, port, steps, extra) for steps, extra in fits]
 
 
-def _receiver(port: int, sessions: int, last_versions: list[int], die_in: tuple[int, int] | None) -> list[list[Any]]:
-    """Receive versions (slowly) until session `i` delivered `last_versions[i]`, for `sessions` sessions (one
-    per fit: versions restart at 0). `die_in=(session, version)`: exit hard in the middle of that version."""
+def _receiver(port: int, last_versions: list[int], done: str) -> list[list[Any]]:
+    """Receive versions (slowly) until session `i` (one per fit: versions restart at 0) delivered
+    `last_versions[i]`, for every session; then leave, touching `done`."""
     cfg = load_config(
         overrides=[f"transport.port={port}", "transport.timeout_s=60", "transport.heartbeat_interval_s=0.2",
-                   "rollout.identity=rollout-0"]
+                   "rollout.identity=rollout-main"]
     )  # fmt: skip
+    sessions = len(last_versions)
 
     async def main() -> list[list[Any]]:
         got: list[list[Any]] = [[] for _ in range(sessions)]
@@ -155,12 +161,9 @@ def _receiver(port: int, sessions: int, last_versions: list[int], die_in: tuple[
             while True:
                 one: dict[str, torch.Tensor] = {}
                 async for name, tensor in receiver.receive_weights():
-                    version = int(receiver.version)  # type: ignore[arg-type]
                     if not one:
-                        if version <= previous:
+                        if int(receiver.version) <= previous:  # type: ignore[arg-type]
                             session += 1
-                        if die_in == (session, version):
-                            os._exit(17)  # mid-version: the trainer's background send fails
                         await asyncio.sleep(RECEIVE_DELAY_S)
                     one[name] = tensor.clone()
                 previous = int(receiver.version)  # type: ignore[arg-type]
@@ -168,13 +171,10 @@ def _receiver(port: int, sessions: int, last_versions: list[int], die_in: tuple[
                 if previous == last_versions[session] and session == sessions - 1:
                     return got
 
-    return asyncio.run(asyncio.wait_for(main(), WORKER_TIMEOUT_S - 20))
-
-
-def _role(role: int, master_port: int, port: int, fits: list[tuple[int, list[str]]], die_in: Any) -> Any:
-    if role < 2:
-        return _trainer(role, master_port, port, fits)
-    return _receiver(port, len(fits), [steps for steps, _ in fits], die_in)
+    try:
+        return asyncio.run(asyncio.wait_for(main(), WORKER_TIMEOUT_S - 20))
+    finally:
+        Path(done).touch()
 
 
 def _assert_versions_are_their_steps(received: list[tuple[int, bytes, float]], fit: dict[str, Any]) -> list[int]:
@@ -189,29 +189,107 @@ def _assert_versions_are_their_steps(received: list[tuple[int, bytes, float]], f
     return versions
 
 
-def test_background_versions_equal_their_steps_bitwise_gather_wait_and_sharded_latest() -> None:
-    steps = 5
+def _flaky_receiver(port: int, identity: str, die_in: tuple[int, int], after: str | None, dying: str) -> None:
+    """Connect once `after` exists (None: at once), receive (slowly) and exit hard in the middle of version
+    `die_in=(session, version)` (a session a fit: versions restart at 0), touching `dying` first: a rollout
+    killed while the trainer sends that version in the background."""
+    while after is not None and not os.path.exists(after):
+        time.sleep(0.05)
+    cfg = load_config(
+        overrides=[f"transport.port={port}", "transport.timeout_s=60", "transport.liveness_s=3",
+                   "transport.heartbeat_interval_s=0.2", f"rollout.identity={identity}"]
+    )  # fmt: skip
+
+    async def main() -> None:
+        session, previous = 0, -1
+        async with WeightReceiver(cfg) as receiver:
+            while True:
+                first = True
+                async for _name, _tensor in receiver.receive_weights():
+                    if first:
+                        first, version = False, int(receiver.version)  # type: ignore[arg-type]
+                        session, previous = session + (version <= previous), version
+                        if (session, version) == die_in:
+                            Path(dying).touch()
+                            os._exit(17)
+                        await asyncio.sleep(RECEIVE_DELAY_S)
+
+    asyncio.run(asyncio.wait_for(main(), WORKER_TIMEOUT_S - 20))
+
+
+def _role(role: int, master_port: int, port: int, fits: list[tuple[int, list[str]]], flags: str) -> Any:
+    """0, 1: the trainer ranks (every fit); 2: the slow rollout of the first two fits; 3: rollout-0, which
+    serves the third fit and dies in its version 2; 4: rollout-1, which takes over from there and dies in
+    the fourth fit's version 2 (its session 1)."""
+    if role < 2:
+        return _trainer(role, master_port, port, fits)
+    main_done, r0_dies = str(Path(flags, "main-done")), str(Path(flags, "r0-dies"))
+    if role == 2:
+        return _receiver(port, [steps for steps, _ in fits[:2]], main_done)
+    if role == 3:
+        return _flaky_receiver(port, "rollout-0", (0, 2), main_done, r0_dies)
+    return _flaky_receiver(port, "rollout-1", (1, 2), r0_dies, str(Path(flags, "r1-dies")))
+
+
+@dataclass
+class Run:
+    rank0: list[dict[str, Any]]
+    rank1: list[dict[str, Any]]
+    received: list[list[Any]]
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One set of processes for every case (process start-up dominates on a loaded machine): four fits."""
     fits = [
-        (steps, ["trainer.send_mode=gather", "trainer.overlap_policy=wait"]),
-        (steps + 1, ["trainer.send_mode=sharded", "trainer.overlap_policy=latest"]),
+        (STEPS, ["trainer.send_mode=gather", "trainer.overlap_policy=wait"]),
+        (STEPS + 1, ["trainer.send_mode=sharded", "trainer.overlap_policy=latest"]),
+        (STEPS, ["trainer.on_failure=warn", "trainer.send_mode=sharded"]),
+        (STEPS, ["trainer.on_failure=raise"]),
     ]
-    started = time.monotonic()
+    flags = str(tmp_path_factory.mktemp("overlap-flags"))
     master, port = free_port(), free_port()
-    rank0, _rank1, received = run_workers(
-        _role, [(r, master, port, fits, None) for r in range(3)], timeout_s=WORKER_TIMEOUT_S
+    started = time.monotonic()
+    rank0, rank1, received, _, _ = run_workers(
+        _role, [(r, master, port, fits, flags) for r in range(5)], timeout_s=WORKER_TIMEOUT_S, doomed=[3, 4]
     )
-    elapsed = time.monotonic() - started
-    wait_fit, latest_fit = rank0
-    # wait: every version, each its own step's weights, although training went on during each send
-    assert _assert_versions_are_their_steps(received[0], wait_fit) == list(range(steps + 1))
-    assert wait_fit["last_synced"] == steps and wait_fit["failures"] == 0 and wait_fit["skipped"] == 0
+    print("overlap fits:", [{k: v for k, v in f.items() if k not in ("refs", "step_started")} for f in rank0])
+    return Run(rank0, rank1, received, time.monotonic() - started)
+
+
+def test_wait_every_background_version_is_its_steps_weights_bitwise_although_training_went_on(run: Run) -> None:
+    received, wait_fit = run.received[0], run.rank0[0]
+    assert _assert_versions_are_their_steps(received, wait_fit) == list(range(STEPS + 1))
+    assert wait_fit["last_synced"] == STEPS and wait_fit["failures"] == 0 and wait_fit["skipped"] == 0
     # training went on: step v+1 began before the rollout had all of version v
-    overlapped = [v for v, _, done in received[0] if wait_fit["step_started"].get(v, float("inf")) < done]
-    assert len(overlapped) >= steps // 2, (overlapped, wait_fit["step_started"], [(v, t) for v, _, t in received[0]])
-    # latest: versions were skipped (counted) while one was in flight; the final one is sent before fit returns
-    versions = _assert_versions_are_their_steps(received[1], latest_fit)
-    assert versions[0] == 0 and versions[-1] == steps + 1
+    overlapped = [v for v, _, done in received if wait_fit["step_started"].get(v, float("inf")) < done]
+    assert len(overlapped) >= STEPS // 2, (overlapped, wait_fit["step_started"], [(v, t) for v, _, t in received])
+
+
+def test_latest_skips_and_counts_versions_never_a_mix_and_sends_the_last_before_fit_returns(run: Run) -> None:
+    received, latest_fit = run.received[1], run.rank0[1]
+    versions = _assert_versions_are_their_steps(received, latest_fit)  # sharded: every rank sent its shards
+    assert versions[0] == 0 and versions[-1] == STEPS + 1
     assert latest_fit["skipped"] > 0
-    assert latest_fit["skipped"] + len(versions) == steps + 2, (versions, latest_fit["skipped"])
-    assert latest_fit["last_synced"] == steps + 1 and latest_fit["failures"] == 0
-    assert elapsed < WORKER_TIMEOUT_S
+    assert latest_fit["skipped"] + len(versions) == STEPS + 2, (versions, latest_fit["skipped"])
+    assert latest_fit["last_synced"] == STEPS + 1 and latest_fit["failures"] == 0
+
+
+def test_a_rollout_killed_during_a_background_version_warn_trains_on_raise_stops_every_rank_at_the_next_step(
+    run: Run,
+) -> None:
+    (warned, raised), rank1 = run.rank0[2:], run.rank1[2:]
+    # warn: version 2 failed in the background, was counted at the next step and training went on; the
+    # later versions went to the other rollout, the last one before fit returned
+    assert warned["error"] is None and warned["step"] == STEPS, warned["error"]
+    assert warned["failures"] == 1 and warned["last_synced"] == STEPS
+    assert rank1[0]["error"] is None and rank1[0]["failures"] == 1
+    # raise: the rollout died in version 2's send; the failure stopped training at the next step boundary,
+    # on every rank (rank 0 names the failure, rank 1 the failing rank), within transport.liveness_s
+    assert raised["error"] is not None and rank1[1]["error"] is not None
+    assert raised["step"] == 3 and rank1[1]["step"] == 3, (raised["step"], rank1[1]["step"])
+    assert "version 2" in raised["error"] and "rollout-1" in raised["error"], raised["error"]
+    assert "SyncFailed" in rank1[1]["error"] and "version 2" in rank1[1]["error"], rank1[1]["error"]
+    assert raised["last_synced"] == 1
+    assert raised["seconds"] < 3 + LOAD_SLACK_S  # transport.liveness_s, not transport.timeout_s (60 s)
