@@ -77,6 +77,22 @@ class SendMode(Choice):
     sharded = "sharded"
 
 
+class OverlapPolicy(Choice):
+    """`trainer.overlap_policy`: what a step boundary does while the previous version still sends."""
+
+    wait = "wait"
+    latest = "latest"
+
+
+class OverlapStaging(Choice):
+    """`trainer.overlap_staging`: where the overlap snapshot lives (trainer/overlap.py)."""
+
+    auto = "auto"
+    host = "host"
+    pinned = "pinned"
+    device = "device"
+
+
 FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
 
@@ -230,6 +246,15 @@ class TrainerConfig:
     send_mode: SendMode = SendMode.gather
     """gather: every tensor is all-gathered to global rank 0, which sends it; sharded: every rank sends the
     bytes of the FSDP shards it owns (no all-gather), receivers tile them. Unsharded models always gather."""
+    overlap: bool = False
+    """true: a sync copies what this rank sends into a staging snapshot and training goes on at once; a
+    background thread sends that version while the next step computes (trainer/overlap.py)."""
+    overlap_policy: OverlapPolicy = OverlapPolicy.wait
+    """overlap only, a step boundary while the previous version still sends: wait: block until it is done
+    (rollouts at most one version behind); latest: never block, skip this boundary's version (counted)."""
+    overlap_staging: OverlapStaging = OverlapStaging.auto
+    """overlap only, where the snapshot lives: auto (device memory on an accelerator, host on CPU) | host |
+    pinned (page-locked host memory; accelerators only) | device."""
     include_buffers: bool = True
     """Also send persistent buffers."""
     names: NamesConfig = field(default_factory=NamesConfig)

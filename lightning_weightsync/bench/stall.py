@@ -11,6 +11,12 @@ between two processes measured in the same run: stall / raw says what the gather
 the engine cost on top of moving the bytes.
 
     python -m lightning_weightsync.bench.stall [--json] [--dim 512] [--layers 8] [--steps 4]
+
+`--overlap` compares, in one pair of processes on the same model and rollout, a blocking sync with
+`trainer.overlap` (gather and sharded) and with no sync at all: the stall a sync, the time of N steps
+and how much slower a step computes while a background send runs (`run_overlap`).
+
+    python -m lightning_weightsync.bench.stall --overlap [--steps 6]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +158,135 @@ def run(
     return report
 
 
+OVERLAP_MODES = ("no sync", "blocking", "overlap", "overlap sharded")
+"""`--overlap`: the same training loop, the same model and rollout, in this order in one pair of processes."""
+
+
+def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any], steps: int, bucket_mb: float,
+                    out: Any) -> None:  # fmt: skip
+    """One trainer rank: FSDP2 tiny LM, a plain loop (forward, backward, AdamW step, then the sync the
+    Lightning callback would run, through the same `SyncDriver`), timed per step for every mode."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from ..config import load_config
+    from ..examples.tiny_lm import build_model
+    from ..trainer.driver import SyncDriver
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    net = build_model(model)
+    for layer in net.layers:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randint(0, int(model["vocab_size"]), (2, 33), generator=gen)
+    report: dict[str, Any] = {}
+    for index, mode in enumerate(OVERLAP_MODES):
+        cfg = load_config(
+            overrides=[f"transport.port={port}", f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120",
+                       f"trainer.overlap={'overlap' in mode}",
+                       f"trainer.send_mode={'sharded' if 'sharded' in mode else 'gather'}"]
+        )  # fmt: skip
+        driver = None
+        base = 1000 * index  # versions keep increasing from mode to mode
+        if mode != "no sync":
+            driver = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
+            driver.start()
+            driver.sync(net, base)  # forms the data-plane group: not timed
+            driver.finish(net, None)
+        compute, stall = [], []
+        dist.barrier()
+        began = time.perf_counter()
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            logits = net(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t1 = time.perf_counter()
+            if driver is not None:
+                driver.sync(net, base + step)
+            compute.append(t1 - t0)
+            stall.append(time.perf_counter() - t1)
+        if driver is not None:
+            driver.finish(net, None)  # the last version is delivered before the clock stops
+        total = time.perf_counter() - began
+        if driver is not None:
+            driver.close()
+        report[mode] = {"compute_s": compute, "stall_s": stall, "total_s": total}
+    if rank == 0:
+        out.put(report)
+    dist.destroy_process_group()
+
+
+def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: float = 16.0) -> dict[str, Any]:
+    """Blocking against overlap (gather and sharded) and against no sync at all: the same 2-rank FSDP2 model,
+    loop and rollout daemon, in one run. Per mode: the median stall a sync (what the step boundary holds
+    training), the total of `steps` steps (the last version delivered), and the median compute time of a
+    step (with overlap: while a background send runs; against no sync: what the send steals)."""
+    model = {"dim": dim, "n_layers": layers, "vocab_size": 8192, "n_heads": 8, "max_seq_len": 64}
+    model_arg = "{" + ", ".join(f"{k}: {v}" for k, v in model.items()) + "}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port, store_port = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="lws-overlap-") as tmp, contextlib.ExitStack() as stack:
+        daemon_log = stack.enter_context((Path(tmp) / "daemon.log").open("w"))
+        daemon_cmd = [
+            sys.executable, "-m", "lightning_weightsync.cli", "rollout", f"transport.port={port}",
+            f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120", "rollout.progress=false",
+            "rollout.sink.factory=lightning_weightsync.examples.tiny_lm:build_model",
+            f"rollout.sink.options={model_arg}", "rollout.apply=streaming",
+        ]  # fmt: skip
+        stack.enter_context(process_group(daemon_cmd, stdout=daemon_log, stderr=subprocess.STDOUT))
+        procs = [
+            ctx.Process(target=_overlap_worker, args=(r, store_port, port, model, steps, bucket_mb, queue), daemon=True)
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            report: dict[str, Any] = queue.get(timeout=1200)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    nbytes = sum(p.numel() * p.element_size() for p in _model_params(model))
+    base = report["no sync"]
+    out: dict[str, Any] = {"model_mb": nbytes / MiB, "steps": steps, "modes": {}}
+    for mode in OVERLAP_MODES:
+        r = report[mode]
+        out["modes"][mode] = {
+            "median_stall_s": _median(r["stall_s"]),
+            "total_s": r["total_s"],
+            "median_step_compute_s": _median(r["compute_s"]),
+            "step_slowdown": _median(r["compute_s"]) / _median(base["compute_s"]),
+        }
+    blocking = out["modes"]["blocking"]["median_stall_s"]
+    for mode in ("overlap", "overlap sharded"):
+        out["modes"][mode]["stall_over_blocking"] = out["modes"][mode]["median_stall_s"] / blocking
+    return out
+
+
+def print_overlap(out: dict[str, Any]) -> None:
+    print(
+        f"overlap, 2-rank FSDP2 (gloo) tiny LM of {out['model_mb']:.0f} MiB, {out['steps']} steps, one rollout:\n"
+        f"  {'mode':<16} {'stall/sync':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} {'x no sync':>10}"
+    )
+    for mode, m in out["modes"].items():
+        ratio = f"{m['stall_over_blocking']:.3f}" if "stall_over_blocking" in m else "-"
+        print(
+            f"  {mode:<16} {m['median_stall_s'] * 1e3:>9.0f}ms {ratio:>11} {m['total_s']:>8.2f}s "
+            f"{m['median_step_compute_s'] * 1e3:>11.0f}ms {m['step_slowdown']:>10.2f}"
+        )
+
+
 def _model_params(model: dict[str, Any]) -> list[torch.Tensor]:
     from ..examples.tiny_lm import build_model
 
@@ -164,7 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=16.0)
+    p.add_argument("--overlap", action="store_true", help="blocking vs trainer.overlap vs no sync, in one run")
     a = p.parse_args(argv)
+    if a.overlap:
+        out = run_overlap(dim=a.dim, layers=a.layers, steps=max(a.steps, 2), bucket_mb=a.bucket_mb)
+        if a.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print_overlap(out)
+        return 0
     run(a.json, dim=a.dim, layers=a.layers, steps=a.steps, bucket_mb=a.bucket_mb)
     return 0
 

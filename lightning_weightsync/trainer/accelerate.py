@@ -128,12 +128,13 @@ class AccelerateWeightSync(SyncRecordView):
 
     # -- how (delegated) ---------------------------------------------------------------------------------
     def sync(self, version: int) -> bool:
-        """Gather and send `version` now; every rank must call it. True when delivered."""
+        """Gather and send `version` now; every rank must call it. True when delivered (trainer.overlap:
+        when the previous version was; this one is sent in the background, see `finish`)."""
         if self._driver.sender is None and self._driver.is_sender:
             raise WeightSyncError("AccelerateWeightSync.sync() after close()")
         if not self._driver.sync(self.model, version):
             return False
-        metrics = self.record.metrics(version)
+        metrics = self.record.metrics(self.record.last_synced_version or version)
         if metrics is not None and getattr(self.accelerator, "trackers", None):
             self.accelerator.log(metrics, step=self.step)
         return True
@@ -153,15 +154,35 @@ class AccelerateWeightSync(SyncRecordView):
         return self._driver.is_sender
 
     # -- life cycle / state ----------------------------------------------------------------------------
+    def finish(self) -> bool:
+        """With `trainer.overlap`: wait for the version in flight (send the final step's when `latest`
+        skipped it) and apply `trainer.on_failure` to it; every rank. True when it was delivered."""
+        if self._driver.finish(self.model, self.step):
+            metrics = self.record.metrics(self.record.last_synced_version or 0)
+            if metrics is not None and getattr(self.accelerator, "trackers", None):
+                self.accelerator.log(metrics, step=self.step)
+            return True
+        return False
+
     def close(self) -> None:
+        """Finish (trainer.overlap: the last version is sent or its failure raised), then release."""
+        try:
+            self._driver.finish(self.model, self.step)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self._hook.remove()
-        self._driver.close()
+        self._driver.close()  # interrupts a background send still in flight
 
     def __enter__(self) -> AccelerateWeightSync:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # training failed: do not wait for a version in flight (close interrupts it)
+            self._release()
 
     def state_dict(self) -> dict[str, Any]:
         """For `accelerator.register_for_checkpointing(weight_sync)`."""

@@ -47,6 +47,7 @@ from .names import tied_names
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender, SendStats
+    from .overlap import OverlapSync
     from .rollout_control import RolloutControl
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class SyncRecord:
     failures: int = 0
     last_stats: SendStats | None = None
     last_stall_seconds: float = 0.0  # how long the last sync blocked the training loop on this rank
+    overlap_skipped: int | None = None  # trainer.overlap_policy=latest: versions skipped (None: no overlap)
 
     def delivered(self, version: int, stats: SendStats | None) -> None:
         self.last_synced_version = version
@@ -148,6 +150,7 @@ class SyncRecord:
             # every rank leaves a sync at the same agreement all-reduce, so the sending rank's stall is
             # the training loop's stall
             "weightsync/stall_seconds": float(self.last_stall_seconds),
+            **({} if self.overlap_skipped is None else {"weightsync/overlap_skipped": float(self.overlap_skipped)}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -229,6 +232,12 @@ class SyncDriver:
         self.sharded = SendMode(cfg.trainer.send_mode) is SendMode.sharded and _world_size() > 1
         self.addresses: list[tuple[str, int]] = []
         self._mode_logged = False
+        # trainer.overlap: the send of a version runs in the background while training goes on (overlap.py)
+        self.overlap: OverlapSync | None = None
+        if bool(cfg.trainer.overlap):
+            from .overlap import OverlapSync
+
+            self.overlap = OverlapSync(self)
 
     # -- life cycle -------------------------------------------------------------------------------
     def _sender_cfg(self) -> DictConfig:
@@ -276,6 +285,8 @@ class SyncDriver:
 
             self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
             self._say_sharded_skips()
+        if self.overlap is not None:
+            self.overlap.start()
 
     def _say_sharded_skips(self) -> None:
         """Sharded versions carry no fingerprints and no deltas yet (a rank holds shards, and both are computed
@@ -292,7 +303,15 @@ class SyncDriver:
                 "or use trainer.send_mode=gather for both", " and ".join(skipped),
             )  # fmt: skip
 
+    def finish(self, module: nn.Module, version: int) -> bool:
+        """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight
+        (and send `version` when the last sync skipped it) and apply `trainer.on_failure` to it; True when
+        the last version was delivered. Nothing to do for blocking syncs (True)."""
+        return self.overlap.finish(module, version) if self.overlap is not None else True
+
     def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()  # ends a background send first: it uses the sender and the rollouts
         if self.rollouts is not None:
             self.rollouts.close()
         if self.sender is not None:
@@ -331,6 +350,8 @@ class SyncDriver:
         in `self.last_stats`."""
         started = time.perf_counter()
         try:
+            if self.overlap is not None:
+                return self.overlap.sync(module, version)
             return self._sync(module, version)
         finally:
             self.record.last_stall_seconds = time.perf_counter() - started
@@ -385,6 +406,11 @@ class SyncDriver:
             )  # fmt: skip
             self.deliver_signal(signum)
             return agreed == OK
+        return self.settle(version, error, agreed)
+
+    def settle(self, version: int, error: Exception | None, agreed: int) -> bool:
+        """Apply the agreed outcome of `version` (OK / RECOVERABLE / FATAL over every rank) and
+        `trainer.on_failure`, the same for a blocking sync and for a background one (trainer/overlap.py)."""
         if agreed == OK:
             self.record.delivered(version, self.last_stats)
             self._recovered(version)

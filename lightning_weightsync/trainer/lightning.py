@@ -93,6 +93,10 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     the version and keeps training. All ranks agree on the outcome with one tiny all-reduce, so no rank
     is left waiting in a collective.
 
+    Overlap (`trainer.overlap: true`, trainer/overlap.py): a sync snapshots the version and returns; it
+    is sent while the next steps compute, its outcome handled at the next sync (and at `on_train_end`,
+    before fit returns). The metrics logged at a sync are then the previous version's.
+
     Signals: a SIGTERM or SIGINT on any rank during a sync ends the sync on every rank within seconds,
     then reaches Lightning as if it had come just after it (SIGTERM: Lightning's graceful stop on every
     rank at the next batch); see `trainer/interrupt.py`.
@@ -154,6 +158,10 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
         # the last steps may not be a multiple of every_n_steps: rollouts should end on the final weights
         if self.cfg.trainer.sync_on_train_end and trainer.global_step != self._last_attempted:
             self.sync(trainer, trainer.global_step)
+        # trainer.overlap: the last version is sent (or its failure raised) before fit returns
+        final = trainer.global_step if self.cfg.trainer.sync_on_train_end else None
+        if self._driver is not None and self._driver.finish(self._module(trainer), final):
+            self._log_metrics(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -170,9 +178,13 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
             raise WeightSyncError("WeightSyncCallback.sync() outside trainer.fit() (the sender is not set up)")
         self._last_attempted = version
         self._resolve_prefix(trainer)
-        if not self._driver.sync(self._module(trainer), version):
-            return
-        metrics = self.record.metrics(version)
+        if self._driver.sync(self._module(trainer), version):
+            self._log_metrics(trainer)
+
+    def _log_metrics(self, trainer: pl.Trainer) -> None:
+        """`weightsync/*` of the version just delivered (with trainer.overlap: the previous one)."""
+        version = self.record.last_synced_version
+        metrics = self.record.metrics(version) if version is not None else None
         if metrics is not None:  # the sending rank
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)

@@ -67,16 +67,16 @@ def exchange_addresses(host: str, port: int, device: torch.device | None) -> lis
     return out
 
 
-def _broadcast_json(value: Any, device: torch.device | None) -> Any:
-    """`value` from rank 0 on every rank (None elsewhere going in)."""
+def _broadcast_json(value: Any, device: torch.device | None, group: Any = None) -> Any:
+    """`value` from rank 0 on every rank (None elsewhere going in); on `group` (None: the default one)."""
     rank, _ = _world()
     payload = json.dumps(value).encode() if rank == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
+    dist.broadcast(size, src=0, group=group)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if rank == 0 and payload:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
+    dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.cpu().tolist()))
 
 
@@ -85,22 +85,26 @@ class MembersRelay:
 
     Rank 0 calls it from inside its send (once it gathered the receivers), or `finish()` afterwards
     when the send never got that far ([]: the other ranks send nothing); the other ranks call
-    `receive()` before they send. One broadcast per sync on every rank, whatever failed."""
+    `receive()` before they send. One broadcast per sync on every rank, whatever failed.
 
-    def __init__(self, device: torch.device | None) -> None:
+    `group`: the process group it broadcasts on (None: the default one). A background send
+    (trainer.overlap) passes a gloo group of its own: training owns the default group meanwhile."""
+
+    def __init__(self, device: torch.device | None, group: Any = None) -> None:
         self.device = device
+        self.group = group
         self.sent = False
 
     def __call__(self, members: list[str]) -> None:
         if not self.sent:
             self.sent = True
-            _broadcast_json(list(members), self.device)
+            _broadcast_json(list(members), self.device, self.group)
 
     def finish(self) -> None:
         self(list())
 
     def receive(self) -> list[str]:
-        got = _broadcast_json(None, self.device)
+        got = _broadcast_json(None, self.device, self.group)
         if not isinstance(got, list) or not all(isinstance(m, str) for m in got):
             raise ConfigError("the sharded members exchange returned garbage (trainer ranks out of step?)")
         return got

@@ -1,0 +1,418 @@
+"""`trainer.overlap`: a version's send runs in the background while the next training step computes.
+
+A blocking sync holds training until the last rollout acked. With overlap, the sync after optimizer
+step N only takes a snapshot of exactly what version N sends and returns; a background thread sends
+that snapshot while step N+1 computes. On every rank, in the training thread, at the sync point:
+
+    1. the previous version: `wait` blocks until this rank's background send of it is done; `latest`
+       only looks whether it still sends
+    2. agree (one tiny all-reduce on the training group): does any rank still send it, what was its
+       outcome, did a SIGTERM / SIGINT come (`interrupt.py`)? A finished version's outcome goes through
+       `trainer.on_failure` here, exactly as a blocking sync's (`SyncDriver.settle`). `latest` and a
+       version still sending somewhere: this sync's version is skipped (counted; never snapshotted,
+       never half-sent), training goes on
+    3. snapshot version N into staging buffers allocated at the first sync and reused by every later
+       one (`Staging`): gather mode, the FSDP all-gathers run here, synchronously, on the training
+       group, and global rank 0 copies each full tensor; sharded mode, every rank copies its FSDP2
+       local shards (and the whole tensors it owns), no collective at all
+    4. agree again (a rank whose snapshot failed, a signal meanwhile), hand version N to this rank's
+       background thread and return to training
+
+    background thread (one per rank that sends; the `BlockingWeightSender`'s own event loop runs there):
+       rollouts: pause, start -> send_weights(snapshot) -> finish(weight_version=N), resume
+       sharded mode: rank 0 tells the other ranks its receivers (`MembersRelay`) on a gloo group made
+       for this at start, never on the training group, whose collectives training runs meanwhile
+
+At most one version is in flight: the staging buffers are written only when no rank still sends from
+them. Every rollout still gets whole versions, in increasing order, numbered by their optimizer step.
+
+Why the gather is synchronous (gather mode): FSDP2's `full_tensor()` all-gathers on the mesh's own
+process group, the training group; gathering in the background would need the local shards copied
+first (what sharded mode's snapshot does) and every all-gather re-implemented on a side group. The
+synchronous gather costs the stall of the all-gathers (bench.stall: "gather only") plus one copy, and
+keeps the rollout's view identical to a blocking sync's; who cannot afford it sends sharded, whose
+snapshot is a local copy.
+
+Faults: a background failure is seen at the next sync (or at `finish()`, the end of fit) and handled
+there as a blocking one; `close()` (training ended or failed, a SIGTERM turned into Lightning's
+exception) interrupts a send still in flight: the sender aborts the version to its receivers, which
+never apply half a version (atomic apply, or streaming rolled back), then drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OverlapPolicy, OverlapStaging
+from ..errors import ConfigError, WeightSyncError
+from ..protocol.chunks import TensorShard
+from .gather import _fsdp1_units
+from .interrupt import SyncStopWatch, raise_signal, signal_name
+
+if TYPE_CHECKING:
+    from ..engine.sender import BlockingWeightSender, SendStats
+    from .driver import SyncDriver
+
+logger = logging.getLogger(__name__)
+
+CLOSE_JOIN_S = 30.0
+"""How long `close()` waits for an interrupted background send to end (it aborts and drains in well
+under a second; the bound is for a rollout engine call that hangs)."""
+
+Item = tuple[str, "torch.Tensor | TensorShard"]
+
+
+class Staging:
+    """One buffer per sent item, allocated at the first snapshot and reused by every later one (a
+    tensor whose shape, dtype or device changed gets a new buffer). Where: `trainer.overlap_staging`
+    (`auto`: the device's own memory on an accelerator, fastest to copy into; host memory on CPU)."""
+
+    def __init__(self, kind: OverlapStaging) -> None:
+        self.kind = kind
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.uses_cuda = False  # a copy was enqueued on a CUDA stream: the sender waits for it (`Snapshot.ready`)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def where(self) -> str:
+        kinds = sorted({"pinned host" if b.is_pinned() else b.device.type for b in self._buffers.values()})
+        return " + ".join(kinds) or "no"
+
+    def _allocate(self, src: torch.Tensor) -> torch.Tensor:
+        kind = self.kind
+        if kind is OverlapStaging.auto:
+            kind = OverlapStaging.host if src.device.type == "cpu" else OverlapStaging.device
+        if kind is OverlapStaging.device:
+            return torch.empty(src.shape, dtype=src.dtype, device=src.device)
+        pinned = kind is OverlapStaging.pinned and src.device.type == "cuda"
+        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pinned)
+
+    def copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            if buf is not None:
+                logger.info("overlap staging: %r changed to %s %s; new buffer", name, tuple(src.shape), src.dtype)
+            buf = self._buffers[name] = self._allocate(src)
+        if src.device.type == "cuda":
+            self.uses_cuda = True
+        # pinned device -> host copies are asynchronous (the sender waits for the event); others are ordered
+        buf.copy_(src.detach(), non_blocking=buf.is_pinned())
+        return buf
+
+
+@dataclass
+class Snapshot:
+    """One version, copied: what the background thread sends (this rank's part of it)."""
+
+    version: int
+    items: list[Item] = field(default_factory=list)
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sharded: bool = False
+    ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
+
+
+def _code(error: BaseException | None) -> int:
+    from .driver import FATAL, OK, RECOVERABLE
+
+    if error is None:
+        return OK
+    if isinstance(error, WeightSyncError) and not isinstance(error, ConfigError):
+        return RECOVERABLE
+    return FATAL
+
+
+class OverlapSync:
+    """The driver's sync when `trainer.overlap` is on (see the module docstring); one per `SyncDriver`.
+
+    `sync()` and `finish()` run on every rank at the same points (they hold collectives on the training
+    group, in the training thread); the background thread touches only the sender, the rollouts and,
+    in sharded mode, its own gloo group.
+    """
+
+    def __init__(self, driver: SyncDriver) -> None:
+        tr = driver.cfg.trainer
+        self.driver = driver
+        self.policy = OverlapPolicy(tr.overlap_policy)
+        kind = OverlapStaging(tr.overlap_staging)
+        if kind is OverlapStaging.pinned and not torch.cuda.is_available():
+            raise ConfigError(
+                "trainer.overlap_staging=pinned needs a CUDA device (page-locked memory speeds up device -> host "
+                "copies only); use trainer.overlap_staging=host or auto"
+            )
+        self.staging = Staging(kind)
+        self.skipped = 0  # versions `latest` skipped because the previous one still sent
+        self.snapshot_seconds = 0.0  # the last snapshot's copy (and, gather mode, all-gather) time
+        self._pool: ThreadPoolExecutor | None = None
+        self._version: int | None = None  # handed off, not settled yet (every rank knows it)
+        self._future: Future[SendStats | None] | None = None  # this rank's background send of it
+        self._skipped_last: int | None = None  # the newest skipped version, when nothing was handed off since
+        self._group: Any = None  # sharded mode: the background's own gloo group
+        self._reported = False
+        driver.record.overlap_skipped = 0
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Every rank (collective in sharded mode: the side group is made here, where every rank is)."""
+        d = self.driver
+        if d.sharded:
+            self._group = dist.new_group(backend="gloo")
+        logger.info(
+            "trainer.overlap on (policy %s, staging %s): each sending rank keeps one copy of what it sends in a "
+            "snapshot (sized at the first sync and logged then); a version is sent while the next step computes",
+            self.policy.value, self.staging.kind.value,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """End a background send still in flight (interrupted: the receivers abort it), within CLOSE_JOIN_S."""
+        future = self._future
+        if future is not None and not future.done():
+            logger.warning("version %s still sending while the trainer closes: interrupting it", self._version)
+            self._interrupt("the trainer closed (training ended or failed) while the version was in flight")
+            if not wait([future], timeout=CLOSE_JOIN_S).done:
+                logger.error("the background send of version %s did not end within %.0f s", self._version, CLOSE_JOIN_S)
+        if future is not None and future.done() and self._version is not None:
+            error = future.exception()
+            logger.warning(
+                "version %s was not settled before close: %s", self._version, "sent" if error is None else error
+            )
+        self._future = self._version = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    # -- one sync -----------------------------------------------------------------------------------
+    def sync(self, module: nn.Module, version: int, *, policy: OverlapPolicy | None = None) -> bool:
+        """Steps 1-4 of the module docstring, on every rank. True when the previous version was
+        delivered (settled here); this sync's version is only handed off."""
+        from .driver import OK, RECOVERABLE, FailurePolicy, SyncFailed, all_ranks_max_each
+
+        d = self.driver
+        policy = policy or self.policy
+        if _fsdp1_units(module):
+            raise ConfigError(
+                "trainer.overlap does not support FSDP1: its summoned full parameters are views of storage it "
+                "reuses unit by unit, so a snapshot would cost a full gather into a second copy anyway; use "
+                "FSDP2 (fully_shard) or trainer.overlap=false"
+            )
+        d._syncs += 1
+        sharded = d.sends_sharded(module)
+        sender = d.sender if (d.is_sender or sharded) else None
+        if d.is_sender and sender is None:
+            raise WeightSyncError("SyncDriver.sync() before start()")
+        snapshot: Snapshot | None = None
+        error: BaseException | None = None  # this rank's failure of the previous version
+        snap_error: BaseException | None = None
+        snap_code = OK
+        watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if sender is not None else None)
+        with watch:
+            # 1. the previous version
+            if policy is OverlapPolicy.wait and self._future is not None:
+                wait([self._future])  # bounded by the sender's own timeouts; a signal interrupts it (watch)
+            busy = int(self._future is not None and not self._future.done())
+            if not busy and self._future is not None:
+                error = self._future.exception()
+            # 2. agree: still sending anywhere, its outcome, a signal
+            busy_any, agreed, signum, signalled = all_ranks_max_each([busy, _code(error), *watch.seen()], d.device)
+            fatal = agreed != OK and not (agreed == RECOVERABLE and d.on_failure is FailurePolicy.warn)
+            if not signum and not busy_any and not fatal:
+                # 3. snapshot: every rank, the gather's all-gathers included
+                started = time.perf_counter()
+                snapshot, snap_error = self._snapshot(module, version, sharded)
+                self.snapshot_seconds = time.perf_counter() - started
+                # 4. agree again: every snapshot whole, no signal meanwhile
+                snap_code, signum, signalled = all_ranks_max_each([_code(snap_error), *watch.seen()], d.device)
+        for late in watch.late(signum):
+            raise_signal(late)  # came after this rank had agreed: handled here alone, as without a sync
+        if busy_any:
+            if signum:  # the version in flight was interrupted by it; close() joins it
+                d.deliver_signal(signum)
+            else:
+                self._skip(version)
+            return False
+        # the previous version is done on every rank: settled below, whatever happens to this one
+        previous, future = self._version, self._future
+        self._version = self._future = None
+        if snapshot is not None and snap_code == OK and not signum:
+            self._hand_off(snapshot, sender)
+        delivered = self._conclude(previous, future, agreed, error, signum, signalled)
+        if snap_code != OK:
+            if snap_error is not None:
+                raise snap_error
+            raise SyncFailed(f"global rank {d.rank}: the overlap snapshot of version {version} failed on another rank")
+        return delivered
+
+    def finish(self, module: nn.Module, version: int | None) -> bool:
+        """End of training, every rank: the last version is sent (a final `version` that `latest` skipped
+        is handed off now) and its outcome applied (`trainer.on_failure`) before this returns."""
+        from .driver import all_ranks_max_each
+
+        d = self.driver
+        if version is not None and self._skipped_last == version:
+            self.skipped -= 1  # sent after all: not a skipped version
+            d.record.overlap_skipped = self.skipped
+            self.sync(module, version, policy=OverlapPolicy.wait)
+        d._syncs += 1
+        error: BaseException | None = None
+        watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if d.sender is not None else None)
+        with watch:
+            if self._future is not None:
+                wait([self._future])
+                error = self._future.exception()
+            agreed, signum, signalled = all_ranks_max_each([_code(error), *watch.seen()], d.device)
+        for late in watch.late(signum):
+            raise_signal(late)
+        previous, future = self._version, self._future
+        self._version = self._future = None
+        return self._conclude(previous, future, agreed, error, signum, signalled)
+
+    # -- the pieces ---------------------------------------------------------------------------------
+    def _conclude(
+        self,
+        previous: int | None,
+        future: Future[SendStats | None] | None,
+        agreed: int,
+        error: BaseException | None,
+        signum: int,
+        signalled: int,
+    ) -> bool:
+        """Settle `previous` (the version that was in flight, done on every rank; None: nothing was) as a
+        blocking sync would, and hand on a signal that stopped this sync."""
+        from .driver import OK
+
+        d = self.driver
+        if previous is None:
+            if signum:
+                d.deliver_signal(signum)
+            return False
+        stats = future.result() if future is not None and error is None else None
+        d.last_stats = stats
+        if signum:
+            if agreed == OK:
+                d.record.delivered(previous, stats)
+            logger.warning(
+                "background weight sync of version %d %s by %s on global rank %d",
+                previous, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
+                signal_name(signum), signalled - 1,
+            )  # fmt: skip
+            d.deliver_signal(signum)
+            return agreed == OK
+        if error is not None and not isinstance(error, Exception):
+            raise error  # a BaseException from the background thread (not a send failure)
+        return d.settle(previous, error if isinstance(error, Exception) else None, agreed)
+
+    def _skip(self, version: int) -> None:
+        self.skipped += 1
+        self._skipped_last = version
+        self.driver.record.overlap_skipped = self.skipped
+        logger.info(
+            "version %d skipped (trainer.overlap_policy=latest): version %s is still sending; %d skipped so far",
+            version, self._version, self.skipped,
+        )  # fmt: skip
+
+    def _snapshot(self, module: nn.Module, version: int, sharded: bool) -> tuple[Snapshot, BaseException | None]:
+        """Copy what this rank sends of `version` into staging (nothing on ranks that do not send).
+        The stream is exhausted on every rank whatever fails (the other ranks' all-gathers need this
+        one); a ConfigError (raised by the gather on every rank at the same point) propagates."""
+        d = self.driver
+        tr = d.cfg.trainer
+        snap = Snapshot(version, sharded=sharded)
+        error: BaseException | None = None
+        if sharded:
+            from .sharded import iter_local_shards
+
+            stream: Any = iter_local_shards(
+                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix
+            )
+        else:
+            stream = d.weights(module)  # every rank runs the all-gathers; global rank 0 alone gets tensors
+        keeps = d.is_sender or sharded
+        if keeps:
+            snap.tied = d.tied(module) if (d.is_sender or not sharded) else {}
+        for name, item in stream:
+            if error is not None:
+                continue  # still join the other ranks' all-gathers
+            try:
+                if isinstance(item, TensorShard):
+                    staged = self.staging.copy(name, item.data)
+                    snap.items.append((name, TensorShard(item.shape, item.dtype, item.byte_offset, staged)))
+                else:
+                    snap.items.append((name, self.staging.copy(name, item)))
+            except Exception as exc:  # e.g. out of memory for the staging buffers
+                error = exc
+                logger.error("global rank %d: the overlap snapshot of version %d failed: %s", d.rank, version, exc)
+        if self.staging.uses_cuda:
+            snap.ready = torch.cuda.Event()
+            snap.ready.record()
+        if not self._reported and keeps and error is None:
+            self._reported = True
+            logger.info(
+                "trainer.overlap: the snapshot holds %.1f MiB of %s memory on global rank %d (one copy of what this "
+                "rank sends, reused every version)",
+                self.staging.nbytes / (1 << 20), self.staging.where(), d.rank,
+            )  # fmt: skip
+        return snap, error
+
+    def _hand_off(self, snapshot: Snapshot, sender: BlockingWeightSender | None) -> None:
+        """Every rank records the version in flight; a rank that sends starts its background send."""
+        self._version, self._future, self._skipped_last = snapshot.version, None, None
+        if sender is None:
+            return
+        sender.clear_interrupt()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-overlap")
+        self._future = self._pool.submit(self._send, snapshot, sender)
+
+    def _interrupt(self, reason: str) -> None:
+        sender = self.driver.sender
+        if sender is not None:
+            sender.interrupt(reason)
+
+    # -- the background thread ------------------------------------------------------------------------
+    def _send(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
+        """One version from the snapshot: the blocking sync's send (rollout control included), here."""
+        if snap.ready is not None:
+            snap.ready.synchronize()  # the device's copies into staging are done
+        d = self.driver
+        if snap.sharded:
+            return self._send_sharded(snap, sender)
+
+        def send() -> SendStats:
+            return sender.send_weights(iter(snap.items), version=snap.version, stable_tensors=True, tied=snap.tied)
+
+        return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
+
+    def _send_sharded(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
+        from ..engine.sender import Sharding
+        from ..protocol.messages import SenderAddress
+        from .sharded import MembersRelay
+
+        d = self.driver
+        relay = MembersRelay(torch.device("cpu"), self._group)
+        if d.is_sender:
+            others = tuple(SenderAddress(h, p) for h, p in d.addresses[1:])
+            sharding = Sharding(0, others=others, on_members=relay)
+
+            def send() -> SendStats:
+                return sender.send_weights(iter(snap.items), version=snap.version, tied=snap.tied, sharding=sharding)
+
+            try:
+                return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
+            finally:
+                relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
+        members = relay.receive()
+        return sender.send_weights(
+            iter(snap.items), version=snap.version, sharding=Sharding(d.rank, members=tuple(members))
+        )
+
+
+__all__ = ["OverlapSync", "Snapshot", "Staging"]
