@@ -1,7 +1,8 @@
 """A tiny Qwen3 (built from config, no download) with a PEFT LoRA adapter, rank 16 on every linear layer,
-for the LoRA tests; and its trainer: Lightning `ModelParallelStrategy` (FSDP2 over gloo), 2 CPU ranks.
+for the LoRA tests; and its trainer: Lightning on 2 CPU ranks, `ModelParallelStrategy` (FSDP2 over gloo)
+or DDP.
 
-    python -m tests.support.lora --out DIR key=value ...   # the trainer (Lightning spawns rank 1)
+    python -m tests.support.lora --out DIR [--strategy fsdp2|ddp] key=value ...   # Lightning spawns rank 1
 
 The factories are also the rollout's (`rollout.sink.factory=tests.support.lora:build_peft` for
 `rollout.sink.lora=keep`, `:build_base` for `merge`): trainer and rollout build the same classes.
@@ -70,7 +71,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
 
 
-def train(out: Path, overrides: list[str], steps: int) -> None:
+def train(out: Path, overrides: list[str], steps: int, strategy: str = "fsdp2") -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
     from peft import get_peft_model_state_dict
@@ -86,6 +87,8 @@ def train(out: Path, overrides: list[str], steps: int) -> None:
             self.model = build_peft(seed=0, lora_seed=1)
 
         def configure_model(self) -> None:
+            if strategy != "fsdp2":
+                return
             mesh = self.device_mesh["data_parallel"]
             for layer in self.model.base_model.model.model.layers:
                 fully_shard(layer, mesh=mesh)
@@ -119,7 +122,7 @@ def train(out: Path, overrides: list[str], steps: int) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if strategy == "fsdp2" else "ddp",
         max_steps=steps,
         callbacks=[sync, SaveAdapter()],
         logger=False,
@@ -138,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--strategy", choices=("fsdp2", "ddp"), default="fsdp2")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    train(Path(args.out), args.overrides, args.steps)
+    train(Path(args.out), args.overrides, args.steps, args.strategy)
     return 0
 
 
