@@ -24,6 +24,7 @@ pytest.importorskip("lightning.pytorch")
 
 from safetensors.torch import load_file
 
+from tests.integration.test_accelerate import _torchrun
 from tests.integration.test_newcomer import ENV, REPO, daemon, stop, transport
 from tests.support.lora import TOKENS, adapter_state, build_base, build_peft
 from tests.support.mp import PYTHON, free_port, popen
@@ -47,15 +48,19 @@ SINKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("strategy", "sink"), [("fsdp2", "keep"), ("ddp", "merge")])
+@pytest.mark.parametrize(("strategy", "sink"), [("fsdp2", "keep"), ("ddp", "merge"), ("accelerate", "keep")])
 def test_lora_adapter_versions_into_a_module_sink_daemon(tmp_path: Path, strategy: str, sink: str) -> None:
-    """One daemon a run (each process start costs seconds on 2 shared cores): FSDP2 into keep, DDP into merge."""
+    """One daemon a run (each process start costs seconds on 2 shared cores): FSDP2 into keep, DDP into merge,
+    Accelerate into keep."""
     from peft import set_peft_model_state_dict
 
     port = free_port()
     dump = tmp_path / f"{sink}.safetensors"
+    launch = (
+        [*_torchrun(), "--standalone", "--nproc-per-node", "2", "-m"] if strategy == "accelerate" else [PYTHON, "-m"]
+    )
     train = [
-        PYTHON, "-m", "tests.support.lora", "--out", str(tmp_path), "--steps", str(STEPS), "--strategy", strategy,
+        *launch, "tests.support.lora", "--out", str(tmp_path), "--steps", str(STEPS), "--strategy", strategy,
         *transport(port), "trainer.on_failure=raise", "transport.verify=full",
     ]  # fmt: skip
     with daemon(tmp_path, sink, port, *SINKS[sink], flags=("--dump-on-exit", str(dump))) as rollout_proc:

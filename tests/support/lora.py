@@ -3,6 +3,7 @@ for the LoRA tests; and its trainer: Lightning on 2 CPU ranks, `ModelParallelStr
 or DDP.
 
     python -m tests.support.lora --out DIR [--strategy fsdp2|ddp] key=value ...   # Lightning spawns rank 1
+    torchrun --standalone --nproc-per-node 2 -m tests.support.lora --out DIR --strategy accelerate ...
 
 The factories are also the rollout's (`rollout.sink.factory=tests.support.lora:build_peft` for
 `rollout.sink.lora=keep`, `:build_base` for `merge`): trainer and rollout build the same classes.
@@ -137,14 +138,47 @@ def train(out: Path, overrides: list[str], steps: int, strategy: str = "fsdp2") 
         print(f"lora: {trainer.global_step} steps, last version {sync.last_synced_version}, {stats}", flush=True)
 
 
+def train_accelerate(out: Path, overrides: list[str], steps: int) -> None:
+    """The same, in a plain Accelerate loop (run under torchrun: Accelerate's DDP on CPU)."""
+    from accelerate import Accelerator
+    from safetensors.torch import save_file
+
+    from lightning_weightsync import AccelerateWeightSync, load_config
+
+    acc = Accelerator(cpu=True)
+    model = build_peft(seed=0, lora_seed=1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+
+    def save(version: int) -> None:
+        if acc.is_main_process:
+            save_file(adapter_state(acc.unwrap_model(model)), str(out / f"ref_{version}.safetensors"))
+
+    save(0)
+    sync = AccelerateWeightSync(acc, model, load_config(overrides=overrides))  # syncs version 0
+    g = torch.Generator().manual_seed(acc.process_index)
+    for step in range(1, steps + 1):
+        batch = torch.randint(0, 128, (1, 12), generator=g)
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()  # the sync runs in the optimizer's post-hook
+        optimizer.zero_grad()
+        save(step)
+    if acc.is_main_process:
+        print(f"lora: {sync.step} steps, last version {sync.last_synced_version}, {sync.last_stats}", flush=True)
+    sync.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--strategy", choices=("fsdp2", "ddp"), default="fsdp2")
+    p.add_argument("--strategy", choices=("fsdp2", "ddp", "accelerate"), default="fsdp2")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    train(Path(args.out), args.overrides, args.steps, args.strategy)
+    if args.strategy == "accelerate":
+        train_accelerate(Path(args.out), args.overrides, args.steps)
+    else:
+        train(Path(args.out), args.overrides, args.steps, args.strategy)
     return 0
 
 
