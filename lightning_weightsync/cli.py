@@ -104,7 +104,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
 
 
-BENCHMARKS = ("chunking", "delta", "engine", "latency", "nixl", "stall")  # modules of lightning_weightsync/bench/
+# modules of lightning_weightsync/bench/
+BENCHMARKS = ("chunking", "delta", "engine", "latency", "lora", "nixl", "stall")
 SINK_HELP = f"""sinks (rollout.sink.type=...; docs/configuration.md has every knob):
   module       (the default) load each version into a torch module built by your function:
                rollout.sink.factory=package.module:function [rollout.sink.options={{...}}]

@@ -93,6 +93,29 @@ class OverlapStaging(Choice):
     device = "device"
 
 
+class LoraMode(Choice):
+    """`trainer.lora`: what a version of a PEFT LoRA model carries (docs/concepts.md, "LoRA adapters")."""
+
+    auto = "auto"
+    adapter = "adapter"
+    merged = "merged"
+    full = "full"
+
+
+class LoraBase(Choice):
+    """`trainer.lora_base`: whether `trainer.lora=adapter|merged` sends the base weights once or never."""
+
+    send_once = "send_once"
+    rollout_has = "rollout_has"
+
+
+class LoraApply(Choice):
+    """`rollout.sink.lora`: what the module sink does with adapter versions."""
+
+    keep = "keep"
+    merge = "merge"
+
+
 FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
 
@@ -257,6 +280,12 @@ class TrainerConfig:
     pinned (page-locked host memory; accelerators only) | device."""
     include_buffers: bool = True
     """Also send persistent buffers."""
+    lora: LoraMode = LoraMode.auto
+    """A PEFT LoRA model: adapter (only the adapter tensors, PEFT's names), merged (only the tensors LoRA
+    changes, merged, base names), full (every tensor, merged, base names); auto = adapter for a PEFT model."""
+    lora_base: LoraBase = LoraBase.send_once
+    """trainer.lora=adapter|merged: send_once (the base weights go in the first delivered version) or
+    rollout_has (never: the rollout loaded the base itself)."""
     names: NamesConfig = field(default_factory=NamesConfig)
     """Name rules, applied in order: strip, rename, rename_regex, exclude."""
 
@@ -280,6 +309,9 @@ class SinkConfig:
     """`package.module:function` (callable sink) or the model (vllm)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Sink-specific keyword options, passed through."""
+    lora: LoraApply = LoraApply.keep
+    """Adapter versions (trainer.lora=adapter): keep (the module sink's factory builds a PEFT model, the
+    adapter is loaded into it) or merge (a plain module; W + scale * B @ A merged on arrival)."""
     file_mode: int | None = None
     """safetensors sink: permission bits of the files it writes, e.g. 0600 (YAML octal) so only this user
     reads the weights; null = the process umask decides (usually 0644)."""

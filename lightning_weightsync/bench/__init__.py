@@ -3,7 +3,7 @@
 a ratio against a baseline measured in the same run, in the same processes: absolute numbers from a
 shared 2-core machine mean little; ratios travel.
 
-    lightning-weightsync bench [--json] [--size small|default] [--only chunking|delta|engine|latency|nixl|stall]
+    lightning-weightsync bench [--json] [--size small|default] [--only chunking|delta|engine|latency|lora|nixl|stall]
     python -m lightning_weightsync.bench.engine --help
 
 Each benchmark module has `SIZES` (its `run()` keyword arguments per `--size`) and `ESTIMATE_S` (how
@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-BENCHMARKS = ("chunking", "delta", "engine", "latency", "nixl", "stall")
+BENCHMARKS = ("chunking", "delta", "engine", "latency", "lora", "nixl", "stall")
 BENCH_SIZES = ("small", "default")
 """`--size`: small = every benchmark scaled down to about a minute or less (a smoke run, ratios noisier);
 default = the sizes the documented figures come from."""

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorMeta, as_bytes
-from ..protocol.messages import BucketMeta, Plan
+from ..protocol.messages import BucketMeta, LoraSpec, Plan
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
 from ..transport.executor import SerialExecutor, forget
 from .session import ReceiverSession
@@ -102,6 +102,7 @@ class BucketPipeline:
         # {name sent: other names of that tensor}: the version's first bucket says (tied embeddings),
         # known before any destination is asked for
         self.tied: dict[str, list[str]] = {}
+        self.lora: LoraSpec | None = None  # the version is of a PEFT LoRA model (bucket 0 says)
 
     async def _produce(self) -> None:
         """Post each bucket's broadcast as soon as its metadata is here and it has somewhere to land;
@@ -122,6 +123,7 @@ class BucketPipeline:
                     )
                 if index == 0:
                     self.tied = {name: list(aliases) for name, aliases in meta.tied.items()}
+                    self.lora = meta.lora
                 target = self._direct_target(meta)
                 slot = NO_SLOT
                 if target is None:

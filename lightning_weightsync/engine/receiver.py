@@ -30,7 +30,7 @@ from ..errors import (
     explain,
 )
 from ..protocol.chunks import TensorMeta, merge_weight_chunks
-from ..protocol.messages import BucketMeta, Plan, Prepare
+from ..protocol.messages import BucketMeta, LoraSpec, Plan, Prepare
 from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
@@ -113,6 +113,12 @@ class WeightReceiver(Endpoint):
         embeddings are sent once); known once its first bucket's metadata arrived, before any
         destination is asked for."""
         return dict(self._pipeline.tied) if self._pipeline is not None else {}
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        """The version in flight's LoRA spec (`trainer.lora`: mode, base included, adapter config), known with
+        its first bucket like `tied`; None for a version that is not of a PEFT LoRA model."""
+        return self._pipeline.lora if self._pipeline is not None else None
 
     @property
     def dropped_messages(self) -> int:

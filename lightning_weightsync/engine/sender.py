@@ -46,7 +46,17 @@ from ..protocol.chunks import (
 )
 from ..protocol.dtypes import dtype_name
 from ..protocol.fingerprint import NO_FINGERPRINT
-from ..protocol.messages import BucketMeta, Entry, GroupSpec, Member, SenderAddress, check_tensor, validate_tied
+from ..protocol.messages import (
+    BucketMeta,
+    Entry,
+    GroupSpec,
+    LoraSpec,
+    Member,
+    SenderAddress,
+    check_tensor,
+    validate_lora,
+    validate_tied,
+)
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
@@ -285,6 +295,7 @@ class WeightSender(Endpoint):
         stable_tensors: bool | None = None,
         tied: Mapping[str, Iterable[str]] | None = None,
         sharding: Sharding | None = None,
+        lora: LoraSpec | None = None,
     ) -> SendStats:
         """Send one version; raises `WeightSyncError` (after draining `weights`) on failure.
 
@@ -297,6 +308,7 @@ class WeightSender(Endpoint):
         are; a generator of the caller's is not, and gets the safe path unless it says True).
         `tied`: {name sent: other names of that tensor} (tied embeddings, sent once); it travels
         with the first bucket so every sink can restore the tie.
+        `lora`: what the version is of a PEFT LoRA model (`trainer/lora.py`); it travels with the first bucket.
         `sharding`: this sender's part in a sharded version (see `Sharding`); `weights` may then
         yield `(name, TensorShard)` items, the byte ranges this rank owns.
         """
@@ -344,6 +356,8 @@ class WeightSender(Endpoint):
             tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
             try:
                 validate_tied(BucketMeta(version, 0, False, 0, [], tied_names))  # what every receiver checks
+                if lora is not None:
+                    validate_lora(lora)
             except ProtocolError:
                 source.failed = True  # a local failure: the group is fine
                 raise
@@ -368,7 +382,7 @@ class WeightSender(Endpoint):
             # 4: bucket metadata, each ahead of its bytes
             await self._stream(
                 source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names, sender=index,
-                delta=delta,
+                delta=delta, lora=lora,
             )  # fmt: skip
             acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
@@ -450,6 +464,7 @@ class WeightSender(Endpoint):
         tied: dict[str, list[str]] | None = None,
         sender: int = 0,
         delta: VersionDelta | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         """Split, pack, publish, broadcast, swap: the bucket sequence of one version.
 
@@ -494,7 +509,7 @@ class WeightSender(Endpoint):
             carried = bucket_sizes if any(size >= 0 for size in bucket_sizes) else []
             meta = BucketMeta(
                 version, index, is_last, nbytes, bucket_entries, first_tied, sender, fingerprints=checked,
-                deltas=carried, delta_base=delta_base if carried else -1,
+                deltas=carried, delta_base=delta_base if carried else -1, lora=lora if index == 0 else None,
             )  # fmt: skip
             await self._steps.publish(peers, meta)
             stats.num_buckets += bool(bucket_entries)
@@ -693,10 +708,11 @@ class BlockingWeightSender:
         stable_tensors: bool | None = None,
         tied: Mapping[str, Iterable[str]] | None = None,
         sharding: Sharding | None = None,
+        lora: LoraSpec | None = None,
     ) -> SendStats:
         """`WeightSender.send_weights`, run to completion on this object's loop (`interrupt()` stops it)."""
         coro = self.sender.send_weights(
-            weights, version=version, stable_tensors=stable_tensors, tied=tied, sharding=sharding
+            weights, version=version, stable_tensors=stable_tensors, tied=tied, sharding=sharding, lora=lora
         )
         if self._loop.is_closed():
             return self._run(coro)  # raises: closed

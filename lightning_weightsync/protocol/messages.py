@@ -195,6 +195,33 @@ class Plan(msgspec.Struct, tag="plan", frozen=True):
         return self.group.session
 
 
+LORA_MODES = ("adapter", "merged", "full")
+LORA_BIASES = ("none", "all", "lora_only")
+MAX_LORA_RANK = 1 << 16
+MAX_LORA_NAMES = 1024  # target_modules + modules_to_save + rank/alpha patterns together
+
+
+class LoraSpec(msgspec.Struct, frozen=True):
+    """What a version of a PEFT LoRA model is (`trainer.lora`), in its first bucket: the mode, whether the
+    base weights are in it, and the adapter's config, as PEFT's `LoraConfig` has it (enough to write an
+    `adapter_config.json` that `PeftModel.from_pretrained` loads, and to check the rollout's model)."""
+
+    mode: str  # one of LORA_MODES
+    base: bool  # the version carries base weights too (under the base model's names)
+    r: int
+    lora_alpha: float
+    target_modules: list[str] | str  # a list of names, or PEFT's regex string
+    lora_dropout: float = 0.0
+    use_rslora: bool = False
+    use_dora: bool = False
+    fan_in_fan_out: bool = False
+    bias: str = "none"
+    modules_to_save: list[str] = []
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    task_type: str | None = None
+
+
 class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     """Sender -> receiver: what the next broadcast bucket holds.
 
@@ -217,6 +244,7 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     fingerprints: list[int] = []
     deltas: list[int] = []
     delta_base: int = -1
+    lora: LoraSpec | None = None  # bucket 0 only: the version is of a PEFT LoRA model (`trainer.lora`)
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -575,8 +603,37 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
                 f"bucket's {msg.nbytes} bytes"
             )
     validate_tied(msg)
+    if msg.lora is not None:
+        if msg.bucket_index != 0:
+            raise ProtocolError(f"bucket {msg.bucket_index} carries a LoRA spec; only bucket 0 may")
+        validate_lora(msg.lora)
     validate_fingerprints(msg)
     validate_deltas(msg)
+
+
+def validate_lora(spec: LoraSpec) -> None:
+    """A LoRA spec's ranges: a known mode and bias, a rank and alpha in range, a dropout in [0, 1), names
+    bounded like tensor names. Whether it fits the rollout's model is the sink's check."""
+    if spec.mode not in LORA_MODES:
+        raise ProtocolError(f"LoRA mode {spec.mode[:32]!r} is not one of {', '.join(LORA_MODES)}")
+    if spec.bias not in LORA_BIASES:
+        raise ProtocolError(f"LoRA bias {spec.bias[:32]!r} is not one of {', '.join(LORA_BIASES)}")
+    ranks = [spec.r, *spec.rank_pattern.values()]
+    if any(not (1 <= r <= MAX_LORA_RANK) for r in ranks):
+        raise ProtocolError(f"LoRA rank out of [1, {MAX_LORA_RANK}]: {ranks[:4]}")
+    alphas = [spec.lora_alpha, *spec.alpha_pattern.values()]
+    if any(not math.isfinite(a) or a <= 0 for a in alphas):
+        raise ProtocolError(f"LoRA alpha not a positive finite number: {alphas[:4]}")
+    if not (0.0 <= spec.lora_dropout < 1.0):
+        raise ProtocolError(f"LoRA dropout {spec.lora_dropout} is not in [0, 1)")
+    targets = [spec.target_modules] if isinstance(spec.target_modules, str) else spec.target_modules
+    names = [*targets, *spec.modules_to_save, *spec.rank_pattern, *spec.alpha_pattern]
+    if len(names) > MAX_LORA_NAMES:
+        raise ProtocolError(f"LoRA spec lists {len(names)} names (limit {MAX_LORA_NAMES})")
+    for name in names:
+        if not name or len(name) > MAX_NAME_LEN:
+            raise ProtocolError(f"LoRA spec name of length {len(name)} is empty or over {MAX_NAME_LEN}")
+    _check_text("LoRA task_type", spec.task_type, 64)
 
 
 def validate_deltas(msg: BucketMeta) -> None:
@@ -661,7 +718,8 @@ def _to_receiver_bytes() -> int:
     """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
     tied = 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
     per_entry = 2 * (5 + MAX_BUCKET_ENTRIES * _INT_BYTES) + _INT_BYTES  # fingerprints, deltas, delta_base
-    bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry
+    lora = _STRUCT_BYTES + 5 * (_text_bytes(16) + _INT_BYTES) + 4 * 5 + MAX_LORA_NAMES * (_text_bytes(MAX_NAME_LEN) + 9)
+    bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry + lora
     joins = (
         _text_bytes(256) + _INT_BYTES,  # StoreJoin
         5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin

@@ -37,6 +37,7 @@ import torch
 from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError, explain
 from ..protocol.chunks import TensorMeta
+from ..protocol.messages import LoraSpec
 from .observability import VersionRecord
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ async def consume_version(
         v.version = int(receiver.version)
         v.began = True
         try:
-            sink.begin(v.version, tied=receiver.tied)  # bucket 0 (with the tied names) is here
+            begin_version(sink, v.version, receiver.tied, receiver.lora)  # bucket 0 (tied names, LoRA spec) is here
         except (SinkError, OSError) as exc:
             v.failed = sink_failure(exc, "begin", v.version)
 
@@ -173,6 +174,23 @@ async def consume_version(
     return record
 
 
+def begin_version(
+    sink: VersionSink, version: int, tied: Mapping[str, Sequence[str]], lora: LoraSpec | None
+) -> None:
+    """`sink.begin`, with the version's LoRA spec for a sink that takes one (`takes_lora`). An adapter version
+    (`trainer.lora=adapter`) into a sink that does not is refused here, before anything is applied; merged and
+    full versions are plain weights under the base model's names, which every sink takes."""
+    if lora is not None and getattr(sink, "takes_lora", False):
+        sink.begin(version, tied=tied, lora=lora)  # type: ignore[call-arg]
+        return
+    if lora is not None and lora.mode == "adapter":
+        raise SinkError(
+            f"version {version} is a LoRA adapter (trainer.lora=adapter), which {type(sink).__name__} cannot load; "
+            "set trainer.lora=merged (or full) on the trainer, or use the module or safetensors sink"
+        )
+    sink.begin(version, tied=tied)
+
+
 def sink_failure(exc: SinkError | OSError, what: str, version: int | None) -> SinkError:
     """`exc` as the `SinkError` that fails this version: an `OSError` (a full disk, a permission, an I/O
     error) is the environment's, not a bug; it names the errno, the file and what was being done."""
@@ -188,4 +206,4 @@ def sink_failure(exc: SinkError | OSError, what: str, version: int | None) -> Si
     return failure
 
 
-__all__ = ["Call", "VersionSink", "call_inline", "consume_version", "sink_failure"]
+__all__ = ["Call", "VersionSink", "begin_version", "call_inline", "consume_version", "sink_failure"]

@@ -43,6 +43,7 @@ from ..config import DeltaMode, FailurePolicy, SendMode, VerifyMode
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
+from .lora import LoraSync
 from .names import tied_names
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class SyncDriver:
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
         self.record = record if record is not None else SyncRecord()
+        self.lora = LoraSync(cfg.trainer, self.record)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
         self._tied_logged = False
         self._syncs = 0  # syncs started: the same count on every rank (names a sync in the store)
         self._failing_since: int | None = None  # first version of the current run of failures (warn)
@@ -329,6 +331,11 @@ class SyncDriver:
     def weights(self, module: nn.Module, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
         """The stream a sync sends (names, dtype, exclusions exactly as configured)."""
         tr = self.cfg.trainer
+        if self.lora.applies(module, self.prefix, bool(tr.include_buffers)):
+            return self.lora.weights(
+                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
+                keep_on_rank=keep_on_rank, prefix=self.prefix,
+            )  # fmt: skip
         return iter_full_parameters(
             module,
             include_buffers=bool(tr.include_buffers),
@@ -342,6 +349,9 @@ class SyncDriver:
         """{name sent: other names of the same tensor} under this sync's rules (tied embeddings are
         sent once). Local, no collectives; travels in the version's first `BucketMeta.tied`."""
         tr = self.cfg.trainer
+        if self.lora.applies(module, self.prefix, bool(tr.include_buffers)):
+            buffers = bool(tr.include_buffers)
+            return self.lora.tied(module, include_buffers=buffers, names_cfg=tr.names, prefix=self.prefix)
         return tied_names(module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, prefix=self.prefix)
 
     def sync(self, module: nn.Module, version: int) -> bool:
@@ -359,7 +369,7 @@ class SyncDriver:
     def sends_sharded(self, module: nn.Module) -> bool:
         """Whether this sync sends in sharded mode: configured, started, and an FSDP2-sharded model (others
         fall back to the gather, said once)."""
-        if not self.sharded or not self.addresses:
+        if not self.sharded or not self.addresses or self.lora.applies(module, self.prefix, True):
             return False
         sharded = is_sharded(module)
         if not sharded and not self._mode_logged:
@@ -443,7 +453,7 @@ class SyncDriver:
                 logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
 
         def send() -> SendStats:
-            return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied)
+            return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied, lora=self.lora.spec)
 
         try:
             if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume

@@ -114,6 +114,7 @@ def iter_full_parameters(
     dtype: torch.dtype | str | None = None,
     keep_on_rank: int | None = 0,
     prefix: str | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[NamedTensor]:
     """Yield `(name, full_tensor)` for every parameter (and persistent buffer) of `module`.
 
@@ -127,6 +128,8 @@ def iter_full_parameters(
             but must still exhaust the iterator (see `drain`). None: every rank yields.
         prefix: keep only tensors under this submodule path (e.g. the LightningModule attribute
             ``"model"``) and strip it from their names.
+        select: keep only tensors whose raw (wrapper-free, unprefixed) name it accepts, decided before
+            the collective, so it must decide alike on every rank (`trainer/lora.py` sends only an adapter).
 
     Raises:
         ConfigError: a bad `names_cfg`/`dtype`, or two tensors mapped to the same name (raised on
@@ -138,6 +141,8 @@ def iter_full_parameters(
 
     def emit(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[NamedTensor]:
         for raw, tensor in tensors:
+            if select is not None and not select(raw):
+                continue
             name = named(raw)
             if name is None:
                 continue

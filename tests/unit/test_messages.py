@@ -27,6 +27,8 @@ from lightning_weightsync.protocol.messages import (
     MAX_FRAME_TO_RECEIVER,
     MAX_FRAME_TO_SENDER,
     MAX_IDENTITY_LEN,
+    MAX_LORA_NAMES,
+    MAX_LORA_RANK,
     MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
@@ -47,6 +49,7 @@ from lightning_weightsync.protocol.messages import (
     DecoderBug,
     Entry,
     GroupSpec,
+    LoraSpec,
     Member,
     Message,
     NcclJoin,
@@ -859,6 +862,16 @@ def _wide(chars: int, prefix: str = "") -> str:
     return (prefix + WIDE * chars)[:chars]
 
 
+def _largest_lora() -> LoraSpec:
+    names = [_wide(MAX_NAME_LEN, f"{i}.") for i in range(MAX_LORA_NAMES)]
+    quarter = MAX_LORA_NAMES // 4
+    return LoraSpec(
+        "adapter", True, MAX_LORA_RANK, 1e308, names[:quarter], 0.999, True, True, True, "lora_only",
+        names[quarter : 2 * quarter], {n: MAX_LORA_RANK for n in names[2 * quarter : 3 * quarter]},
+        {n: 1e308 for n in names[3 * quarter :]}, _wide(64),
+    )  # fmt: skip
+
+
 def _largest_to_receiver() -> dict[str, Message]:
     dtype = max(DTYPES, key=len)
     entry = [
@@ -882,6 +895,7 @@ def _largest_to_receiver() -> dict[str, Message]:
             [(1 << 64) - 1] * len(entry),
             [(1 << 39) - 1] * len(entry),
             (1 << 63) - 2,
+            _largest_lora(),
         ),
         "plan": Plan((1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)]),
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN), _wide(256)),

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from ...config import ApplyMode, SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
-from ...protocol.messages import alias_sent_twice
+from ...protocol.messages import LoraSpec, alias_sent_twice
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class Sink(ABC):
 
     #: True when accept/commit do file or user-code work that must not run on the event loop.
     blocking_io: bool = False
+    #: True when `begin` takes the version's LoRA spec (`lora=`); every local sink does (see `lora_mode`).
+    takes_lora: bool = True
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -67,18 +69,31 @@ class Sink(ABC):
         self.version: int | None = None  # last complete version
         self.state = SinkState.EMPTY
         self.tied: dict[str, tuple[str, ...]] = {}  # the version in flight's {sent name: aliases}
+        self.lora: LoraSpec | None = None  # the version in flight's LoRA spec (trainer.lora), None: plain weights
+        self.lora_mode: str | None = None  # the LoRA mode of the committed versions ("none" for plain ones)
         self._in_flight: int | None = None
 
     # --- the driven interface -------------------------------------------------------------------
-    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
+    def begin(
+        self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
+    ) -> None:
         """Start `version`. `tied` says which tensors the trainer sends once for several names
         (``{sent_name: (alias, ...)}``, e.g. ``{"model.embed_tokens.weight": ("lm_head.weight",)}``
         with tied embeddings); every sink honours it (module: restores the tie; safetensors: writes
         the tensor once, as Hugging Face checkpoints do, and records the aliases; callable: yields
-        every name). Sinks that hold a module also find the ties of that module on their own."""
+        every name). Sinks that hold a module also find the ties of that module on their own.
+        `lora`: the version is of a PEFT LoRA model (`trainer.lora`); a version whose mode differs from the
+        versions this sink committed (adapter after merged, or LoRA after plain weights) is refused here."""
         if self._in_flight is not None:
             raise SinkError(f"version {version} begun while version {self._in_flight} is still in flight")
+        mode = lora.mode if lora is not None else "none"
+        if self.lora_mode is not None and mode != self.lora_mode:
+            raise SinkError(
+                f"version {version} is trainer.lora={mode} but this rollout holds trainer.lora={self.lora_mode} "
+                "versions; a rollout takes one mode: restart it (or set trainer.lora back)"
+            )
         self.tied = _check_tied(tied)
+        self.lora = lora
         self._in_flight = version
         self._begin(version)
 
@@ -100,6 +115,7 @@ class Sink(ABC):
         self._in_flight = None
         self.version = version
         self.state = SinkState.COMPLETE
+        self.lora_mode = self.lora.mode if self.lora is not None else "none"
 
     def abort(self, version: int, reason: str) -> None:
         """Drop the version in flight (no-op when nothing is in flight)."""

@@ -52,6 +52,8 @@ class _Abort:
 class CallableSink(Sink):
     """Calls `rollout.sink.target(version, iterator of (name, tensor))` once per version."""
 
+    takes_lora = False  # adapter versions are refused (consume.begin_version); merged / full are plain weights
+
     blocking_io = True
 
     def __init__(self, cfg: DictConfig, fn: Callable[[int, Iterator[tuple[str, torch.Tensor]]], Any] | None = None):

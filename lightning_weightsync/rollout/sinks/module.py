@@ -18,6 +18,9 @@ Names of the module that share one storage count as one tensor here, so the alia
 "missing" nor written twice; when the version says an alias is tied (`begin(version, tied=...)`)
 and this module keeps it as a tensor of its own (built untied), the sent value is copied into it,
 so the tie holds after every version either way.
+
+LoRA adapter versions (`trainer.lora=adapter`): `rollout.sink.lora` decides, `lora.py` beside this file
+says how (`keep`: into the factory's PEFT model; `merge`: merged into the factory's plain model at commit).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import threading
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ...config import ApplyMode, SinkType
+from ...config import ApplyMode, LoraApply, SinkType
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
 from .base import Sink, SinkState, describe, load_callable, register_sink
+from .lora import LoraLoader
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +81,16 @@ class ModuleSink(Sink):
         self._shadows: dict[int, torch.Tensor] = {}  # id(live tensor) -> staging tensor (atomic)
         self._received: dict[str, torch.Tensor] = {}
         self._touched_live = False
+        self._lora = LoraLoader(LoraApply(cfg.rollout.sink.get("lora", "keep")), self.module, self._live)
 
     # --- helpers --------------------------------------------------------------------------------
+    def _name(self, name: str) -> str:
+        """The live name of a received one (a LoRA adapter's names map onto the PEFT model's)."""
+        live = self._lora.live_name(name)
+        return name if live is None else live
+
     def _target(self, meta: TensorMeta) -> torch.Tensor:
-        live = self._live.get(meta.name)
+        live = self._live.get(self._name(meta.name))
         if live is None:
             raise SinkError(_unknown_name_message(meta, self._live))
         if tuple(live.shape) != meta.shape or live.dtype != meta.dtype:
@@ -101,7 +111,9 @@ class ModuleSink(Sink):
     def held(self, meta: TensorMeta) -> torch.Tensor | None:
         """The live tensor of `meta.name` a delta is applied onto (read only, unless it is the destination:
         `streaming`); None where it does not match (the version then fails and the next one is whole)."""
-        live = self._live.get(meta.name)
+        if self._lora.live_name(meta.name) is None:
+            return None
+        live = self._live.get(self._name(meta.name))
         if live is None or tuple(live.shape) != meta.shape or live.dtype != meta.dtype:
             return None
         return live
@@ -121,8 +133,12 @@ class ModuleSink(Sink):
     def _begin(self, version: int) -> None:
         self._received = {}
         self._touched_live = False
+        self._lora.begin(self.lora)
 
     def _destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        if self._lora.live_name(meta.name) is None:  # a LoRA factor, merged at commit
+            self._lora.check_factor(meta.name, meta.shape)
+            return None
         live = self._target(meta)
         if self.apply is ApplyMode.streaming:
             if not live.is_contiguous():
@@ -136,6 +152,11 @@ class ModuleSink(Sink):
         return shadow
 
     def _accept(self, name: str, tensor: torch.Tensor) -> None:
+        if self._lora.live_name(name) is None:
+            self._lora.check_factor(name, tuple(tensor.shape))
+            self._lora.hold(name, tensor)
+            return
+        name = self._name(name)
         live = self._live.get(name)
         if live is None:  # a destination was not asked for (should not happen); same message
             self._target(TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, 0))
@@ -151,10 +172,14 @@ class ModuleSink(Sink):
         self._received[name] = live
 
     def _commit(self, version: int) -> None:
+        merges = self._lora.merges()  # raises before anything is applied when a factor lacks its pair
         carried = {self._storage_of[n] for n in self._received}
+        carried.update(self._storage_of[w] for w, _, _ in merges)
         for aliases in (self.tied.get(n, ()) for n in self._received):
-            carried.update(self._storage_of[a] for a in aliases if a in self._live)
+            carried.update(self._storage_of[self._name(a)] for a in aliases if self._name(a) in self._live)
         missing = [n for n in self._live if self._storage_of[n] not in carried]
+        if self.lora is not None and not self.lora.base:
+            missing = []  # a LoRA version without the base carries only what changes, by design
         if missing:
             logger.warning(
                 "version %d did not carry %d of the module's %d tensors (e.g. %s); they keep their old values",
@@ -171,20 +196,28 @@ class ModuleSink(Sink):
                         live.copy_(self._shadows[id(live)])
                         done.add(id(live))
                 self._restore_ties()
+                self._merge(merges)
         else:
             with torch.no_grad():
                 self._restore_ties()
+                self._merge(merges)
         self._received = {}
+
+    def _merge(self, merges: list[tuple[str, str, str]]) -> None:
+        """rollout.sink.lora=merge: each targeted weight becomes base + scale * B @ A (after the base, if this
+        version carried it, was copied in)."""
+        for weight, a, b in merges:
+            self._live[weight].copy_(self._lora.merge(weight, a, b, base_received=weight in self._received))
 
     def _restore_ties(self) -> None:
         """Aliases the version declares tied but this module keeps apart get the sent value."""
         for source, aliases in self.tied.items():
-            src = self._received.get(source)
+            src = self._received.get(self._name(source))
             if src is None:
                 continue
-            for alias in aliases:
+            for alias in (self._name(a) for a in aliases):
                 live = self._live.get(alias)
-                if live is None or self._storage_of[alias] == self._storage_of[source]:
+                if live is None or self._storage_of[alias] == self._storage_of[self._name(source)]:
                     continue  # not in this module, or tied here already (one storage)
                 if live.shape != src.shape or live.dtype != src.dtype:
                     raise SinkError(
@@ -195,6 +228,7 @@ class ModuleSink(Sink):
 
     def _abort(self, version: int, reason: str) -> bool:
         self._received = {}
+        self._lora.factors = {}
         touched, self._touched_live = self._touched_live, False
         return touched
 

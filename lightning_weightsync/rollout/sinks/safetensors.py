@@ -41,6 +41,13 @@ under the name it was sent as, which is what Hugging Face checkpoints of tied mo
 (`model.embed_tokens.weight`, no `lm_head.weight`): `from_pretrained` re-ties it from the config and
 `safetensors.torch.load_model(model, path)` accepts the missing alias because the model shares it.
 The aliases are recorded in the header's `__metadata__["tied"]` (JSON) for anyone who needs them.
+
+LoRA adapter versions (`trainer.lora=adapter`): each version becomes the adapter directory PEFT's
+`save_pretrained` writes, `<dir>/step_<version>/adapter_model.safetensors` (PEFT's names) plus
+`adapter_config.json` (from the version's `LoraSpec`), which `PeftModel.from_pretrained(base, path)` and
+vLLM's `--enable-lora` load as is; staged and renamed into place like a checkpoint directory. The base
+weights do not belong in an adapter directory: a version that carries them is refused, naming
+`trainer.lora_base=rollout_has` (whoever loads these directories has the base model already).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from omegaconf import DictConfig
 from ...config import SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta, as_bytes
+from ...protocol.messages import LoraSpec
 from ...transport.process import process_alive
 from .base import Sink, register_sink
 
@@ -71,6 +79,8 @@ TEMP_RE = re.compile(r"^\.step_(\d+)\.safetensors\.(\d+)\.tmp2?$")
 FINAL_DIR_RE = re.compile(r"^step_(\d+)$")
 TEMP_DIR_RE = re.compile(r"^\.step_(\d+)\.(\d+)(?:\.old)?\.tmpdir$")  # .old: a replaced step_N/
 WEIGHTS_NAME = "model.safetensors"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's save_pretrained names
+ADAPTER_CONFIG_NAME = "adapter_config.json"
 # files of a template checkpoint that are weights (ours replace them), never copied
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -164,6 +174,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def adapter_config(spec: LoraSpec) -> dict[str, object]:
+    """The `adapter_config.json` of an adapter version: PEFT's `LoraConfig` fields, from the version's spec."""
+    return {
+        "peft_type": "LORA",
+        "task_type": spec.task_type,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+        "r": spec.r,
+        "lora_alpha": spec.lora_alpha,
+        "target_modules": spec.target_modules,
+        "lora_dropout": spec.lora_dropout,
+        "use_rslora": spec.use_rslora,
+        "use_dora": spec.use_dora,
+        "fan_in_fan_out": spec.fan_in_fan_out,
+        "bias": spec.bias,
+        "modules_to_save": spec.modules_to_save or None,
+        "rank_pattern": spec.rank_pattern,
+        "alpha_pattern": spec.alpha_pattern,
+    }
+
+
 @register_sink(SinkType.safetensors)
 class SafetensorsSink(Sink):
     """Writes each complete version to `<rollout.sink.dir>/step_<version>.safetensors`, keeps the last K."""
@@ -203,7 +234,13 @@ class SafetensorsSink(Sink):
         """The weights file of the last complete version (inside its directory in template mode)."""
         if self.version is None:
             return None
+        if self.lora_mode == "adapter":
+            return self.dir / f"step_{self.version}" / ADAPTER_WEIGHTS_NAME
         return self.dir / f"step_{self.version}" / WEIGHTS_NAME if self.template else step_path(self.dir, self.version)
+
+    @property
+    def _adapter(self) -> bool:
+        return self.lora is not None and self.lora.mode == "adapter"
 
     def _remove_stale_temps(self) -> None:
         for p in self.dir.iterdir():
@@ -216,13 +253,18 @@ class SafetensorsSink(Sink):
                     p.unlink(missing_ok=True)
 
     def _begin(self, version: int) -> None:
-        if self.template is not None:
+        if self._adapter and self.lora is not None and self.lora.base:
+            raise SinkError(
+                f"version {version} is a LoRA adapter that carries the base weights, which an adapter directory does "
+                "not hold; set trainer.lora_base=rollout_has (the loader of these directories has the base model)"
+            )
+        if self.template is not None or self._adapter:
             self._stage = self.dir / f".step_{version}.{os.getpid()}.tmpdir"
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage.mkdir()
             if self.file_mode is not None:  # a directory's search bit wherever its read bit is set
                 os.chmod(self._stage, self.file_mode | (self.file_mode & 0o444) >> 2)
-            self._tmp = self._stage / WEIGHTS_NAME
+            self._tmp = self._stage / (ADAPTER_WEIGHTS_NAME if self._adapter else WEIGHTS_NAME)
         else:
             self._tmp = self.dir / f".step_{version}.safetensors.{os.getpid()}.tmp"
         self._reserve = max(MIN_HEADER_RESERVE, (self._last_header_len * 5 // 4 + 4095) // 8 * 8)
@@ -323,8 +365,14 @@ class SafetensorsSink(Sink):
         already is, by `_commit`): otherwise a power loss could leave `step_N/config.json` empty
         under a complete-looking directory. The caller fsyncs the parent directory afterwards.
         """
-        assert self.template is not None
-        for src in sorted(self.template.iterdir()):
+        if self._adapter and self.lora is not None:
+            config = stage / ADAPTER_CONFIG_NAME
+            with open(config, "w") as f:
+                self._chmod(f.fileno())
+                json.dump(adapter_config(self.lora), f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+        for src in sorted(self.template.iterdir()) if self.template is not None else ():
             if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES) and src.name not in WEIGHT_INDEXES:
                 dst = stage / src.name
                 shutil.copy2(src, dst)
@@ -344,7 +392,7 @@ class SafetensorsSink(Sink):
         return final
 
     def _prune(self) -> None:
-        pattern = FINAL_DIR_RE if self.template is not None else FINAL_RE
+        pattern = FINAL_DIR_RE if self.template is not None or self._adapter else FINAL_RE
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := pattern.match(p.name))]
         found.sort(key=lambda vp: (vp[1].stat().st_mtime_ns, vp[0]))
         for _, old in found[: max(0, len(found) - self.keep_last)]:
