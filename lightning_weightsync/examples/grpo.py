@@ -44,7 +44,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -154,7 +153,9 @@ def generate(
     return seq[:, prompts.shape[1] :], torch.cat(logprobs, dim=1)
 
 
-def token_logprobs(model: torch.nn.Module, sequences: torch.Tensor, prompt_len: int, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module, sequences: torch.Tensor, prompt_len: int, temperature: float
+) -> torch.Tensor:
     """Log-probabilities of the completion tokens of `sequences` (prompt + completion) under `model`."""
     logits = model(sequences[:, :-1])[:, prompt_len - 1 :].float() / temperature
     return F.log_softmax(logits, dim=-1).gather(2, sequences[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
@@ -399,7 +400,7 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
                 rows = [
                     (p + c, lp, r)
                     for m in messages
-                    for p, c, lp, r in zip(m["prompts"], m["completions"], m["logprobs"], m["rewards"])
+                    for p, c, lp, r in zip(m["prompts"], m["completions"], m["logprobs"], m["rewards"], strict=True)
                 ][:batch]
                 sequences = torch.tensor([r[0] for r in rows], dtype=torch.long)
                 floats = torch.tensor([[*r[1], r[2]] for r in rows], dtype=torch.float32)
@@ -409,7 +410,7 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
                     "staleness": step - min(versions),
                     "wait_samples_s": waited,
                     "generate_s": max(m["generate_s"] for m in messages),
-                    "rollout_fingerprints": {str(m["version"]): m["fingerprint"] for m in messages},
+                    "samples": [{k: m[k] for k in ("rollout", "version", "fingerprint")} for m in messages],
                     "dropped_groups": source.dropped // recipe.group_size,
                 }
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -427,7 +428,9 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
             if self.reference is not None:
                 with torch.no_grad():
                     ref = token_logprobs(self.reference, sequences[mine], prompt_len, recipe.temperature)
-            loss, stats = grpo_loss(logprobs, old_logprobs[mine], advantages[mine], recipe.clip_eps, ref, recipe.kl_coef)
+            loss, stats = grpo_loss(
+                logprobs, old_logprobs[mine], advantages[mine], recipe.clip_eps, ref, recipe.kl_coef
+            )
             self.last.update(reward_mean=float(rewards.mean()), loss=float(loss.detach()), **stats)
             return loss
 
@@ -467,11 +470,12 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
                 return
             step, last = trainer.global_step, pl_module.last
             stats = getattr(sync, "last_stats", None)
-            sync_s = float(stats.seconds) if stats is not None and stats.version == step else float("nan")
-            for version, theirs in last["rollout_fingerprints"].items():
-                ours = self.trainer_fingerprints.get(int(version))
-                if ours != theirs:
-                    self.mismatches.append(f"version {version}: trainer {ours}, rollout {theirs}")
+            sync_s = float(stats.seconds) if stats is not None and stats.version == step else None
+            versions = sorted({m["version"] for m in last["samples"]})
+            for m in last["samples"]:
+                ours = self.trainer_fingerprints.get(m["version"])
+                if ours != m["fingerprint"]:
+                    self.mismatches.append(f"version {m['version']}: trainer {ours}, rollout {m['rollout']} {m}")
             row = {
                 "setting": label,
                 "step": step,
@@ -486,8 +490,11 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
                 "kl": last["kl"],
                 "clip_frac": last["clip_frac"],
                 "dropped_groups": last["dropped_groups"],
-                "trainer_fingerprint": self.trainer_fingerprints[step],
-                "rollout_fingerprints": last["rollout_fingerprints"],
+                "trainer_fingerprint": self.trainer_fingerprints[step],  # of the version this step sent
+                # the samples' versions: the trainer's fingerprint of each (taken right after it was sent),
+                # and per message the one its rollout reported for the weights it generated with
+                "trainer_fingerprints": {str(v): self.trainer_fingerprints.get(v) for v in versions},
+                "samples": last["samples"],
                 "elapsed_s": time.monotonic() - self.started,
             }
             self.rows.append(row)
@@ -495,12 +502,16 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
                 f.write(json.dumps(row) + "\n")
             print(
                 f"step {step:4d}/{recipe.steps}  reward {row['reward_mean']:.3f}  samples v{row['sample_version']} "
-                f"(staleness {row['staleness']})  sync {sync_s:.3f}s  stall {row['stall_s']:.3f}s  "
-                f"wait {row['wait_samples_s']:.3f}s  loss {row['loss']:+.4f}",
+                f"(staleness {row['staleness']})  sync {_seconds(sync_s)}  stall {row['stall_s']:.3f}s  "
+                f"wait {row['wait_samples_s']:.3f}s" + (f"  kl {row['kl']:.4f}" if recipe.kl_coef else ""),
                 flush=True,
             )
 
     return StepLog()
+
+
+def _seconds(value: float | None) -> str:
+    return "   ?  " if value is None else f"{value:.3f}s"
 
 
 def plot(output_dir: Path) -> str:
@@ -516,7 +527,7 @@ def plot(output_dir: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install 'lightning_weightsync[plot]'); the JSONL has it all"
+        return "plot skipped: matplotlib is not installed (pip install 'lightning_weightsync[plot]'); the JSONL has it"
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.2), sharex=True)
     for name, rows in runs.items():
         steps = [r["step"] for r in rows]
@@ -527,10 +538,11 @@ def plot(output_dir: Path) -> str:
         (line,) = top.plot(steps, smooth, label=name)
         top.plot(steps, rewards, color=line.get_color(), alpha=0.25, linewidth=0.8)
         bottom.plot(steps, [r["stall_s"] * 1000 for r in rows], color=line.get_color(), label=name)
-    top.set_ylabel("reward (mean; line: 5-step running mean)")
+    top.set_ylabel("reward (5-step mean)")
     top.set_ylim(0, 1)
     top.legend(loc="lower right", fontsize="small")
     bottom.set_ylabel("trainer stall per sync (ms)")
+    bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step (= weight version)")
     top.set_title("GRPO, tiny LM on CPU: rollouts generate with the weights they received", fontsize="medium")
     fig.tight_layout()
@@ -653,7 +665,7 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
     head = rows[: max(1, min(10, len(rows) // 5))]
     tail = rows[-len(head) :]
     start, end = (sum(r["reward_mean"] for r in part) / len(part) for part in (head, tail))
-    checked = sorted({int(v) for r in rows for v in r["rollout_fingerprints"]})
+    checked = sorted({m["version"] for r in rows for m in r["samples"]})
     verdict = (
         f"the rollouts generated every one of {len(checked)} sample versions with exactly the trainer's weights of "
         "that version (fingerprints equal)"
