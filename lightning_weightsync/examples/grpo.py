@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from ..engine.verify import held_checksums
 from ..errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from .recipe import load_recipe, recipe_main, setup_logging
 from .tiny_lm import TinyLM, build_model
@@ -190,12 +191,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A digest of names, dtypes, shapes and bytes: equal on both sides exactly when the weights are bitwise equal."""
+    """One digest of a set of weights: the library's per-tensor fingerprint of each tensor's bytes
+    (`engine/verify.py held_checksums`, what `transport.verify` checks), with its name, dtype and shape,
+    in name order. The trainer takes it over the stream it sends, a rollout over the tensors it generates
+    with; equal digests mean the same weights."""
+    tensors = {name: tensor.detach().cpu() for name, tensor in named}
+    checksums = held_checksums(tensors)
     digest = hashlib.sha256()
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        t = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}|{t.dtype}|{list(tensor.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|{checksums[name]}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -670,7 +675,7 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
         f"the rollouts generated every one of {len(checked)} sample versions with exactly the trainer's weights of "
         "that version (fingerprints equal)"
         if not step_log.mismatches
-        else f"FINGERPRINT MISMATCH on {len(step_log.mismatches)} versions: {step_log.mismatches[:3]}"
+        else f"FINGERPRINT MISMATCH in {len(step_log.mismatches)} sample messages: {step_log.mismatches[:3]}"
     )
     lines = [
         f"grpo [{label}]: {len(rows)} steps; mean reward of the first {len(head)} steps {start:.3f}, "
