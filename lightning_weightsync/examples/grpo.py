@@ -695,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["rollout"]:
         return rollout_main(args[1:])
+    if not any(a == "--log-level" or a.startswith("--log-level=") for a in args):
+        args += ["--log-level", "WARNING"]  # the per-step line says it all; INFO adds a "version N sent" line a step
     resolved = os.environ.get(ROLLOUT_ENV)
     if resolved is not None:  # a rank Lightning launched: the same ports as the launching process
         return recipe_main(train, GRPORecipe, [*args, *json.loads(resolved)], description=__doc__)
