@@ -38,6 +38,7 @@ reads a `trainer.*` key except to name the setting in the plot.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -60,7 +61,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..engine.verify import held_checksums
 from ..errors import ConfigError, WeightSyncError, WeightSyncTimeout
-from .recipe import load_recipe, recipe_main, setup_logging
+from .recipe import build_parser, load_recipe, recipe_main, setup_logging
 from .tiny_lm import TinyLM, build_model
 
 logger = logging.getLogger("lightning_weightsync.examples.grpo")  # also when run as __main__
@@ -334,11 +335,9 @@ async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_
 
 def rollout_main(argv: Sequence[str]) -> int:
     """`python -m lightning_weightsync.examples.grpo rollout INDEX SAMPLES_ADDRESS --config ... key=value ...`"""
-    index, address, rest = int(argv[0]), argv[1], list(argv[2:])
-    config = rest[rest.index("--config") + 1] if "--config" in rest else None
-    overrides = [a for a in rest if "=" in a and not a.startswith("-")]
-    setup_logging("INFO")
-    recipe, cfg = load_recipe(config, overrides, schema=GRPORecipe)
+    index, address, parsed = int(argv[0]), argv[1], _parse(argv[2:])
+    setup_logging(parsed.log_level)
+    recipe, cfg = load_recipe(parsed.config, parsed.overrides, schema=GRPORecipe)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher stops us when training is done
     try:
         asyncio.run(rollout_loop(recipe, cfg, index, address))
@@ -690,39 +689,43 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
     return "\n".join(lines)
 
 
+def _parse(args: Sequence[str]) -> argparse.Namespace:
+    """The recipes' command line (examples/recipe.py), logging at WARNING unless told: the per-step line
+    says it all, INFO would add a "version N sent" line a step."""
+    parser = build_parser("grpo_tiny_cpu.py", "GRPO on CPU")
+    parser.set_defaults(log_level="WARNING")
+    return parser.parse_args(args)
+
+
+def _argv(parsed: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
+    """The same command line, options first, with `extra` overrides last (they win)."""
+    config = ["--config", parsed.config] if parsed.config else []
+    return [*config, "--log-level", parsed.log_level, *parsed.overrides, *extra]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The launching process starts the rollouts, then trains; the ranks Lightning starts only train."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["rollout"]:
         return rollout_main(args[1:])
-    if not any(a == "--log-level" or a.startswith("--log-level=") for a in args):
-        args += ["--log-level", "WARNING"]  # the per-step line says it all; INFO adds a "version N sent" line a step
+    parsed = _parse(args)
     resolved = os.environ.get(ROLLOUT_ENV)
     if resolved is not None:  # a rank Lightning launched: the same ports as the launching process
-        return recipe_main(train, GRPORecipe, [*args, *json.loads(resolved)], description=__doc__)
+        return recipe_main(train, GRPORecipe, _argv(parsed, json.loads(resolved)), description=__doc__)
     try:
-        recipe, cfg = _load_for_launch(args)
+        recipe, cfg = load_recipe(parsed.config, parsed.overrides, schema=GRPORecipe)
+        validate(recipe)  # before any process starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ports = _resolve_ports(recipe, cfg)
-    os.environ[ROLLOUT_ENV] = json.dumps(ports)
+    os.environ[ROLLOUT_ENV] = json.dumps(ports)  # the ranks Lightning starts inherit it
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    overrides = [*args, *ports]
+    full = _argv(parsed, ports)
     address = f"tcp://{cfg.transport.host}:{argv_value(ports, 'recipe.samples_port')}"
-    with _rollouts(recipe, overrides, address, output_dir) as procs:
-        return recipe_main(functools.partial(train, rollouts=procs), GRPORecipe, overrides, description=__doc__)
-
-
-def _load_for_launch(args: Sequence[str]) -> tuple[GRPORecipe, DictConfig]:
-    """The recipe as the launcher sees it (validated before any process starts)."""
-    from .recipe import build_parser
-
-    parsed, _ = build_parser(None, "grpo").parse_known_args(args)
-    recipe, cfg = load_recipe(parsed.config, parsed.overrides, schema=GRPORecipe)
-    validate(recipe)
-    return recipe, cfg
+    with _rollouts(recipe, full, address, output_dir) as procs:
+        return recipe_main(functools.partial(train, rollouts=procs), GRPORecipe, full, description=__doc__)
 
 
 if __name__ == "__main__":
