@@ -533,15 +533,17 @@ def plot(output_dir: Path) -> str:
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'lightning_weightsync[plot]'); the JSONL has it"
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.2), sharex=True)
-    for name, rows in runs.items():
+    styles = ("-", "--", ":", "-.")  # two settings that learn identically (gather, sharded) stay both visible
+    for index, (name, rows) in enumerate(runs.items()):
+        style = styles[index % len(styles)]
         steps = [r["step"] for r in rows]
         rewards = [r["reward_mean"] for r in rows]
         window = 5  # a running mean: a step's reward is the mean of only prompts_per_step * group_size samples
         smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
                   for i in range(len(rewards))]  # fmt: skip
-        (line,) = top.plot(steps, smooth, label=name)
-        top.plot(steps, rewards, color=line.get_color(), alpha=0.25, linewidth=0.8)
-        bottom.plot(steps, [r["stall_s"] * 1000 for r in rows], color=line.get_color(), label=name)
+        (line,) = top.plot(steps, smooth, style, label=name)
+        top.plot(steps, rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
+        bottom.plot(steps, [r["stall_s"] * 1000 for r in rows], style, color=line.get_color(), label=name)
     top.set_ylabel("reward (5-step mean)")
     top.set_ylim(0, 1)
     top.legend(loc="lower right", fontsize="small")
@@ -551,7 +553,7 @@ def plot(output_dir: Path) -> str:
     top.set_title("GRPO, tiny LM on CPU: rollouts generate with the weights they received", fontsize="medium")
     fig.tight_layout()
     path = output_dir / "grpo.png"
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, pil_kwargs={"optimize": True})
     plt.close(fig)
     return f"plot -> {path} ({len(runs)} setting{'s' if len(runs) != 1 else ''})"
 
