@@ -22,6 +22,7 @@ from torch import nn
 from lightning_weightsync import cli
 from lightning_weightsync.config import bucket_size_bytes
 from lightning_weightsync.errors import ConfigError
+from lightning_weightsync.examples.grpo import GRPORecipe
 from lightning_weightsync.examples.inventory import inventories
 from lightning_weightsync.examples.qwen3 import Qwen3Recipe
 from lightning_weightsync.examples.recipe import load_recipe
@@ -46,7 +47,7 @@ def load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_every_yaml_has_a_script_and_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    schemas = {"tiny_lm_cpu": RecipeConfig, "qwen3": Qwen3Recipe}
+    schemas = {"tiny_lm_cpu": RecipeConfig, "qwen3": Qwen3Recipe, "grpo_tiny_cpu": GRPORecipe}
     yamls = sorted(RECIPES.glob("*.yaml"))
     assert {p.stem for p in yamls} >= {
         "tiny_lm_cpu", "accelerate_tiny", "qwen3_8b_nccl_vllm", "qwen3_8b_nccl_vllm_128mb", "qwen3_8b_npu_hccl",
