@@ -216,7 +216,10 @@ PLANTS = [
           ("tests/integration/test_session.py", "-k", "exactly_direct_min")),
     # -- durability and consistency of the sinks
     Plant("safetensors: no fsync before the rename", f"{PKG}/rollout/sinks/safetensors.py",
-          "                os.fsync(f.fileno())\n", "", ("tests/unit/test_sink_durability.py",)),
+          "                f.flush()  # Python's buffer -> the OS, so that the fsync covers every byte\n"
+          "                os.fsync(f.fileno())\n",
+          "                f.flush()  # Python's buffer -> the OS, so that the fsync covers every byte\n",
+          ("tests/unit/test_sink_durability.py",)),
     Plant("safetensors: template files not fsynced", f"{PKG}/rollout/sinks/safetensors.py",
           "                _fsync_file(dst)\n", "", ("tests/unit/test_sink_durability.py",)),
     Plant("safetensors: directory not fsynced after the rename", f"{PKG}/rollout/sinks/safetensors.py",
