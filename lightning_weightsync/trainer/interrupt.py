@@ -109,6 +109,8 @@ class SyncStopWatch:
         if self._sockets is None:
             return
         self._done.set()
+        with contextlib.suppress(OSError):  # wake the watcher now, not at its next poll (a sync's stall)
+            self._sockets[1].send(b"\0")
         if self._thread is not None:
             self._thread.join(timeout=5)
         signal.set_wakeup_fd(self._wakeup_old if self._wakeup_old is not None else -1)
