@@ -355,8 +355,11 @@ def setting_label(recipe: GRPORecipe, cfg: DictConfig) -> str:
     if recipe.label:
         return recipe.label
     parts = []
+    quiet = {"overlap": (False,), "lora": ("auto",)}  # at their defaults they are not what a curve compares
     for key in ("send_mode", "overlap", "lora"):  # present or not: nothing else depends on them
         value = cfg.trainer.get(key) if key in cfg.trainer else None
+        if getattr(value, "value", value) in quiet.get(key, ()):
+            continue
         if value is not None and not OmegaConf.is_config(value):
             parts.append(f"{key}={getattr(value, 'value', value)}")
     if recipe.max_staleness:
