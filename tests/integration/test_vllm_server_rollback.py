@@ -39,6 +39,23 @@ def _sender(cfg_path: str) -> dict[str, Any]:
     return outcomes
 
 
+def _versions_1_and_2(worker: Any, model: Any, engine: Any, before: Any = None) -> dict[str, Any]:
+    """One engine worker's updates to versions 1 and 2 (`before(v)` first): what failed and what it holds."""
+    errors: dict[str, str] = {}
+    for v in (1, 2):
+        if before is not None:
+            before(v)
+        worker.start_weight_update()
+        try:
+            worker.update_weights({"version": v, "timeout_s": 60})
+            worker.finish_weight_update()
+        except Exception as exc:
+            errors[str(v)] = f"{type(exc).__name__}: {exc}"
+    state = model.state_dict()
+    holds = [v for v in (1, 2) if all(torch.equal(state[n], t) for n, t in _version(v))]
+    return {"errors": errors, "holds": holds, "version": engine.version, "incomplete": engine.incomplete}
+
+
 def _worker(rank: int, group_port: int, cfg_path: str) -> dict[str, Any]:
     from lightning_weightsync.examples.tiny_lm import build_model
     from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
@@ -59,19 +76,12 @@ def _worker(rank: int, group_port: int, cfg_path: str) -> dict[str, Any]:
     engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
                            cfg_path)  # fmt: skip
     worker = StandInWorker(engine)
-    errors: dict[str, str] = {}
     try:
-        for v in (1, 2):
+
+        def failing(v: int) -> None:
             model.fail_on = FAILING_TENSOR if (rank == 1 and v == 2) else None
-            worker.start_weight_update()
-            try:
-                worker.update_weights({"version": v, "timeout_s": 60})
-                worker.finish_weight_update()
-            except Exception as exc:
-                errors[str(v)] = f"{type(exc).__name__}: {exc}"
-        state = model.state_dict()
-        holds = [v for v in (1, 2) if all(torch.equal(state[n], t) for n, t in _version(v))]
-        return {"errors": errors, "holds": holds, "version": engine.version, "incomplete": engine.incomplete}
+
+        return _versions_1_and_2(worker, model, engine, before=failing)
     finally:
         engine.shutdown()
         dist.destroy_process_group()
@@ -109,18 +119,8 @@ def _cut_off_worker(group_port: int, cfg_path: str) -> dict[str, Any]:
     engine = StandInEngine(StandInWeightTransferConfig("lightning_weightsync"), None, torch.device("cpu"), model,
                            cfg_path)  # fmt: skip
     worker = StandInWorker(engine)
-    errors: dict[str, str] = {}
     try:
-        for v in (1, 2):
-            worker.start_weight_update()
-            try:
-                worker.update_weights({"version": v, "timeout_s": 60})
-                worker.finish_weight_update()
-            except Exception as exc:
-                errors[str(v)] = f"{type(exc).__name__}: {exc}"
-        state = model.state_dict()
-        holds = [v for v in (1, 2) if all(torch.equal(state[n], t) for n, t in _version(v))]
-        return {"errors": errors, "holds": holds, "version": engine.version}
+        return _versions_1_and_2(worker, model, engine)
     finally:
         engine.shutdown()
 
