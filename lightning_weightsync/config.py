@@ -84,6 +84,13 @@ class OverlapPolicy(Choice):
     latest = "latest"
 
 
+class OverlapGather(Choice):
+    """`trainer.overlap_gather`: where gather mode's FSDP2 all-gathers run with overlap (trainer/side_gather.py)."""
+
+    background = "background"
+    sync = "sync"
+
+
 class OverlapStaging(Choice):
     """`trainer.overlap_staging`: where the overlap snapshot lives (trainer/overlap.py)."""
 
@@ -278,6 +285,10 @@ class TrainerConfig:
     overlap_staging: OverlapStaging = OverlapStaging.auto
     """overlap only, where the snapshot lives: auto (device memory on an accelerator, host on CPU) | host |
     pinned (page-locked host memory; accelerators only) | device."""
+    overlap_gather: OverlapGather = OverlapGather.background
+    """overlap and gather mode only, FSDP2 models: background (the snapshot copies each rank's local shards;
+    the background thread all-gathers them on process groups of its own) | sync (the all-gathers run at
+    the sync point, on the training group, and rank 0 copies the full tensors)."""
     include_buffers: bool = True
     """Also send persistent buffers."""
     lora: LoraMode = LoraMode.auto

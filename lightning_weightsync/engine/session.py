@@ -316,13 +316,19 @@ class SenderSession:
             else:
                 state[identity] = "connected"
         lowest = min(done.values())
-        behind = [i for i in members if done[i] == lowest or state[i] != "connected"]
-        text = ", ".join(
-            f"{i} ({state[i]}, {'no progress reported' if done[i] < 0 else f'reached bucket {done[i]}'})"
-            for i in behind
-        )
+        # A member ahead of the lowest that failed failed *because* the broadcast was given up (its peer
+        # closed the connection): it is reported among the others, never blamed for the stall.
+        behind = [i for i in members if done[i] == lowest or state[i] == "disconnected"]
+
+        def where(i: str) -> str:
+            return f"{i} ({state[i]}, {'no progress reported' if done[i] < 0 else f'reached bucket {done[i]}'})"
+
+        text = ", ".join(where(i) for i in behind)
         ahead = [i for i in members if i not in behind]
+        failed_ahead = [where(i) for i in ahead if state[i] != "connected"]
         others = f"; the others ({len(ahead)}) are further" if ahead else ""
+        if failed_ahead:
+            others += f", of them {', '.join(failed_ahead)}"
         return f"stalled or dead: {text}{others}"
 
 

@@ -328,10 +328,15 @@ class SyncDriver:
         return self.sender.port if self.sender is not None else None
 
     # -- one sync ---------------------------------------------------------------------------------
-    def weights(self, module: nn.Module, *, keep_on_rank: int | None = SENDER_RANK) -> Iterator[NamedTensor]:
-        """The stream a sync sends (names, dtype, exclusions exactly as configured)."""
+    def weights(
+        self, module: nn.Module, *, keep_on_rank: int | None = SENDER_RANK, defer_gather: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """The stream a sync sends (names, dtype, exclusions exactly as configured). `defer_gather`: FSDP2
+        tensors come as `PendingGather` on every rank (overlap's background gather; not with LoRA, whose
+        merge needs whole tensors: `gathers_in_background`)."""
         tr = self.cfg.trainer
         if self.lora.applies(module, self.prefix, bool(tr.include_buffers)):
+            assert not defer_gather, "LoRA streams are gathered in place"
             return self.lora.weights(
                 module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
                 keep_on_rank=keep_on_rank, prefix=self.prefix,
@@ -343,6 +348,7 @@ class SyncDriver:
             dtype=tr.dtype,
             keep_on_rank=keep_on_rank,
             prefix=self.prefix,
+            defer_gather=defer_gather,
         )
 
     def tied(self, module: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,6 +79,17 @@ def cast_floating(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tenso
     return tensor
 
 
+@dataclass(frozen=True)
+class PendingGather:
+    """A DTensor not gathered yet (`iter_full_parameters(defer_gather=True)`): whoever holds it gathers it
+    later on a group of its own, so the training group's collectives are not needed now (overlap's
+    background gather, trainer/overlap.py). `dtype` is what the full tensor is sent as (`trainer.dtype`
+    applied: casting is element-wise, so casting the local shard first gives the same bytes)."""
+
+    tensor: DTensor
+    dtype: torch.dtype
+
+
 def _is_fsdp1(module: nn.Module) -> bool:
     return FSDP is not None and isinstance(module, FSDP)
 
@@ -115,7 +127,8 @@ def iter_full_parameters(
     keep_on_rank: int | None = 0,
     prefix: str | None = None,
     select: Callable[[str], bool] | None = None,
-) -> Iterator[NamedTensor]:
+    defer_gather: bool = False,
+) -> Iterator[tuple[str, Any]]:
     """Yield `(name, full_tensor)` for every parameter (and persistent buffer) of `module`.
 
     Args:
@@ -130,6 +143,8 @@ def iter_full_parameters(
             ``"model"``) and strip it from their names.
         select: keep only tensors whose raw (wrapper-free, unprefixed) name it accepts, decided before
             the collective, so it must decide alike on every rank (`trainer/lora.py` sends only an adapter).
+        defer_gather: yield each DTensor on every rank as a `PendingGather` instead of gathering it (no
+            collective runs in the walk; FSDP1 is not deferred); other tensors as without it.
 
     Raises:
         ConfigError: a bad `names_cfg`/`dtype`, or two tensors mapped to the same name (raised on
@@ -145,6 +160,10 @@ def iter_full_parameters(
                 continue
             name = named(raw)
             if name is None:
+                continue
+            if isinstance(tensor, DTensor) and defer_gather:
+                sent_as = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+                yield name, PendingGather(tensor.detach(), sent_as)
                 continue
             if isinstance(tensor, DTensor):
                 with torch.no_grad():
@@ -207,6 +226,7 @@ def named_full_state_dict(module: nn.Module, **kwargs: Any) -> dict[str, torch.T
 
 __all__: Sequence[str] = (
     "NameMapper",
+    "PendingGather",
     "drain",
     "is_sharded",
     "iter_full_parameters",

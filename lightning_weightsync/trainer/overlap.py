@@ -12,26 +12,30 @@ that snapshot while step N+1 computes. On every rank, in the training thread, at
        version still sending somewhere: this sync's version is skipped (counted; never snapshotted,
        never half-sent), training goes on
     3. snapshot version N into staging buffers allocated at the first sync and reused by every later
-       one (`Staging`): gather mode, the FSDP all-gathers run here, synchronously, on the training
-       group, and global rank 0 copies each full tensor; sharded mode, every rank copies its FSDP2
-       local shards (and the whole tensors it owns), no collective at all
+       one (`Staging`): sharded mode, and gather mode with `trainer.overlap_gather=background`, every
+       rank copies its FSDP2 local shards (and the whole tensors it sends), no all-gather at all; gather
+       mode with `sync` (and LoRA models), the FSDP all-gathers run here on the training group and
+       global rank 0 copies each full tensor
     4. agree again (a rank whose snapshot failed, a signal meanwhile), hand version N to this rank's
        background thread and return to training
 
-    background thread (one per rank that sends; the `BlockingWeightSender`'s own event loop runs there):
+    background thread (one per rank that sends or gathers; the `BlockingWeightSender`'s own event loop
+    runs there):
        rollouts: pause, start -> send_weights(snapshot) -> finish(weight_version=N), resume
        sharded mode: rank 0 tells the other ranks its receivers (`MembersRelay`) on a gloo group made
        for this at start, never on the training group, whose collectives training runs meanwhile
+       gather mode, background gather: every rank all-gathers the staged shards, tensor by tensor, on
+       mirror groups made for this (`side_gather.py`); rank 0 sends each full tensor as it comes
 
 At most one version is in flight: the staging buffers are written only when no rank still sends from
 them. Every rollout still gets whole versions, in increasing order, numbered by their optimizer step.
 
-Why the gather is synchronous (gather mode): FSDP2's `full_tensor()` all-gathers on the mesh's own
-process group, the training group; gathering in the background would need the local shards copied
-first (what sharded mode's snapshot does) and every all-gather re-implemented on a side group. The
-synchronous gather costs the stall of the all-gathers (bench.stall: "gather only") plus one copy, and
-keeps the rollout's view identical to a blocking sync's; who cannot afford it sends sharded, whose
-snapshot is a local copy.
+Why the gather moved to the background (gather mode): FSDP2's `full_tensor()` all-gathers on the
+mesh's own process group, the training group, so at the sync point it stalls training for every
+all-gather (bench.stall: most of a gather-mode sync). The background gather copies the local shards
+instead (what sharded mode's snapshot does) and rebuilds each full tensor on mirror groups
+(`side_gather.py`); `trainer.overlap_gather=sync` keeps the old way (bench.stall --overlap measures both).
+LoRA models gather at the sync point either way (the merge of `trainer.lora=merged` needs whole tensors).
 
 Faults: a background failure is seen at the next sync (or at `finish()`, the end of fit) and handled
 there as a blocking one; `close()` (training ended or failed, a SIGTERM turned into Lightning's
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,11 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OverlapPolicy, OverlapStaging
+from ..config import OverlapGather, OverlapPolicy, OverlapStaging
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
-from .gather import _fsdp1_units
+from .gather import PendingGather, _fsdp1_units, drain, is_sharded
 from .interrupt import SyncStopWatch, raise_signal, signal_name
+from .side_gather import MirrorMeshes, StagedShard
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender, SendStats
@@ -67,7 +73,7 @@ CLOSE_JOIN_S = 30.0
 """How long `close()` waits for an interrupted background send to end (it aborts and drains in well
 under a second; the bound is for a rollout engine call that hangs)."""
 
-Item = tuple[str, "torch.Tensor | TensorShard"]
+Item = tuple[str, "torch.Tensor | TensorShard | StagedShard"]
 
 
 class Staging:
@@ -88,21 +94,23 @@ class Staging:
         kinds = sorted({"pinned host" if b.is_pinned() else b.device.type for b in self._buffers.values()})
         return " + ".join(kinds) or "no"
 
-    def _allocate(self, src: torch.Tensor) -> torch.Tensor:
+    def _allocate(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         kind = self.kind
         if kind is OverlapStaging.auto:
             kind = OverlapStaging.host if src.device.type == "cpu" else OverlapStaging.device
         if kind is OverlapStaging.device:
-            return torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            return torch.empty(src.shape, dtype=dtype, device=src.device)
         pinned = kind is OverlapStaging.pinned and src.device.type == "cuda"
-        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pinned)
+        return torch.empty(src.shape, dtype=dtype, device="cpu", pin_memory=pinned)
 
-    def copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
+    def copy(self, name: str, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`src` into its buffer, cast to `dtype` on the way (element-wise, as `Tensor.to` casts)."""
+        dtype = dtype or src.dtype
         buf = self._buffers.get(name)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        if buf is None or buf.shape != src.shape or buf.dtype != dtype:
             if buf is not None:
-                logger.info("overlap staging: %r changed to %s %s; new buffer", name, tuple(src.shape), src.dtype)
-            buf = self._buffers[name] = self._allocate(src)
+                logger.info("overlap staging: %r changed to %s %s; new buffer", name, tuple(src.shape), dtype)
+            buf = self._buffers[name] = self._allocate(src, dtype)
         if src.device.type == "cuda":
             self.uses_cuda = True
         # pinned device -> host copies are asynchronous (the sender waits for the event); others are ordered
@@ -118,6 +126,7 @@ class Snapshot:
     items: list[Item] = field(default_factory=list)
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded: bool = False
+    gathers: bool = False  # gather mode, background gather: items hold `StagedShard`s every rank gathers
     ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
 
 
@@ -150,6 +159,8 @@ class OverlapSync:
                 "copies only); use trainer.overlap_staging=host or auto"
             )
         self.staging = Staging(kind)
+        self.gather_where = OverlapGather(tr.overlap_gather)
+        self._mirrors = MirrorMeshes(float(driver.cfg.transport.timeout_s), driver.device)
         self.skipped = 0  # versions `latest` skipped because the previous one still sent
         self.snapshot_seconds = 0.0  # the last snapshot's copy (and, gather mode, all-gather) time
         self._pool: ThreadPoolExecutor | None = None
@@ -325,7 +336,8 @@ class OverlapSync:
         one); a ConfigError (raised by the gather on every rank at the same point) propagates."""
         d = self.driver
         tr = d.cfg.trainer
-        snap = Snapshot(version, sharded=sharded)
+        gathers = not sharded and self.gathers_in_background(module)
+        snap = Snapshot(version, sharded=sharded, gathers=gathers)
         error: BaseException | None = None
         if sharded:
             from .sharded import iter_local_shards
@@ -333,11 +345,12 @@ class OverlapSync:
             stream: Any = iter_local_shards(
                 module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix
             )
-        else:
-            stream = d.weights(module)  # every rank runs the all-gathers; global rank 0 alone gets tensors
-        keeps = d.is_sender or sharded
+        else:  # sync gather: every rank runs the all-gathers; global rank 0 alone gets tensors
+            stream = d.weights(module, defer_gather=gathers)
+        keeps = d.is_sender or sharded or gathers
         if keeps:
             snap.tied = d.tied(module) if (d.is_sender or not sharded) else {}
+        pending: list[tuple[int, PendingGather]] = []  # background gather: items to give their mirror mesh
         for name, item in stream:
             if error is not None:
                 continue  # still join the other ranks' all-gathers
@@ -345,11 +358,16 @@ class OverlapSync:
                 if isinstance(item, TensorShard):
                     staged = self.staging.copy(name, item.data)
                     snap.items.append((name, TensorShard(item.shape, item.dtype, item.byte_offset, staged)))
+                elif isinstance(item, PendingGather):
+                    pending.append((len(snap.items), item))
+                    snap.items.append((name, self.staging.copy(name, item.tensor.to_local(), item.dtype)))
                 else:
                     snap.items.append((name, self.staging.copy(name, item)))
             except Exception as exc:  # e.g. out of memory for the staging buffers
                 error = exc
                 logger.error("global rank %d: the overlap snapshot of version %d failed: %s", d.rank, version, exc)
+        if gathers:
+            self._stage_shards(snap, pending)  # collective on the first snapshot: every rank, failed or not
         if self.staging.uses_cuda:
             snap.ready = torch.cuda.Event()
             snap.ready.record()
@@ -362,15 +380,40 @@ class OverlapSync:
             )  # fmt: skip
         return snap, error
 
+    def gathers_in_background(self, module: nn.Module) -> bool:
+        """Gather mode: whether this sync's all-gathers run in the background thread (module docstring)."""
+        d = self.driver
+        return (
+            self.gather_where is OverlapGather.background
+            and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and is_sharded(module)
+            and not d.lora.applies(module, d.prefix, bool(d.cfg.trainer.include_buffers))
+        )  # fmt: skip
+
+    def _stage_shards(self, snap: Snapshot, pending: list[tuple[int, PendingGather]]) -> None:
+        """Give each staged local shard the mirror of its mesh (made here the first time: collective)."""
+        staged = {i: snap.items[i][1] for i, _ in pending}
+        device_type = next((t.device.type for t in staged.values()), "cpu")
+        meshes = {id(p.tensor.device_mesh): p.tensor.device_mesh for _, p in pending}
+        self._mirrors.ensure(meshes.values(), device_type)
+        for i, p in pending:
+            dt, local = p.tensor, staged[i]
+            assert isinstance(local, torch.Tensor)
+            mesh = self._mirrors.mirror(dt.device_mesh, device_type)
+            snap.items[i] = (snap.items[i][0], StagedShard(local, mesh, tuple(dt.placements), dt.shape, dt.stride()))
+
     def _hand_off(self, snapshot: Snapshot, sender: BlockingWeightSender | None) -> None:
-        """Every rank records the version in flight; a rank that sends starts its background send."""
+        """Every rank records the version in flight; a rank that sends (or, background gather, gathers)
+        starts its background work."""
         self._version, self._future, self._skipped_last = snapshot.version, None, None
-        if sender is None:
+        if sender is None and not snapshot.gathers:
             return
-        sender.clear_interrupt()
+        if sender is not None:
+            sender.clear_interrupt()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-overlap")
-        self._future = self._pool.submit(self._send, snapshot, sender)
+        work = self._send if sender is not None else self._gather_only
+        self._future = self._pool.submit(work, snapshot, sender)
 
     def _interrupt(self, reason: str) -> None:
         sender = self.driver.sender
@@ -385,11 +428,34 @@ class OverlapSync:
         d = self.driver
         if snap.sharded:
             return self._send_sharded(snap, sender)
+        stream = self._gathered(snap) if snap.gathers else iter(snap.items)
 
-        def send() -> SendStats:
-            return sender.send_weights(iter(snap.items), version=snap.version, stable_tensors=True, tied=snap.tied)
+        def send() -> SendStats:  # gathered tensors are fresh allocations: stable
+            return sender.send_weights(stream, version=snap.version, stable_tensors=True, tied=snap.tied)
 
-        return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
+        try:
+            return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
+        finally:
+            drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's
+
+    def _gather_only(self, snap: Snapshot, _sender: None) -> None:
+        """Background gather, a rank that does not send: its part of every all-gather, in order."""
+        if snap.ready is not None:
+            snap.ready.synchronize()
+        drain(self._gathered(snap))
+
+    def _gathered(self, snap: Snapshot) -> Iterator[tuple[str, torch.Tensor]]:
+        """The version's full tensors, all-gathered one at a time on the mirror groups (every rank runs
+        this, in the same order); rank 0 alone keeps them (the other ranks hold only shards)."""
+        keep = self.driver.is_sender
+        for name, item in snap.items:
+            if isinstance(item, StagedShard):
+                full = item.full()
+                if keep:
+                    yield name, full
+                del full
+            elif keep:
+                yield name, item  # type: ignore[misc]  # rank 0's whole tensors
 
     def _send_sharded(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
         from ..engine.sender import Sharding
