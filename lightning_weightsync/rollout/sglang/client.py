@@ -138,8 +138,8 @@ class SGLangClient:
         if self.pause_mode is not SGLangPauseMode.abort:
             raise ConfigError(
                 f"SGLang rollout {self.url}: adapter versions replace the served adapter by /unload_lora_adapter, "
-                f"which waits for every request using it to finish; with sglang.pause_mode={self.pause_mode} the paused "
-                "requests never do: set sglang.pause_mode=abort (or trainer.lora=merged)"
+                f"which waits for every request using it to finish; with sglang.pause_mode={self.pause_mode} the "
+                "paused requests never do: set sglang.pause_mode=abort (or trainer.lora=merged)"
             )
 
     def load_adapter(self, version: int) -> None:

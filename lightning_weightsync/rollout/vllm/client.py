@@ -176,8 +176,8 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
         if not self.lora_dir:
             raise ConfigError(
                 f"vLLM rollout {self.name}: an adapter version (trainer.lora=adapter) needs vllm.lora_dir, the "
-                "directory (as the server sees it) where its worker 0 writes each version for /v1/load_lora_adapter; set it on "
-                "both sides, or set trainer.lora=merged"
+                "directory (as the server sees it) where its worker 0 writes each version for /v1/load_lora_adapter; "
+                "set it on both sides, or set trainer.lora=merged"
             )
 
     def load_adapter(self, version: int) -> None:
@@ -193,8 +193,8 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
             if "HTTP 404" in str(exc) and "Not Found" in str(exc):
                 raise PeerError(
                     f"vLLM rollout {self.name}: POST {LOAD_LORA} is not served (HTTP 404), so adapter version "
-                    f"{version} cannot be loaded: start `vllm serve` with --enable-lora (and --max-lora-rank at least the "
-                    "adapter's r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, or set "
+                    f"{version} cannot be loaded: start `vllm serve` with --enable-lora (and --max-lora-rank at least "
+                    "the adapter's r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, or set "
                     "trainer.lora=merged"
                 ) from None
             raise
