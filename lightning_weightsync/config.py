@@ -371,6 +371,13 @@ class VLLMConfig:
     """Rollout side: host = every worker keeps a host copy of its model shard (taken before each version) and a
     version that fails on any worker of the server is undone on all; none = no copy (saves host memory the size
     of the model), and a failed version leaves the server torn until the next one lands."""
+    lora_name: str = "policy"
+    """Adapter versions (trainer.lora=adapter, a server started with --enable-lora): the adapter name the server
+    serves each version under (requests name it as their `model`); replaced in place every version."""
+    lora_dir: str | None = None
+    """Adapter versions: the directory, as the server's machine sees it, where worker 0 writes each version as a
+    PEFT adapter directory (`step_<version>/`) that the trainer then has vLLM load; the same value on both sides.
+    null = adapter versions are refused (set it, or trainer.lora=merged)."""
 
 
 @dataclass
@@ -390,6 +397,13 @@ class SGLangConfig:
     """Rollout side: the model SGLang serves (its --model-path)."""
     serve_args: list[str] = field(default_factory=list)
     """Rollout side: extra `python -m sglang.launch_server` arguments, e.g. ["--port", "30000", "--tp-size", "2"]."""
+    lora_name: str = "policy"
+    """Adapter versions (trainer.lora=adapter, a server started with --enable-lora): the adapter name the server
+    serves each version under (requests name it as their `lora_path`); unloaded and loaded again every version."""
+    lora_dir: str | None = None
+    """Adapter versions: the directory, as the server's machine sees it, where TP rank 0 writes each version as a
+    PEFT adapter directory (`step_<version>/`) that the trainer then has SGLang load; the same value on both sides.
+    null = adapter versions are refused (set it, or trainer.lora=merged)."""
 
 
 @dataclass

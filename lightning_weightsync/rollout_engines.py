@@ -37,6 +37,11 @@ class RolloutClient(Protocol):
 
     `name` identifies the server in errors (its URL); `timeout_knob` names the setting that bounds one
     request (`vllm.request_timeout_s`), so a timeout message says what to change.
+
+    LoRA adapter versions (`trainer.lora=adapter`) need two more methods, optional (a client without them is
+    refused such versions before anything is paused): `check_adapter()` (raises `ConfigError` naming the knob
+    when the client cannot serve adapters as configured) and `load_adapter(version)`, called after
+    `finish_update`: serve the adapter directory the server's worker wrote while receiving `version`.
     """
 
     name: str

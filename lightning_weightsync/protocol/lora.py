@@ -106,3 +106,9 @@ def merge_weight(
     delta = delta_weight(a, b, scaling, fan_in_fan_out=fan_in_fan_out)
     with torch.no_grad():
         return weight + delta.to(weight.dtype)
+
+
+def adapter_path(lora_dir: str, version: int) -> str:
+    """Where an engine worker writes adapter `version` (the safetensors sink's `step_<version>/` under
+    `<engine>.lora_dir`) and what the trainer's client names to the engine: one rule for both sides."""
+    return f"{lora_dir.rstrip('/')}/step_{version}"

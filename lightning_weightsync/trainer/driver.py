@@ -463,7 +463,7 @@ class SyncDriver:
 
         try:
             if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
-                self.last_stats = self.rollouts.run_version(version, send)
+                self.last_stats = self.rollouts.run_version(version, send, lora=self.lora.spec)
             else:
                 self.last_stats = send()
         except ConfigError:

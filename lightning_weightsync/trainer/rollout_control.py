@@ -9,6 +9,8 @@ themselves. The sending rank wraps every send in the rollouts' update session, o
                                        received the version, i.e. after...
     this process:   sender.send_weights(...)                    <- ...our broadcast, run meanwhile
     every rollout:  finish_update("v")                          (the engine records the version)
+                    load_adapter(v)                             (LoRA adapter versions only: serve the adapter
+                                                                 directory the workers wrote under its name)
                     after_update(v), verify(v)                  (cache hygiene; the version is held)
                     resume()                                    (always, also after any failure)
 
@@ -33,6 +35,7 @@ from omegaconf import DictConfig
 
 from ..engine.verify import weight_problems
 from ..errors import CannotAsk, ConfigError, PeerError
+from ..protocol.messages import LoraSpec
 from ..rollout_engines import ROLLOUT_ENGINES, RolloutClient
 
 logger = logging.getLogger(__name__)
@@ -120,11 +123,16 @@ class RolloutControl:
                 errors.append(error)
         return ok, errors
 
-    def run_version(self, version: int, send: Callable[[], T]) -> T:
+    def run_version(self, version: int, send: Callable[[], T], *, lora: LoraSpec | None = None) -> T:
         """Pause and open an update on every rollout, run `send()` while they receive, finish with
         `weight_version=str(version)`, resume. Raises `PeerError` naming each failed rollout; `send`
-        is not called when a rollout could not be paused or started (the caller drains its stream)."""
+        is not called when a rollout could not be paused or started (the caller drains its stream).
+        `lora`: the version's LoRA spec (`trainer.lora`); an adapter version is also loaded by every rollout
+        after its finish (`load_adapter`), and refused before anything is paused where it cannot be."""
         self._check_receivers()
+        adapter = lora is not None and lora.mode == "adapter"
+        if adapter:
+            self._check_adapters(version, lora)
         timings = RolloutTimings(version)
         self.last_timings = timings
         start = time.perf_counter()
@@ -162,6 +170,10 @@ class RolloutControl:
             errors += self._finish(updated, str(version))  # those that loaded it whole hold `version`
             if errors:
                 raise PeerError(f"version {version}: " + "; ".join(errors))
+            if adapter:  # the model is whole again (session closed); the adapter's directory is written
+                _, errors = self._on_all(updated, "load_adapter", lambda c: c.load_adapter(version))  # type: ignore[attr-defined]
+                if errors:
+                    raise PeerError(f"version {version}: " + "; ".join(errors))
             self._on_all(updated, "after_update", lambda c: c.after_update(version))  # logs, never fails
             _, errors = self._on_all(updated, "verify", lambda c: c.verify(version))
             if errors:
@@ -225,6 +237,30 @@ class RolloutControl:
                 f"versions; set trainer.min_receivers={total} (tensor x pipeline x data parallel size, summed "
                 f"over the servers, plus any other rollouts)"
             )
+
+    def _check_adapters(self, version: int, lora: LoraSpec | None) -> None:
+        """An adapter version goes only where every rollout can serve it: checked before anything is paused, as a
+        `PeerError` (the caller drains its stream; `trainer.on_failure` applies) naming what to change."""
+        problems: list[str] = []
+        if lora is not None and lora.base:
+            problems.append(
+                "it carries the base weights, which a rollout engine already loaded from its checkpoint and an adapter "
+                "directory does not hold: set trainer.lora_base=rollout_has"
+            )
+        for client in self.clients:
+            check = getattr(client, "check_adapter", None)
+            if check is None or not hasattr(client, "load_adapter"):
+                problems.append(
+                    f"{client.engine} rollout {client.name} cannot load LoRA adapters ({type(client).__name__}); "
+                    "set trainer.lora=merged"
+                )
+                continue
+            try:
+                check()
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise PeerError(f"adapter version {version} (trainer.lora=adapter) not sent: " + "; ".join(problems))
 
     def _finish(self, clients: list[RolloutClient], weight_version: str | None) -> list[str]:
         if not clients:

@@ -11,7 +11,8 @@ from typing import Any
 HTTP = "srt/entrypoints/http_server.py"
 IO = "srt/managers/io_struct.py"
 ROUTES = ("/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
-          "/update_weights_from_tensor", "/update_weight_version", "/model_info", "/server_info")  # fmt: skip
+          "/update_weights_from_tensor", "/update_weight_version", "/model_info", "/server_info",
+          "/load_lora_adapter", "/unload_lora_adapter")  # fmt: skip
 SERVER_ARGS = {"srt/arg_groups/fields/model.py": ["model_path", "custom_weight_loader"],
                "srt/arg_groups/fields/parallel.py": ["tp_size", "pp_size", "dp_size"]}  # fmt: skip
 # (file, class or None, function, what to record): the lines our loader path rests on
@@ -21,6 +22,8 @@ SOURCE = [
     ("srt/managers/tp_worker.py", None, "deserialize_own_rank", "return"),
     ("srt/managers/tokenizer_control_mixin.py", None, "update_weights_from_tensor", "assert"),
     ("srt/managers/scheduler_components/weight_updater.py", None, "update_weights_from_tensor", "session"),
+    # why adapter versions need sglang.pause_mode=abort: the unload waits for the requests using the adapter
+    ("srt/managers/tokenizer_control_mixin.py", None, "_unload_lora_adapter_locked", "registry"),
 ]  # fmt: skip
 
 
@@ -82,6 +85,8 @@ def _source(root: Path) -> list[dict[str, Any]]:
                 found.append(ast.unparse(sub.test))
             if what == "session" and isinstance(sub, ast.Compare) and "_session" in ast.unparse(sub):
                 found.append(ast.unparse(sub))
+            if what == "registry" and isinstance(sub, ast.Await) and "lora_registry" in ast.unparse(sub.value):
+                found.append(ast.unparse(sub.value))
         out.append({"file": rel, "function": f"{cls + '.' if cls else ''}{fn}", "found": sorted(set(found))})
     return out
 

@@ -10,7 +10,11 @@ checks this file's routes and bodies against it):
   calls `loader(model, named_tensors)` by its import path; `weight_version` recorded on success;
 - a loader exception ends the server (SGLang's scheduler quits on it);
 - a "scheduler" thread that generates (a forward pass per step) unless paused; a control call runs
-  between steps.
+  between steps;
+- `/load_lora_adapter` / `/unload_lora_adapter` (`lora=False`: a server without --enable-lora, which
+  answers 400 naming the flag, as tokenizer_control_mixin.py does): a name is loaded once, under a fresh
+  lora_id each load; unloading a name that is not loaded is a 400 ("does not exist"); the adapter
+  directory is read whole (PEFT's two files) into the "served" adapter.
 """
 
 from __future__ import annotations
@@ -43,8 +47,13 @@ class StandInSGLang:
     ROUTES = {r["path"]: (r["method"], r["body"]) for r in SNAPSHOT["routes"]}
     BODIES = {name: set(fields) for name, fields in SNAPSHOT["bodies"].items()}
 
-    def __init__(self, model: StandInModel, out_dir: Path, custom_weight_loader: list[str], dp_size: int = 1) -> None:
+    def __init__(
+        self, model: StandInModel, out_dir: Path, custom_weight_loader: list[str], dp_size: int = 1, lora: bool = True
+    ) -> None:
         self.model, self.out_dir = model, out_dir
+        self.lora_enabled = lora
+        self.loras: dict[str, str] = {}  # lora_name -> lora_id (SGLang's LoRARegistry)
+        self.lora_loads: list[dict[str, Any]] = []  # every successful load, in order (what the test checks)
         self.custom_weight_loader, self.dp_size, self.tp_size = custom_weight_loader, dp_size, 1
         self.lock = threading.Lock()  # one scheduler step or one control request at a time
         self.paused = False
@@ -101,7 +110,33 @@ class StandInSGLang:
                 return 200, {"success": True, "new_version": self.weight_version}
             if path == api.UPDATE:
                 return self._update(body)
+            if path in (api.LOAD_LORA, api.UNLOAD_LORA):
+                return self._lora(path, body)
         raise KeyError(path)
+
+    def _lora(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if not self.lora_enabled:
+            message = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+            return 400, {"success": False, "error_message": message}
+        name = body["lora_name"]
+        if path == api.UNLOAD_LORA:
+            if name not in self.loras:
+                return 400, {"success": False, "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                             f"{sorted(self.loras)}"}  # fmt: skip
+            del self.loras[name]
+            return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.loras)}
+        if name in self.loras:
+            return 400, {"success": False, "error_message": f"LoRA adapter {name} is already loaded"}
+        lora_path = Path(body["lora_path"])
+        weights, config = lora_path / "adapter_model.safetensors", lora_path / "adapter_config.json"
+        if not (weights.is_file() and config.is_file()):
+            return 400, {"success": False, "error_message": f"no adapter found at {lora_path}"}
+        (self.out_dir / "served_adapter.safetensors").write_bytes(weights.read_bytes())
+        (self.out_dir / "served_adapter_config.json").write_text(config.read_text())
+        self.loras[name] = f"id{len(self.lora_loads)}"  # a fresh LoRARef every load
+        self.lora_loads.append({"lora_name": name, "lora_path": str(lora_path), "weight_version": self.weight_version})
+        self.dump()
+        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.loras)}
 
     def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         assert self.dp_size == 1, "data-parallel replicas are not supported for update weights from tensor"
@@ -136,6 +171,7 @@ class StandInSGLang:
             "weight_version": self.weight_version, "calls": self.calls, "steps": self.steps,
             "steps_by_version": self.steps_by_version,
             "loader_version": rank.version if rank else None, "identity": rank.identity if rank else None,
+            "lora_loads": self.lora_loads,
         }))  # fmt: skip
 
     def http_handler(self) -> type[BaseHTTPRequestHandler]:
@@ -180,12 +216,14 @@ class StandInSGLang:
         return Handler
 
 
-def standin_sglang_main(http_port: int, config_path: str, out_dir: str, run_s: float = 150.0, dp_size: int = 1) -> None:
+def standin_sglang_main(
+    http_port: int, config_path: str, out_dir: str, run_s: float = 150.0, dp_size: int = 1, lora: bool = True
+) -> None:
     """One stand-in `sglang serve --custom-weight-loader <ours>` process, until killed."""
     os.environ[CONFIG_ENV] = config_path  # what launch.py puts in the server's environment
     torch.manual_seed(4321)  # start from weights different from the trainer's
     model = StandInModel(build_model().config)
-    server = StandInSGLang(model, Path(out_dir), [api.LOADER], dp_size=dp_size)
+    server = StandInSGLang(model, Path(out_dir), [api.LOADER], dp_size=dp_size, lora=lora)
     httpd = ThreadingHTTPServer(("127.0.0.1", http_port), server.http_handler())
     threading.Thread(target=server.generate_forever, daemon=True).start()
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

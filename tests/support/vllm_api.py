@@ -67,7 +67,10 @@ ROUTE_FILES = [
     "entrypoints/rl/online/api_router.py",
     "entrypoints/serve/dev/cache/api_router.py",
     "entrypoints/serve/dev/rpc/api_router.py",
+    "entrypoints/serve/lora/api_router.py",  # routes defined inside attach_router(app)
 ]
+# request bodies given as a pydantic model parameter: (file, class); its annotated fields are the body keys
+BODY_MODELS = {"LoadLoRAAdapterRequest": "entrypoints/serve/lora/protocol.py"}
 ROUTES = [
     "/collective_rpc",
     "/get_world_size",
@@ -78,6 +81,7 @@ ROUTES = [
     "/update_weights",
     "/finish_weight_update",
     "/reset_prefix_cache",
+    "/v1/load_lora_adapter",  # trainer.lora=adapter (rollout/vllm/client.py load_adapter)
 ]
 CONSTANTS = [("distributed/weight_transfer/factory.py", "WeightTransferEngineFactory._registry")]
 
@@ -99,11 +103,14 @@ def _find_class(tree: ast.Module, name: str) -> ast.ClassDef:
 
 
 def _route_param_kind(arg: ast.arg, default: ast.expr | None) -> str | None:
-    """query | body | None (the raw request) for one route handler parameter, as FastAPI reads it."""
+    """query | body | model (a pydantic body) | None (the raw request) for one route handler parameter, as
+    FastAPI reads it."""
     text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
     default_text = ast.unparse(default) if default is not None else ""
     if text == "Request":
         return None
+    if text in BODY_MODELS:
+        return "model"
     if "Body(" in text or "Body(" in default_text:
         return "body"
     return "query"  # Query(...) or a plain scalar: FastAPI reads both from the query string
@@ -126,6 +133,12 @@ def _raw_body_keys(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return keys
 
 
+def _model_fields(vllm_root: Path, name: str) -> list[str]:
+    """The annotated fields of pydantic model `name` (`BODY_MODELS`), in order: FastAPI's body keys."""
+    node = _find_class(ast.parse((vllm_root / BODY_MODELS[name]).read_text()), name)
+    return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
 def extract(vllm_root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"methods": [], "routes": []}
     for rel, cls, methods in METHODS:
@@ -145,7 +158,7 @@ def extract(vllm_root: Path) -> dict[str, Any]:
             )
     for rel in ROUTE_FILES:
         tree = ast.parse((vllm_root / rel).read_text())
-        for node in tree.body:
+        for node in ast.walk(tree):  # nested too: the LoRA routes are defined inside attach_router(app)
             if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
                 continue
             for dec in node.decorator_list:
@@ -162,6 +175,8 @@ def extract(vllm_root: Path) -> dict[str, Any]:
                         query.append(arg.arg)
                     elif kind == "body":
                         body.append(arg.arg)
+                    elif kind == "model":
+                        body += _model_fields(vllm_root, ast.unparse(arg.annotation))  # type: ignore[arg-type]
                 body += _raw_body_keys(node)
                 out["routes"].append(
                     {"path": dec.args[0].value, "method": dec.func.attr.upper(), "query": query, "body": body}

@@ -11,6 +11,11 @@ signatures and routes against tests/data/vllm_api.json (taken from vLLM's source
 - `StandInServer`: the RL routes (entrypoints/rl/online/api_router.py) and `/reset_prefix_cache`
   (entrypoints/serve/dev/cache/api_router.py) with their query and body parameters. An exception in
   a handler is an HTTP 500, as FastAPI makes it.
+- `/v1/load_lora_adapter` (entrypoints/serve/lora/api_router.py, served only with --enable-lora and
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: `lora=False` answers 404 as FastAPI does for a route never
+  registered), checked as `OpenAIServingModels.load_lora_adapter` checks it (entrypoints/openai/models/
+  serving.py): both names non-empty, a loaded name refused unless `load_inplace`, which keeps its
+  lora_int_id; the adapter directory is read whole (PEFT's two files) into the "served" adapter.
 - An "engine core" thread that generates (a forward pass of the model per step) unless paused; RPCs
   hold the same lock as a step, as vLLM's engine core runs utility calls between steps.
 
@@ -180,10 +185,14 @@ class StandInServer:
         "/reset_prefix_cache": (["reset_running_requests", "reset_external"], []),
         "/get_world_size": (["include_dp"], []),  # GET
         "/collective_rpc": ([], ["method", "args", "kwargs", "timeout"]),
+        "/v1/load_lora_adapter": ([], ["lora_name", "lora_path", "load_inplace", "is_3d_lora_weight"]),
     }
 
-    def __init__(self, worker: StandInWorker, model: StandInModel, out_dir: Path) -> None:
+    def __init__(self, worker: StandInWorker, model: StandInModel, out_dir: Path, lora: bool = True) -> None:
         self.worker, self.model, self.out_dir = worker, model, out_dir
+        self.lora_enabled = lora
+        self.lora_requests: dict[str, dict[str, Any]] = {}  # OpenAIServingModels.lora_requests, by name
+        self.lora_loads: list[dict[str, Any]] = []  # every successful load, in order (what the test checks)
         self.core_lock = threading.Lock()  # one step or one utility call at a time, as in the engine core
         self.paused = False
         self.weight_version: str | None = None
@@ -211,8 +220,10 @@ class StandInServer:
             time.sleep(0.001)
 
     # -- the routes ------------------------------------------------------------------------------------
-    def handle(self, path: str, query: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, path: str, query: dict[str, str], body: dict[str, Any]) -> dict[str, Any] | str:
         self.calls.append(path)
+        if path == "/v1/load_lora_adapter":
+            return self.load_lora_adapter(body)
         if path == "/pause":
             mode = query.get("mode", "abort")
             if mode not in ("abort", "wait", "keep"):
@@ -263,6 +274,31 @@ class StandInServer:
                 return {"success": not held or query.get("reset_running_requests") == "true"}
         raise KeyError(path)
 
+    def load_lora_adapter(self, body: dict[str, Any]) -> str:
+        """vLLM's checks and effect; the "engine" loads the directory whole (engine_client.add_lora)."""
+        name, path, inplace = body.get("lora_name"), body.get("lora_path"), bool(body.get("load_inplace", False))
+        if not name or not path:
+            raise ValueError("Both 'lora_name' and 'lora_path' must be provided.")
+        if not inplace and name in self.lora_requests:
+            raise ValueError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, set "
+                "'load_inplace' to True."
+            )
+        known = self.lora_requests.get(name)
+        lora_int_id = known["lora_int_id"] if known else len(self.lora_requests) + 1  # in place: the same id
+        with self.core_lock:  # add_lora runs in the engine core, between steps
+            weights = Path(path) / "adapter_model.safetensors"
+            config = Path(path) / "adapter_config.json"
+            if not (weights.is_file() and config.is_file()):
+                raise FileNotFoundError(f"Loading lora {name} failed: No adapter found for {path}")
+            (self.out_dir / "served_adapter.safetensors").write_bytes(weights.read_bytes())
+            (self.out_dir / "served_adapter_config.json").write_text(config.read_text())
+            self.lora_requests[name] = {"lora_int_id": lora_int_id, "lora_path": path}
+            self.lora_loads.append({"lora_name": name, "lora_path": path, "load_inplace": inplace,
+                                    "lora_int_id": lora_int_id, "weight_version": self.weight_version})  # fmt: skip
+            self.dump()
+        return f"Success: LoRA adapter '{name}' added successfully."
+
     def dump(self) -> None:
         """What the test checks: the model's tensors and the versions vLLM would report."""
         state = {k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}
@@ -280,6 +316,7 @@ class StandInServer:
                     "paused_s": self.paused_s,
                     "elapsed_s": time.perf_counter() - self.started,
                     "window_s": (self.last_resume or 0.0) - (self.first_pause or 0.0),
+                    "lora_loads": self.lora_loads,
                 }
             )
         )
@@ -297,7 +334,8 @@ class StandInServer:
 
             def do_POST(self) -> None:
                 url = urllib.parse.urlparse(self.path)
-                if url.path not in StandInServer.ROUTES:
+                lora_off = url.path == "/v1/load_lora_adapter" and not server.lora_enabled  # attach_router skipped it
+                if url.path not in StandInServer.ROUTES or lora_off:
                     self._answer(404, {"detail": "Not Found"})
                     return
                 query = dict(urllib.parse.parse_qsl(url.query))
@@ -308,14 +346,17 @@ class StandInServer:
                     self._answer(200, server.handle(url.path, query, body))
                 except ValueError as exc:
                     self._answer(400, {"error": str(exc)})
+                except FileNotFoundError as exc:  # vLLM's LoRAAdapterNotFoundError answer
+                    self._answer(404, {"error": {"message": str(exc), "type": "NotFoundError", "code": 404}})
                 except Exception:  # FastAPI: an unhandled exception is a 500
                     traceback.print_exc()
                     self._answer(500, {"detail": traceback.format_exc(limit=2)[-800:]})
 
-            def _answer(self, code: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
+            def _answer(self, code: int, payload: dict[str, Any] | str) -> None:
+                text = isinstance(payload, str)  # the LoRA route answers Response(content=<str>), not JSON
+                data = payload.encode() if text else json.dumps(payload).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -327,7 +368,7 @@ class StandInServer:
 
 
 def standin_server_main(
-    http_port: int, config_path: str, out_dir: str, run_s: float = 150.0, extension: bool = True
+    http_port: int, config_path: str, out_dir: str, run_s: float = 150.0, extension: bool = True, lora: bool = True
 ) -> None:
     """One stand-in `vllm serve` process: engine + worker + routes + generation, until killed."""
     torch.manual_seed(1234)  # start from weights different from the trainer's
@@ -336,7 +377,7 @@ def standin_server_main(
                            config_path)  # fmt: skip
     # as `vllm serve --worker-extension-cls <ours>` (the launcher passes it): vLLM mixes it into its worker class
     worker_cls = type("Worker", (StandInWorker, WeightSyncWorkerExtension), {}) if extension else StandInWorker
-    server = StandInServer(worker_cls(engine), model, Path(out_dir))
+    server = StandInServer(worker_cls(engine), model, Path(out_dir), lora=lora)
     httpd = ThreadingHTTPServer(("127.0.0.1", http_port), server.http_handler())
     threading.Thread(target=server.generate_forever, daemon=True).start()
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from lightning_weightsync.rollout.sglang import api
+from lightning_weightsync.rollout.sglang.client import SGLangClient
 from lightning_weightsync.rollout.sglang.launch import DP_FLAGS, OWN_FLAGS
 from lightning_weightsync.rollout.sglang.loader import load_weights
 from tests.support.sglang_standin import StandInSGLang
@@ -25,7 +26,8 @@ FLAGS = {field: flags for fields in API["server_args"].values() for field, flags
 
 def test_every_route_we_call_is_sglangs_with_its_method() -> None:
     routes = {r["path"]: r["method"] for r in API["routes"]}
-    ours = {api.PAUSE, api.RESUME, api.BEGIN, api.UPDATE, api.END, api.SET_VERSION, api.MODEL_INFO, api.SERVER_INFO}
+    ours = {api.PAUSE, api.RESUME, api.BEGIN, api.UPDATE, api.END, api.SET_VERSION, api.MODEL_INFO, api.SERVER_INFO,
+            api.LOAD_LORA, api.UNLOAD_LORA}  # fmt: skip
     assert ours == set(routes)
     assert {p for p, m in routes.items() if m == "GET"} == {api.MODEL_INFO, api.SERVER_INFO}
     assert {p: (m, b) for p, (m, b) in StandInSGLang.ROUTES.items()} == {r["path"]: (r["method"], r["body"])
@@ -68,3 +70,17 @@ def test_the_sglang_extra_covers_the_checked_version() -> None:
     assert pin, "pyproject: the sglang extra must be a range"
     low, high = (tuple(int(x) for x in v.split(".")) for v in pin.groups())
     assert low <= tuple(int(x) for x in API["sglang_version"].split(".")) < high
+
+
+def test_adapter_versions_use_sglangs_lora_routes_with_their_bodies() -> None:
+    """trainer.lora=adapter: SGLang loads adapters by path only (no in-place option, a fresh lora_id each load),
+    so the client unloads the served name and loads the new directory, sending only fields SGLang has; the
+    unload waits for the requests using the adapter (tokenizer_control_mixin.py), hence pause_mode=abort."""
+    bodies = API["bodies"]
+    routes = {r["path"]: r["body"] for r in API["routes"]}
+    assert set(bodies[routes[api.LOAD_LORA]]) == {"lora_name", "lora_path", "pinned", "lora_id"}
+    assert set(bodies[routes[api.UNLOAD_LORA]]) == {"lora_name", "lora_id"}
+    unload = SOURCE["tokenizer_control_mixin._unload_lora_adapter_locked"]
+    assert "self.lora_registry.wait_for_unload(lora_id)" in unload
+    client = inspect.getsource(SGLangClient.load_adapter)
+    assert '{"lora_name": self.lora_name}' in client and '"lora_path": adapter_path(' in client

@@ -192,3 +192,15 @@ def test_from_config_builds_clients_of_both_engines() -> None:
         load_config(overrides=["sglang.urls=[s:30000]"])
     with pytest.raises(ConfigError, match=r"sglang\.pause_mode"):
         load_config(overrides=["sglang.pause_mode=keep"])
+
+
+@pytest.mark.parametrize("mode", [SGLangPauseMode.retract, SGLangPauseMode.in_place])
+def test_adapter_versions_need_the_abort_pause_mode(mode: SGLangPauseMode) -> None:
+    """SGLang's unload of the served adapter waits for every request using it (api.py): a request kept by a
+    retract / in_place pause never finishes before resume, so the swap would hang until the request timeout."""
+    client = SGLangClient("http://127.0.0.1:1", 5, pause_mode=mode, lora_dir="/srv/adapters")
+    with pytest.raises(ConfigError, match=r"sglang\.pause_mode=abort"):
+        client.check_adapter()
+    SGLangClient("http://127.0.0.1:1", 5, pause_mode=SGLangPauseMode.abort, lora_dir="/srv/adapters").check_adapter()
+    with pytest.raises(ConfigError, match=r"sglang\.lora_dir"):
+        SGLangClient("http://127.0.0.1:1", 5, pause_mode=SGLangPauseMode.abort).check_adapter()

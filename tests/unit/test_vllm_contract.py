@@ -79,3 +79,15 @@ def test_the_engine_module_without_vllm_names_the_extra() -> None:
         pass
     with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
         importlib.import_module("lightning_weightsync.rollout.vllm.engine")
+
+
+def test_adapter_versions_use_vllms_lora_route_with_its_body() -> None:
+    """trainer.lora=adapter: POST /v1/load_lora_adapter (LoadLoRAAdapterRequest's fields as the body) with
+    load_inplace, so the served name keeps its lora_int_id and serves the new directory."""
+    from lightning_weightsync.rollout.vllm.client import LOAD_LORA, HTTPRolloutClient
+
+    routes = {r["path"]: r for r in API["routes"]}
+    assert routes[LOAD_LORA]["method"] == "POST" and routes[LOAD_LORA]["query"] == []
+    assert {"lora_name", "lora_path", "load_inplace"} <= set(routes[LOAD_LORA]["body"])
+    client = inspect.getsource(HTTPRolloutClient.load_adapter)
+    assert '"load_inplace": True' in client and '"lora_path": adapter_path(' in client

@@ -5,6 +5,7 @@ running while the sender sends, failures named by URL, and resume always."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +16,7 @@ import pytest
 
 from lightning_weightsync.config import PauseMode, load_config
 from lightning_weightsync.errors import ConfigError, PeerError
+from lightning_weightsync.protocol.messages import LoraSpec
 from lightning_weightsync.rollout.vllm.client import EngineRolloutClient, HTTPRolloutClient
 from lightning_weightsync.trainer.rollout_control import RolloutControl
 from tests.support.mp import free_port
@@ -344,4 +346,49 @@ def test_a_transfer_longer_than_the_request_timeout_is_not_cut_off(servers) -> N
 
     assert ctl.run_version(1, send) == "sent"
     assert a.paths()[-1] == "/resume"
+    ctl.close()
+
+
+def _spec(mode: str = "adapter", base: bool = False) -> LoraSpec:
+    return LoraSpec(mode=mode, base=base, r=16, lora_alpha=32.0, target_modules=["q_proj", "v_proj"])
+
+
+def _lora_control(*recorders: Recorder, lora_dir: str | None = "/srv/adapters/") -> RolloutControl:
+    clients = [HTTPRolloutClient(r.url, 10, lora_name="policy", lora_dir=lora_dir) for r in recorders]
+    return RolloutControl(clients, timeout_s=10, receive_timeout_s=30)
+
+
+def test_an_adapter_version_is_loaded_in_place_after_the_finish_and_a_merged_one_is_not(servers) -> None:
+    """trainer.lora=adapter: after /finish_weight_update (the model whole again, the version recorded), the
+    directory worker 0 wrote is loaded under the served name with load_inplace, before the prefix cache is
+    reset (the name keeps its lora_int_id, so cached blocks of the old adapter would match) and resume.
+    trainer.lora=merged: plain weights, the ordinary session only."""
+    adapter, merged = servers(), servers()
+    _lora_control(adapter).run_version(7, lambda: None, lora=_spec("adapter"))
+    _lora_control(merged).run_version(7, lambda: None, lora=_spec("merged"))
+    want = [*FULL[:4], "/v1/load_lora_adapter", *FULL[4:]]
+    assert adapter.paths() == want and merged.paths() == FULL
+    body = next(b for p, _, b in adapter.calls if p == "/v1/load_lora_adapter")
+    assert body == {"lora_name": "policy", "lora_path": "/srv/adapters/step_7", "load_inplace": True}
+    assert set(body) <= set(ROUTES["/v1/load_lora_adapter"]["body"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "lora_dir", "knob"),
+    [(_spec(base=True), "/srv/adapters", "trainer.lora_base=rollout_has"), (_spec(), None, "vllm.lora_dir")],
+)
+def test_an_adapter_version_the_rollouts_cannot_serve_is_refused_before_anything_is_paused(
+    servers, spec: LoraSpec, lora_dir: str | None, knob: str
+) -> None:
+    r = servers()
+    sent = []
+    with pytest.raises(PeerError, match=re.escape(knob)):
+        _lora_control(r, lora_dir=lora_dir).run_version(3, lambda: sent.append(1), lora=spec)
+    assert sent == [] and r.paths() == []  # the caller drains its stream; nothing was paused
+
+
+def test_an_in_process_engine_is_refused_adapter_versions_naming_merged() -> None:
+    ctl = RolloutControl([EngineRolloutClient(FakeAsyncLLM())], timeout_s=10)
+    with pytest.raises(PeerError, match=r"trainer\.lora=merged"):
+        ctl.run_version(0, lambda: None, lora=_spec())
     ctl.close()

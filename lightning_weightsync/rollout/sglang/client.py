@@ -9,6 +9,9 @@ Per version (`trainer/rollout_control.py` runs each step on every rollout at onc
           <- in a thread: SGLang calls our loader on every TP rank, which receives the version from our
              sender (broadcast meanwhile) into model.load_weights; the answer comes when all ranks did
     POST /end_weight_update {}
+    POST /unload_lora_adapter {"lora_name"}  (adapter versions only, trainer.lora=adapter: TP rank 0 wrote
+    POST /load_lora_adapter {"lora_name",     "<sglang.lora_dir>/step_v" while receiving; SGLang has no
+          "lora_path": ".../step_v"}          in-place load, so the served name is unloaded and loaded again)
     GET  /model_info                         (verify: weight_version is "v")
     POST /continue_generation {}             (always, also after any failure)
 
@@ -27,6 +30,7 @@ from omegaconf import DictConfig
 
 from ...config import SGLangPauseMode
 from ...errors import ConfigError, PeerError
+from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
 from . import api
 
@@ -40,7 +44,8 @@ def clients(cfg: DictConfig) -> list[SGLangClient]:
     """One client per `sglang.urls` (the registry's entry point for the trainer side)."""
     s = cfg.sglang
     mode, flush, timeout_s = SGLangPauseMode(s.pause_mode), bool(s.flush_cache), float(s.request_timeout_s)
-    return [SGLangClient(str(u), timeout_s, pause_mode=mode, flush_cache=flush) for u in s.urls]
+    lora = {"lora_name": str(s.lora_name), "lora_dir": None if s.lora_dir is None else str(s.lora_dir)}
+    return [SGLangClient(str(u), timeout_s, pause_mode=mode, flush_cache=flush, **lora) for u in s.urls]
 
 
 class SGLangClient:
@@ -56,6 +61,8 @@ class SGLangClient:
         *,
         pause_mode: SGLangPauseMode = SGLangPauseMode.retract,
         flush_cache: bool = True,
+        lora_name: str = "policy",
+        lora_dir: str | None = None,
     ) -> None:
         self.http = JSONEndpoint(
             url, timeout_s, label="SGLang rollout", timeout_knob=TIMEOUT_KNOB, urls_knob="sglang.urls"
@@ -65,6 +72,7 @@ class SGLangClient:
         # in_place keeps the running requests in the batch, and SGLang's flush fails while any runs
         self.flush_cache = flush_cache and self.pause_mode is not SGLangPauseMode.in_place
         self.tp_size: int | None = None
+        self.lora_name, self.lora_dir = lora_name, lora_dir
         self._version: int | None = None  # the version of the open session
 
     def workers(self) -> int | None:
@@ -117,6 +125,55 @@ class SGLangClient:
         if weight_version is None and self._version is not None:
             marked = {"new_version": f"{self._version}-incomplete", "abort_all_requests": False}
             self.http.request(api.SET_VERSION, marked)
+
+    def check_adapter(self) -> None:
+        """Before an adapter version is paused for: where the adapter is written, and a pause mode that lets the
+        unload of the previous adapter finish (SGLang's unload waits for every request using it, api.py)."""
+        if not self.lora_dir:
+            raise ConfigError(
+                f"SGLang rollout {self.url}: an adapter version (trainer.lora=adapter) needs sglang.lora_dir, the "
+                "directory (as the server sees it) where its TP rank 0 writes each version for /load_lora_adapter; set "
+                "it on both sides, or set trainer.lora=merged"
+            )
+        if self.pause_mode is not SGLangPauseMode.abort:
+            raise ConfigError(
+                f"SGLang rollout {self.url}: adapter versions replace the served adapter by /unload_lora_adapter, "
+                f"which waits for every request using it to finish; with sglang.pause_mode={self.pause_mode} the "
+                "paused requests never do: set sglang.pause_mode=abort (or trainer.lora=merged)"
+            )
+
+    def load_adapter(self, version: int) -> None:
+        """Serve adapter `version` under `lora_name`: unload the name (not loaded yet is fine), then load the
+        directory TP rank 0 wrote while receiving it. SGLang answers 400 naming --enable-lora when LoRA is off."""
+        assert self.lora_dir, "check_adapter() first"
+        try:
+            try:
+                self.http.request(api.UNLOAD_LORA, {"lora_name": self.lora_name})
+            except PeerError as exc:
+                if "does not exist" not in str(exc):  # the first version (or a restarted trainer): nothing to unload
+                    raise
+            self.http.request(
+                api.LOAD_LORA, {"lora_name": self.lora_name, "lora_path": adapter_path(self.lora_dir, version)}
+            )
+        except PeerError as exc:
+            self._mark_incomplete(version)  # SGLang recorded the version with the update call
+            raise self._lora_error(exc, version) from None
+
+    def _mark_incomplete(self, version: int) -> None:
+        try:
+            self.http.request(api.SET_VERSION, {"new_version": f"{version}-incomplete", "abort_all_requests": False})
+        except Exception as exc:  # the load's own error is the one to report
+            logger.warning("SGLang rollout %s: marking version %d incomplete failed: %s", self.url, version, exc)
+
+    def _lora_error(self, exc: PeerError, version: int) -> PeerError:
+        text = str(exc)
+        if "enable-lora" in text or ("HTTP 404" in text and "Not Found" in text):
+            return PeerError(
+                f"SGLang rollout {self.url}: cannot load adapter version {version} ({text[:300]}); start the server "
+                "with --enable-lora (with --max-lora-rank and --lora-target-modules covering the adapter), or set "
+                "trainer.lora=merged"
+            )
+        return exc
 
     def after_update(self, version: int) -> None:
         """Nothing: the cache was flushed by the update call itself (`flush_cache`)."""

@@ -9,7 +9,9 @@ version waits, within transport.timeout_s, for every rank to register); it stays
 heartbeats on its own loop thread, while the scheduler generates. Each call runs exactly one version
 through the shared receive loop (`rollout/consume.py`); tensors are handed back to this thread one at
 a time (`ModelLoadSink`), so memory beyond the model is two buckets plus one merged tensor, and SGLang's
-own name mapping and TP sharding apply. The model holds exactly what the trainer sent (bitwise).
+own name mapping and TP sharding apply. A LoRA adapter version (`trainer.lora=adapter`) is written by TP
+rank 0 to `sglang.lora_dir` instead (`engine_adapter.py`), for the trainer to have SGLang load by path.
+The model holds exactly what the trainer sent (bitwise).
 
 Never raises: SGLang dispatches this call without an exception handler and quits the server on one
 (scheduler.py:2253, 6370-6373). A failed version is logged and nacked with its reason (the trainer's
@@ -27,7 +29,8 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
+from ..engine_adapter import AdapterDirectory, EngineVersionSink
+from ..engine_worker import CONFIG_ENV, WorkerReceiver, worker_identity, worker_rank
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +54,15 @@ class RankReceiver:
         cfg = load_config(base=cfg, overrides=overrides)
         self.worker = WorkerReceiver(cfg, device)
         self.receiver = self.worker.receiver
+        # trainer.lora=adapter: TP rank 0 writes each version to sglang.lora_dir for /load_lora_adapter
+        self.adapters = AdapterDirectory(cfg.sglang.lora_dir, "sglang.lora_dir", writes=self.rank == 0)
         self.version: int | None = None  # the version the model holds, when whole
         self.last_report: dict[str, Any] = {}
         logger.info("lightning_weightsync SGLang loader: rank %d is %s on %s", self.rank, self.identity, device)
 
     def receive_into(self, model: torch.nn.Module) -> int:
         """One version into `model`; its number. Raises on a failed version (recorded in `last_report`)."""
-        sink = ModelLoadSink(model, None)  # SGLang passes no version: whichever the sender sends next
+        sink = EngineVersionSink(model, None, self.adapters)  # SGLang passes no version: whichever comes next
         try:
             record = self.worker.receive(sink)
         except Exception as exc:

@@ -10,6 +10,9 @@ vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/onli
     POST /update_weights {"update_info": {"version": v}}       <- in a thread: it returns when the
                                                                   workers received our broadcast
     POST /finish_weight_update {"weight_version": "v"}         (vLLM records the version)
+    POST /v1/load_lora_adapter {"lora_name": vllm.lora_name,   (adapter versions only, trainer.lora=adapter:
+          "lora_path": "<vllm.lora_dir>/step_v",               worker 0 wrote that PEFT adapter directory while
+          "load_inplace": true}                                receiving; the served name keeps its id, new content)
     POST /reset_prefix_cache                                   (blocks computed with old weights)
     POST /collective_rpc {"method": REPORT_METHOD}             (verify: what every worker holds)
     POST /resume                                               (always, also after any failure)
@@ -31,7 +34,8 @@ from omegaconf import DictConfig
 
 from ...config import PauseMode
 from ...engine.verify import weight_problems, worker_weight_report
-from ...errors import CannotAsk, PeerError
+from ...errors import CannotAsk, ConfigError, PeerError
+from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
 
 logger = logging.getLogger(__name__)
@@ -43,13 +47,18 @@ EXTENSION_CLASS = "lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerE
 """What `vllm serve --worker-extension-cls` must name for it (the launcher passes it). Strings here: this
 module is the trainer's and imports nothing of the rollout side."""
 TIMEOUT_KNOB = "vllm.request_timeout_s"
+LOAD_LORA = "/v1/load_lora_adapter"
+"""vLLM's runtime LoRA route (entrypoints/serve/lora/api_router.py: registered only with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; `load_inplace` keeps the name's lora_int_id and reloads its content,
+entrypoints/openai/models/serving.py `load_lora_adapter`)."""
 
 
 def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
     """One client per `vllm.urls` (the registry's entry point for the trainer side)."""
     v = cfg.vllm
     mode, reset, timeout_s = PauseMode(v.pause_mode), bool(v.reset_prefix_cache), float(v.request_timeout_s)
-    return [HTTPRolloutClient(str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset) for u in v.urls]
+    lora = {"lora_name": str(v.lora_name), "lora_dir": None if v.lora_dir is None else str(v.lora_dir)}
+    return [HTTPRolloutClient(str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset, **lora) for u in v.urls]
 
 
 class _PrefixCacheReset:
@@ -123,13 +132,21 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
     timeout_knob = TIMEOUT_KNOB
 
     def __init__(
-        self, url: str, timeout_s: float, *, pause_mode: PauseMode = PauseMode.keep, reset_prefix_cache: bool = True
+        self,
+        url: str,
+        timeout_s: float,
+        *,
+        pause_mode: PauseMode = PauseMode.keep,
+        reset_prefix_cache: bool = True,
+        lora_name: str = "policy",
+        lora_dir: str | None = None,
     ) -> None:
         self.http = JSONEndpoint(url, timeout_s, label="vLLM rollout", timeout_knob=TIMEOUT_KNOB, urls_knob="vllm.urls")
         self.url = self.name = self.http.url
         self.timeout_s = timeout_s
         self.pause_mode = PauseMode(pause_mode)
         self.reset_prefix_cache = reset_prefix_cache
+        self.lora_name, self.lora_dir = lora_name, lora_dir
         self._weight_version: str | None = None
 
     def pause(self) -> None:
@@ -153,6 +170,34 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
         )
         if weight_version is not None:
             self._weight_version = weight_version
+
+    def check_adapter(self) -> None:
+        """Before an adapter version is paused for: the client knows where the server's workers write it."""
+        if not self.lora_dir:
+            raise ConfigError(
+                f"vLLM rollout {self.name}: an adapter version (trainer.lora=adapter) needs vllm.lora_dir, the "
+                "directory (as the server sees it) where its worker 0 writes each version for /v1/load_lora_adapter; "
+                "set it on both sides, or set trainer.lora=merged"
+            )
+
+    def load_adapter(self, version: int) -> None:
+        """Serve adapter `version` under `lora_name`: the directory worker 0 wrote while receiving it, loaded in
+        place (`load_inplace`: the name keeps its lora_int_id, so requests naming it get the new content; the
+        first load registers the name). A 404 "Not Found" is the route missing: the server runs without
+        runtime LoRA updating."""
+        assert self.lora_dir, "check_adapter() first"
+        body = {"lora_name": self.lora_name, "lora_path": adapter_path(self.lora_dir, version), "load_inplace": True}
+        try:
+            self.http.request(LOAD_LORA, body)
+        except PeerError as exc:
+            if "HTTP 404" in str(exc) and "Not Found" in str(exc):
+                raise PeerError(
+                    f"vLLM rollout {self.name}: POST {LOAD_LORA} is not served (HTTP 404), so adapter version "
+                    f"{version} cannot be loaded: start `vllm serve` with --enable-lora (and --max-lora-rank at least "
+                    "the adapter's r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, or set "
+                    "trainer.lora=merged"
+                ) from None
+            raise
 
     def _reset(self, reset_running_requests: bool) -> bool:
         query = {"reset_running_requests": "true"} if reset_running_requests else None

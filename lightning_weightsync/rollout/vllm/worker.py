@@ -19,9 +19,12 @@ ZeroMQ connection and heartbeats alive while the worker is busy, and re-register
 parallel sharding apply). On GPU the buckets are on the worker's device (`transport.device` = the
 engine's `device`), so nothing makes a host hop. Memory beyond the model: two buckets, taken when the
 engine is built (before vLLM sizes its KV cache), plus one merged tensor at a time during a version.
+A LoRA adapter version (`trainer.lora=adapter`) is not loaded into the model: worker 0 writes it to
+`vllm.lora_dir` as a PEFT adapter directory (`engine_adapter.py`), which the trainer then has vLLM load.
 
 The trainer drives a version (`trainer/rollout_control.py`): pause -> start_weight_update ->
-update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version) -> resume.
+update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version)
+[-> /v1/load_lora_adapter, adapter versions] -> resume.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from ...config import RollbackMode
 from ...errors import ConfigError, SinkError, explain
+from ..engine_adapter import AdapterDirectory, EngineVersionSink
 from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
 from ..host_copy import HostCopy
 from ..observability import VersionRecord
@@ -45,6 +49,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKEND_NAME = "lightning_weightsync"
 """The name registered with vLLM's `WeightTransferEngineFactory` (`--weight-transfer-config`)."""
+
+LORA_DIR_KNOB = "vllm.lora_dir"
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -134,6 +140,8 @@ class WeightSyncEngineBody:
         self._host_copy: HostCopy | None = None  # vllm.rollback=host: the model as it was before this version
         self._reload_active = False
         self.identity: str | None = None
+        # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (engine_adapter.py)
+        self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
         self._check_model_supported()
         if self._config_path:
@@ -185,7 +193,7 @@ class WeightSyncEngineBody:
         if worker is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
         receiver = worker.receiver
-        sink = ModelLoadSink(self.model, getattr(update_info, "version", None))
+        sink = EngineVersionSink(self.model, getattr(update_info, "version", None), self._adapters)
         wait_s = getattr(update_info, "timeout_s", None)
         failure: BaseException | None = None
         try:
@@ -312,6 +320,7 @@ class WeightSyncEngineBody:
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
         worker = self._worker_receiver = WorkerReceiver(cfg, device)  # its slots before vLLM sizes its KV cache
+        self._adapters = AdapterDirectory(cfg.vllm.lora_dir, LORA_DIR_KNOB, writes=self.rank == 0)
         if RollbackMode(cfg.vllm.rollback) is RollbackMode.host and self._host_copy is None:
             self._host_copy = HostCopy(self.model)  # taken now, before the first version, never during one
             logger.info(
