@@ -158,8 +158,10 @@ def run(
     return report
 
 
-OVERLAP_MODES = ("no sync", "blocking", "overlap", "overlap sharded")
-"""`--overlap`: the same training loop, the same model and rollout, in this order in one pair of processes."""
+OVERLAP_MODES = ("no sync", "blocking", "overlap sync gather", "overlap", "overlap sharded")
+"""`--overlap`: the same training loop, the same model and rollout, in this order in one pair of processes.
+"overlap sync gather" is gather mode with `trainer.overlap_gather=sync` (the all-gathers at the sync point),
+"overlap" gather mode with the default background gather."""
 
 
 def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any], steps: int, bucket_mb: float,
@@ -190,6 +192,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
         cfg = load_config(
             overrides=[f"transport.port={port}", f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120",
                        f"trainer.overlap={'overlap' in mode}",
+                       f"trainer.overlap_gather={'sync' if 'sync gather' in mode else 'background'}",
                        f"trainer.send_mode={'sharded' if 'sharded' in mode else 'gather'}"]
         )  # fmt: skip
         driver = None
@@ -269,7 +272,7 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
             "step_slowdown": _median(r["compute_s"]) / _median(base["compute_s"]),
         }
     blocking = out["modes"]["blocking"]["median_stall_s"]
-    for mode in ("overlap", "overlap sharded"):
+    for mode in OVERLAP_MODES[2:]:
         out["modes"][mode]["stall_over_blocking"] = out["modes"][mode]["median_stall_s"] / blocking
     return out
 
@@ -277,12 +280,12 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
 def print_overlap(out: dict[str, Any]) -> None:
     print(
         f"overlap, 2-rank FSDP2 (gloo) tiny LM of {out['model_mb']:.0f} MiB, {out['steps']} steps, one rollout:\n"
-        f"  {'mode':<16} {'stall/sync':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} {'x no sync':>10}"
+        f"  {'mode':<20} {'stall/sync':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} {'x no sync':>10}"
     )
     for mode, m in out["modes"].items():
         ratio = f"{m['stall_over_blocking']:.3f}" if "stall_over_blocking" in m else "-"
         print(
-            f"  {mode:<16} {m['median_stall_s'] * 1e3:>9.0f}ms {ratio:>11} {m['total_s']:>8.2f}s "
+            f"  {mode:<20} {m['median_stall_s'] * 1e3:>9.0f}ms {ratio:>11} {m['total_s']:>8.2f}s "
             f"{m['median_step_compute_s'] * 1e3:>11.0f}ms {m['step_slowdown']:>10.2f}"
         )
 
