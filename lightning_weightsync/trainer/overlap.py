@@ -127,6 +127,7 @@ class Snapshot:
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded: bool = False
     gathers: bool = False  # gather mode, background gather: items hold `StagedShard`s every rank gathers
+    lora: Any = None  # gather mode, a PEFT model: the version's `LoraSpec` (rollout engines load adapter versions)
     ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
 
 
@@ -368,6 +369,8 @@ class OverlapSync:
                 logger.error("global rank %d: the overlap snapshot of version %d failed: %s", d.rank, version, exc)
         if gathers:
             self._stage_shards(snap, pending)  # collective on the first snapshot: every rank, failed or not
+        elif not sharded:
+            snap.lora = d.lora.spec  # set by the LoRA stream just consumed (as the blocking sync passes it)
         if self.staging.uses_cuda:
             snap.ready = torch.cuda.Event()
             snap.ready.record()
@@ -431,10 +434,12 @@ class OverlapSync:
         stream = self._gathered(snap) if snap.gathers else iter(snap.items)
 
         def send() -> SendStats:  # gathered tensors are fresh allocations: stable
-            return sender.send_weights(stream, version=snap.version, stable_tensors=True, tied=snap.tied)
+            return sender.send_weights(
+                stream, version=snap.version, stable_tensors=True, tied=snap.tied, lora=snap.lora
+            )
 
         try:
-            return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
+            return d.rollouts.run_version(snap.version, send, lora=snap.lora) if d.rollouts is not None else send()
         finally:
             drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's
 
