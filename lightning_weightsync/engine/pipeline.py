@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import torch
 
@@ -27,13 +28,19 @@ from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
 from ..transport.executor import SerialExecutor, forget
 from .session import ReceiverSession
 from .stats import ReceiveStats
-from .verify import Verifier
 
 RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer reached them (no memory: only
 # direct buckets run ahead of the slots, into the consumer's own destinations)
 
 Into = Callable[[TensorMeta], "torch.Tensor | None"]
 BucketItem = tuple[BucketMeta, int, "torch.Tensor | None"]  # metadata, slot, in-place target
+
+
+class FingerprintNotes(Protocol):
+    """What a pipeline tells of each bucket's fingerprints before its chunks are merged (`verify.Verifier`,
+    or one sender's part of a `shard_verify.ShardVerifier`)."""
+
+    def expect(self, meta: BucketMeta) -> None: ...
 
 
 class Destinations:
@@ -81,7 +88,7 @@ class BucketPipeline:
         destinations: Destinations | None = None,
         on_bucket: Callable[[BucketMeta], None] | None = None,
         sender: int = 0,
-        verifier: Verifier | None = None,
+        verifier: FingerprintNotes | None = None,
     ) -> None:
         self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
         self.sender = sender  # which sender of a sharded version this stream comes from (its buckets say so)

@@ -40,6 +40,7 @@ from .delta import apply_delta
 from .endpoint import Endpoint
 from .pipeline import BucketPipeline, Destinations, Into
 from .session import ReceiverSession
+from .shard_verify import ShardVerifier
 from .sharded import OtherSenders, tile
 from .stats import ReceiveStats
 from .verify import Verifier, VerifyReport
@@ -344,6 +345,8 @@ class WeightReceiver(Endpoint):
         try:
             others = await self._others.join(plan)
             parts = [(self, plan), *others]
+            addresses = [part._control.address for part, _ in parts]
+            verifier = ShardVerifier(self.verify, plan.version, addresses)
             for index, (part, part_plan) in enumerate(parts):
                 assert part._backend is not None and part._executor is not None
                 pipelines.append(
@@ -351,13 +354,14 @@ class WeightReceiver(Endpoint):
                         part_plan, steps=part._steps, backend=part._backend, executor=part._executor,
                         timeout_s=self.timeout_s, destinations=destinations,
                         on_bucket=self.on_bucket if index == 0 else None, sender=index,
+                        verifier=verifier.part(index),
                     )
                 )  # fmt: skip
             self._pipeline = pipelines[0]
-            addresses = [part._control.address for part, _ in parts]
             merger = TilingMerger(plan.group.bucket_size, destinations, self.output_device, addresses)
             async for name, tensor in tile(pipelines, merger, stats):
                 stats.num_tensors += 1
+                verifier.check(name, tensor)  # each sender's bytes, before the consumer sees them
                 yield name, tensor
         except BaseException as exc:
             # any part failed (or the consumer stopped): the whole version fails here, on every sender alike
@@ -374,7 +378,9 @@ class WeightReceiver(Endpoint):
             raise
         self._pipeline = None
         stats.seconds = time.perf_counter() - start
+        stats.verified = verifier.report.verified
         self.last_stats = stats
+        self.last_verify = verifier.report
         self.last_complete_version = plan.version
         self._control.last_version = plan.version
         if auto_ack:

@@ -327,9 +327,8 @@ class WeightSender(Endpoint):
                 f"version {version} <= last sent version {self._last_version}; versions must increase"
             )
         self._last_version = version
-        # a sharded version's parts are shards: no sender holds a whole tensor to fingerprint (verify is whole-only)
-        mode = VerifyMode(self.cfg.transport.verify) if sharding is None else VerifyMode.off
-        fingerprints = SenderFingerprints(mode, version)
+        # sharded: each shard's bytes are fingerprinted, and each receiver checks them where they land
+        fingerprints = SenderFingerprints(VerifyMode(self.cfg.transport.verify), version)
         source = _Drainable(weights, fingerprints)
         stats = SendStats(version=version)
         start = time.perf_counter()
@@ -394,7 +393,7 @@ class WeightSender(Endpoint):
             raise
         finally:
             stats.seconds = time.perf_counter() - start
-        stats.checksums = fingerprints.checksums
+        stats.checksums = fingerprints.checksums if sharding is None else {}  # shards' are no tensor's checksum
         stats.failed = {
             ident: ("no ack within transport.timeout_s" if ack is None else ack.error or "failed")
             for ident, ack in acks.items()

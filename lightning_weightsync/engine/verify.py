@@ -23,6 +23,7 @@ import torch
 
 from ..config import VerifyMode
 from ..errors import VerifyError
+from ..protocol.chunks import TensorShard
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint, sampled
 from ..protocol.messages import BucketMeta
 
@@ -40,12 +41,13 @@ class SenderFingerprints:
         self.by_name: dict[str, int] = {}
         self._index = 0
 
-    def take(self, name: str, tensor: torch.Tensor) -> None:
+    def take(self, name: str, tensor: torch.Tensor | TensorShard) -> None:
+        """A shard (sharded send mode) is fingerprinted over its own bytes (`engine/shard_verify.py`)."""
         index, self._index = self._index, self._index + 1
         if self.mode is VerifyMode.full or (
             self.mode is VerifyMode.sample and sampled(index, self.version, SAMPLE_EVERY)
         ):
-            self.by_name[name] = fingerprint(tensor)
+            self.by_name[name] = fingerprint(tensor.data if isinstance(tensor, TensorShard) else tensor)
 
     def of(self, name: str) -> int:
         return self.by_name.get(name, NO_FINGERPRINT)

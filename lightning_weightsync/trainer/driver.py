@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import DeltaMode, FailurePolicy, SendMode, VerifyMode
+from ..config import DeltaMode, FailurePolicy, SendMode
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -291,25 +291,15 @@ class SyncDriver:
             self.overlap.start()
 
     def _say_sharded_skips(self) -> None:
-        """Sharded versions carry no fingerprints and no deltas yet (a rank holds shards, and both are computed
-        on whole tensors): said once, at start, naming the knobs, instead of silently checking nothing."""
+        """Sharded versions carry no deltas yet (a delta is computed against a whole tensor's held copy): said
+        once, at start, naming the knob, instead of silently sending every version whole. (Verify works in
+        sharded mode: each rank fingerprints its shards, `engine/shard_verify.py`.)"""
         t = self.cfg.transport
-        skipped = []
-        if VerifyMode(t.verify) is not VerifyMode.off:
-            skipped.append(f"transport.verify={t.verify} (nothing is verified)")
-        if DeltaMode(t.delta) is not DeltaMode.off:
-            skipped.append(f"transport.delta={t.delta} (every version goes whole)")
-        if skipped and self.is_sender:
+        if DeltaMode(t.delta) is not DeltaMode.off and self.is_sender:
             logger.warning(
-                "trainer.send_mode=sharded does not verify or send deltas yet: %s; set them to off to silence this, "
-                "or use trainer.send_mode=gather for both", " and ".join(skipped),
+                "trainer.send_mode=sharded does not send deltas yet: transport.delta=%s (every version goes whole); "
+                "set transport.delta=off to silence this, or use trainer.send_mode=gather for deltas", t.delta,
             )  # fmt: skip
-
-    def finish(self, module: nn.Module, version: int) -> bool:
-        """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight
-        (and send `version` when the last sync skipped it) and apply `trainer.on_failure` to it; True when
-        the last version was delivered. Nothing to do for blocking syncs (True)."""
-        return self.overlap.finish(module, version) if self.overlap is not None else True
 
     def close(self) -> None:
         if self.overlap is not None:
