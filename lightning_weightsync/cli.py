@@ -79,7 +79,7 @@ def _exit_past_stuck_groups() -> None:
     """The daemon stopped mid-version: its group's receives wait for bytes that will not come until
     `transport.timeout_s`, and a normal interpreter exit beside them aborts (exit 134). Everything of ours
     is closed and flushed by now (sink, files, sockets), so leave at once, with the exit code of a clean stop."""
-    from .transport.backends.torch_pg import groups_draining
+    from .transport.backends import groups_draining
 
     if groups_draining():
         logging.getLogger(__name__).info("exiting without waiting for the abandoned data-plane group's transfers")

@@ -22,6 +22,10 @@ import lightning_weightsync
 from lightning_weightsync import ProtocolError, TensorMeta
 from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
 from lightning_weightsync.protocol.dtypes import DTYPES
+from lightning_weightsync.protocol.joins.nccl import NCCL_UNIQUE_ID_BYTES, NcclJoin
+from lightning_weightsync.protocol.joins.nixl import MAX_NIXL_METADATA_BYTES, NixlJoin, NixlRegion
+from lightning_weightsync.protocol.joins.shared import SharedJoin
+from lightning_weightsync.protocol.joins.store import StoreJoin
 from lightning_weightsync.protocol.messages import (
     MAC_LEN,
     MAX_FRAME_TO_RECEIVER,
@@ -32,7 +36,6 @@ from lightning_weightsync.protocol.messages import (
     MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
-    MAX_NIXL_METADATA_BYTES,
     MAX_SENDERS,
     MAX_SLOTS,
     MAX_STORE_KEY_LEN,
@@ -40,7 +43,6 @@ from lightning_weightsync.protocol.messages import (
     MAX_TENSOR_BYTES,
     MAX_TEXT_LEN,
     MAX_TIED_NAMES,
-    NCCL_UNIQUE_ID_BYTES,
     Abort,
     Ack,
     BucketDone,
@@ -52,9 +54,6 @@ from lightning_weightsync.protocol.messages import (
     LoraSpec,
     Member,
     Message,
-    NcclJoin,
-    NixlJoin,
-    NixlRegion,
     Plan,
     Prepare,
     Ready,
@@ -62,8 +61,6 @@ from lightning_weightsync.protocol.messages import (
     Register,
     Seal,
     SenderAddress,
-    SharedJoin,
-    StoreJoin,
     StoreReply,
     StoreRequest,
     decode,
