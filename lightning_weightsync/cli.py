@@ -117,7 +117,7 @@ rollout engines (rollout.engine=...; instead of the daemon, a server whose worke
   sglang       exec SGLang's launch_server with our weight loader: sglang.model=MODEL [sglang.serve_args=[...]]
 
 example: {PROG} rollout --config recipe.yaml rollout.sink.type=safetensors rollout.sink.dir=/tmp/versions
-"""  # config.SinkType's members, each with what it needs (a test keeps the two in step)
+"""  # the names in config.SINKS and ROLLOUT_ENGINES, each with what it needs (a test keeps them in step)
 BENCH_SIZES = ("small", "default")  # bench.BENCH_SIZES (not imported here: `--help` stays instant)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from lightning_weightsync.transport.backends import BACKENDS, Backend, backend_c
 
 
 @pytest.fixture
-def plugin_module(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:  # noqa: ANN001
+def plugin_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A module `lws_test_plugin` with one class in it, importable but not imported yet."""
     (tmp_path / "lws_test_plugin.py").write_text("class Thing:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
