@@ -81,6 +81,10 @@ class Registry(Mapping[str, T], Generic[T]):
             self._built[key] = self._load(key, self.path(key))
         return self._built[key]
 
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """`registry[name]` for a registered name (importing it), else `default` (no ConfigError)."""
+        return self[name] if name in self else default  # noqa: SIM401 - this is `get`
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and str(name) in self._paths
 

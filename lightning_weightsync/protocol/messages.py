@@ -17,7 +17,7 @@ import hmac
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, TypeAlias, Union
 
 import msgspec
 
@@ -101,7 +101,10 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 
 
 _JOIN_KINDS = all_join_kinds()  # loads every registered kind and freezes the table: the union is complete
-Join = Union[_JOIN_KINDS]  # type: ignore[valid-type]  # noqa: UP007
+if TYPE_CHECKING:
+    Join: TypeAlias = JoinSpec  # what a type checker can know of a union built at import
+else:
+    Join = Union[_JOIN_KINDS]  # noqa: UP007 - msgspec decodes this tagged union, strictly
 """What a receiver needs to join one backend's group, one tagged kind per rendezvous (`protocol/joins/`,
 one file each, listed in `JOIN_KINDS`); a backend reads only its own kind."""
 

@@ -116,3 +116,10 @@ def test_groups_draining_asks_only_loaded_backends(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(BACKENDS, "loaded", fake_loaded)
     assert groups_draining() == 2 and asked == ["draining"]
+
+
+def test_get_returns_the_default_for_an_unknown_name() -> None:
+    table: Registry[object] = Registry("test.kind", "test plug-in")
+    table.add("a", "json:dumps")
+    assert table.get("nope") is None and table.get("nope", 1) == 1
+    assert table.get("a") is json.dumps
