@@ -35,6 +35,7 @@ class Plant:
 
 
 MESSAGES = f"{PKG}/protocol/messages.py"
+JOINS = f"{PKG}/protocol/joins"  # each join kind validates itself
 CONTROL_LINK = f"{PKG}/transport/control/link.py"
 CONTROL_SENDER = f"{PKG}/transport/control/sender.py"
 CONTROL_RECEIVER = f"{PKG}/transport/control/receiver.py"
@@ -55,14 +56,14 @@ PLANTS = [
           "if not (0 <= msg.rank < msg.group.world_size):", "if not (0 <= msg.rank):", FUZZ),
     Plant("decoder: member listed twice", MESSAGES,
           "if len({m.identity for m in group.members}) != len(group.members):", "if False:", FUZZ),
-    Plant("decoder: store port range", MESSAGES,
-          "if not join.host or not (1 <= join.port <= 65535):", "if not join.host:", FUZZ),
-    Plant("decoder: nccl id byte range", MESSAGES,
-          "any(not (-128 <= b <= 255) for b in join.unique_id)", "False", FUZZ),
-    Plant("decoder: slot count", MESSAGES,
-          "if not (1 <= len(join.slots) <= MAX_SLOTS):\n"
-          "            raise ProtocolError(f\"plan has {len(join.slots)} slot handles",
-          "if False:\n            raise ProtocolError(f\"plan has {len(join.slots)} slot handles", FUZZ),
+    Plant("decoder: store port range", f"{JOINS}/store.py",
+          "if not self.host or not (1 <= self.port <= 65535):", "if not self.host:", FUZZ),
+    Plant("decoder: nccl id byte range", f"{JOINS}/nccl.py",
+          "any(not (-128 <= b <= 255) for b in self.unique_id)", "False", FUZZ),
+    Plant("decoder: slot count", f"{JOINS}/shared.py",
+          "if not (1 <= len(self.slots) <= MAX_SLOTS):\n"
+          "            raise ProtocolError(f\"plan has {len(self.slots)} slot handles",
+          "if False:\n            raise ProtocolError(f\"plan has {len(self.slots)} slot handles", FUZZ),
     Plant("decoder: tied names only on bucket 0", MESSAGES,
           "if msg.bucket_index != 0:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries",
           "if False:\n        raise ProtocolError(f\"bucket {msg.bucket_index} carries", FUZZ),

@@ -79,7 +79,7 @@ def _exit_past_stuck_groups() -> None:
     """The daemon stopped mid-version: its group's receives wait for bytes that will not come until
     `transport.timeout_s`, and a normal interpreter exit beside them aborts (exit 134). Everything of ours
     is closed and flushed by now (sink, files, sockets), so leave at once, with the exit code of a clean stop."""
-    from .transport.backends.torch_pg import groups_draining
+    from .transport.backends import groups_draining
 
     if groups_draining():
         logging.getLogger(__name__).info("exiting without waiting for the abandoned data-plane group's transfers")
@@ -117,7 +117,7 @@ rollout engines (rollout.engine=...; instead of the daemon, a server whose worke
   sglang       exec SGLang's launch_server with our weight loader: sglang.model=MODEL [sglang.serve_args=[...]]
 
 example: {PROG} rollout --config recipe.yaml rollout.sink.type=safetensors rollout.sink.dir=/tmp/versions
-"""  # config.SinkType's members, each with what it needs (a test keeps the two in step)
+"""  # the names in config.SINKS and ROLLOUT_ENGINES, each with what it needs (a test keeps them in step)
 BENCH_SIZES = ("small", "default")  # bench.BENCH_SIZES (not imported here: `--help` stays instant)
 
 

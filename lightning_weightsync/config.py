@@ -24,6 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import ConfigError
 from .protocol.messages import MAX_IDENTITY_LEN
+from .registry import Registry
 from .rollout_engines import ROLLOUT_ENGINES
 from .transport.backends import BACKENDS
 
@@ -41,8 +42,9 @@ class Choice(str, enum.Enum):
         return format(str(self.value), spec)
 
 
-# The names are defined once, by `@register_backend` in `transport/backends/` (one file each); the
-# config field is an Enum built from that registry, so OmegaConf rejects any other name at load time.
+# The names are defined once, by the backend table `BACKENDS` (`transport/backends/__init__.py`, one line a
+# backend, no backend imported); the config field is an Enum built from it, so OmegaConf rejects any other
+# name at load time.
 BackendName = Choice("BackendName", {name: name for name in BACKENDS})
 BackendName.__doc__ = """`transport.backend`: the data-plane backends that are registered."""
 
@@ -54,16 +56,20 @@ class ApplyMode(Choice):
     streaming = "streaming"
 
 
-class SinkType(Choice):
-    """`rollout.sink.type`: where a rollout daemon puts each version (`rollout/sinks/`, registered under
-    these names). A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
+SINKS: Registry[type[Any]] = Registry("rollout.sink.type", "sink")
+"""The daemon sinks by their `rollout.sink.type` name (one file each in `rollout/sinks/`, a `Sink`
+subclass), imported when the daemon builds one (`rollout.sinks.build_sink`). The table lives here, not
+next to the sinks, because config sits below the rollout layer and lists the choices from it."""
+SINKS.add("module", "lightning_weightsync.rollout.sinks.module:ModuleSink")
+SINKS.add("safetensors", "lightning_weightsync.rollout.sinks.safetensors:SafetensorsSink")
+SINKS.add("callable", "lightning_weightsync.rollout.sinks.callable:CallableSink")
 
-    module = "module"
-    safetensors = "safetensors"
-    callable = "callable"
+SinkType = Choice("SinkType", {name: name for name in SINKS})
+SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each version (the names in `SINKS`).
+A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
 
 
-# Like BackendName: the engines are named once, by `register_rollout_engine` (rollout_engines.py).
+# Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines.py).
 RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
 RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
 
@@ -305,7 +311,7 @@ class TrainerConfig:
 class SinkConfig:
     """Where a rollout puts each version."""
 
-    type: SinkType = SinkType.module
+    type: SinkType = SinkType["module"]  # type: ignore[valid-type]
     """The sink kind."""
     factory: str | None = None
     """`package.module:function` returning the torch module to load into (module sink)."""

@@ -12,10 +12,11 @@ An engine is a server that generates and also receives our versions in its own w
   (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
   next to it.
 
-Entries are module paths, imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an
-engine costs nothing until it is used, and the layer that lists the engines (config: `rollout.engine`'s
-choices) never imports them. Adding an engine: its folder, its config section (`config.py`, documented in
-`configs/default.yaml`) and one `register_rollout_engine` line below (docs/concepts.md).
+Entries are module paths in a `Registry` (registry.py: the one plug-in seam, also for backends and sinks),
+imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an engine costs nothing until
+it is used, and the layer that lists the engines (config: `rollout.engine`'s choices) never imports them.
+Adding an engine: its folder, its config section (`config.py`, documented in `configs/default.yaml`) and
+one `register_rollout_engine` line below (docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigError
+from .registry import Registry
 
 
 @runtime_checkable
@@ -106,22 +108,21 @@ class RolloutEngine:
         return int(self._load("launch", "launch")(cfg))
 
 
-ROLLOUT_ENGINES: dict[str, RolloutEngine] = {}
+ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout.engine", "rollout engine", load=RolloutEngine)
+"""Every engine by its `rollout.engine` name -> its package; an entry is a `RolloutEngine`, which imports
+the package's `client` or `launch` module only when asked for clients or a launch."""
 
 
 def register_rollout_engine(name: str, package: str) -> None:
     """Add an engine; a duplicate name is a bug (two folders claiming one `rollout.engine` value)."""
-    if name in ROLLOUT_ENGINES or name == "none":
-        raise ConfigError(f"rollout engine {name!r} is registered twice (or named 'none', which means no engine)")
-    ROLLOUT_ENGINES[name] = RolloutEngine(name, package)
+    if name == "none":
+        raise ConfigError("rollout engine 'none' cannot be registered: rollout.engine=none means no engine")
+    ROLLOUT_ENGINES.add(name, package)
 
 
 def rollout_engine(name: str) -> RolloutEngine:
     """The engine `rollout.engine` names; `ConfigError` listing the registered ones otherwise."""
-    engine = ROLLOUT_ENGINES.get(str(name))
-    if engine is None:
-        raise ConfigError(f"rollout.engine={name}: no such rollout engine; choose one of: {', '.join(ROLLOUT_ENGINES)}")
-    return engine
+    return ROLLOUT_ENGINES[name]
 
 
 register_rollout_engine("vllm", "lightning_weightsync.rollout.vllm")

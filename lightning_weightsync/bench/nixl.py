@@ -47,9 +47,9 @@ def _stream(scale: int, version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _agent(name: str) -> Any:
-    from ..transport.backends.nixl import import_nixl
+    from ..transport.backends import backend_class
 
-    agent_cls, config_cls = import_nixl()
+    agent_cls, config_cls = backend_class("nixl").agent_classes()  # type: ignore[attr-defined]
     return agent_cls(name, config_cls(enable_prog_thread=False, backends=["UCX"]))  # as the backend runs it
 
 

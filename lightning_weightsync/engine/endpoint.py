@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from ..transport.backends import Backend, build_backend
-from ..transport.backends.torch_pg import groups_draining
+from ..transport.backends import Backend, build_backend, groups_draining
 from ..transport.executor import SerialExecutor
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,8 @@ class Endpoint(ABC):
         if groups_draining():
             logger.warning(
                 "a data-plane group given up after a failure still waits for a transfer to a peer that stopped "
-                "answering (gloo cannot cancel it; it ends within transport.timeout_s=%ss): a process that exits "
-                "before then is aborted on the way out (exit code 134)",
+                "answering (its backend cannot cancel it; it ends within transport.timeout_s=%ss): a process that "
+                "exits before then is aborted on the way out (exit code 134)",
                 self.timeout_s,
             )
         if self._backend is not None:

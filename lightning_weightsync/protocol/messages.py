@@ -17,7 +17,7 @@ import hmac
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, TypeAlias, Union
 
 import msgspec
 
@@ -25,22 +25,22 @@ from ..errors import ProtocolError
 from .chunks import MAX_BUCKET_ENTRIES, TensorMeta
 from .dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 from .fingerprint import MASK, NO_FINGERPRINT
+from .joins import JoinSpec, all_join_kinds
+from .limits import INT_BYTES as _INT_BYTES
+from .limits import MAX_SLOTS, MAX_TENSOR_BYTES, MAX_TEXT_LEN  # noqa: F401 - part of the schema's limits
+from .limits import STRUCT_BYTES as _STRUCT_BYTES
+from .limits import check_text as _check_text
+from .limits import text_bytes as _text_bytes
 
 logger = logging.getLogger(__name__)
 
 MAX_NAME_LEN = 1024
 MAX_NDIM = 16
 MAX_TIED_NAMES = 1024  # names in a bucket's `tied` map, sources and aliases together
-MAX_TEXT_LEN = 4096
 MAX_IDENTITY_LEN = 256  # a receiver's identity (config: rollout.identity, shorter: see config.py)
-MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
 MAC_LEN = 32
 MAX_MEMBERS = 4096  # receivers in one group
 MAX_SENDERS = 1024  # trainer ranks that send one version (sharded send mode)
-MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
-NCCL_UNIQUE_ID_BYTES = 128
-MAX_NIXL_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata: ~0.5 KiB over UCX on one host, more with RDMA NICs
-NIXL_MEM_TYPES = ("DRAM", "VRAM")
 PROTOCOL_VERSION = 1
 
 
@@ -100,50 +100,13 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     delta_base: int = -1  # the version this receiver holds whole and can apply a delta to (-1: none)
 
 
-class StoreJoin(msgspec.Struct, tag="store", frozen=True):
-    """gloo / hccl: the sender's TCPStore, where every rank meets to form the group."""
-
-    host: str
-    port: int
-
-
-class NcclJoin(msgspec.Struct, tag="nccl", frozen=True):
-    """nccl: the communicator's unique id, new for every group generation (the chars of
-    `ncclUniqueId`, signed or unsigned as the sender's platform has them)."""
-
-    unique_id: list[int]
-
-
-class SharedJoin(msgspec.Struct, tag="shared", frozen=True):
-    """shm / cuda_ipc: one handle per bucket slot to map, and the sender's socket that collects
-    `BucketDone` releases."""
-
-    slots: list[str]
-    release_addr: str
-
-
-class NixlRegion(msgspec.Struct, array_like=True, frozen=True):
-    """One registered memory region of a NIXL agent: address in its process, size, device index."""
-
-    addr: int
-    nbytes: int
-    device_id: int
-
-
-class NixlJoin(msgspec.Struct, tag="nixl", frozen=True):
-    """nixl: the sender's NIXL agent (its name, and its metadata as `get_agent_metadata` returns it:
-    connection info and registered regions, parsed by NIXL), where each bucket slot lives in it and
-    of which memory type, and the sender's socket that collects `BucketDone` releases."""
-
-    agent: str
-    metadata: bytes
-    mem_type: str
-    slots: list[NixlRegion]
-    release_addr: str
-
-
-Join = Union[StoreJoin, NcclJoin, SharedJoin, NixlJoin]  # noqa: UP007
-"""What a receiver needs to join one backend's group; a backend reads only its own kind."""
+_JOIN_KINDS = all_join_kinds()  # loads every registered kind and freezes the table: the union is complete
+if TYPE_CHECKING:
+    Join: TypeAlias = JoinSpec  # what a type checker can know of a union built at import
+else:
+    Join = Union[_JOIN_KINDS]  # noqa: UP007 - msgspec decodes this tagged union, strictly
+"""What a receiver needs to join one backend's group, one tagged kind per rendezvous (`protocol/joins/`,
+one file each, listed in `JOIN_KINDS`); a backend reads only its own kind."""
 
 
 class Member(msgspec.Struct, array_like=True, frozen=True):
@@ -483,11 +446,6 @@ def check_tensor(name: str, shape: Sequence[int], dtype: str) -> int:
     return nbytes
 
 
-def _check_text(what: str, value: str | None, limit: int = MAX_TEXT_LEN) -> None:
-    if value is not None and len(value) > limit:
-        raise ProtocolError(f"{what} is {len(value)} characters long (limit {limit})")
-
-
 def _check_nonneg(what: str, value: int) -> None:
     if value < 0:
         raise ProtocolError(f"{what}={value} is negative")
@@ -541,47 +499,9 @@ def validate_group(group: GroupSpec) -> None:
         _check_nonneg("member pid", member.pid)
     if len({m.identity for m in group.members}) != len(group.members):
         raise ProtocolError("plan lists a member twice")
-    join = group.join
-    if isinstance(join, StoreJoin):
-        _check_text("store host", join.host, 256)
-        if not join.host or not (1 <= join.port <= 65535):
-            raise ProtocolError(f"plan has a bad store address {join.host[:256]!r}:{join.port}")
-    elif isinstance(join, NcclJoin):
-        if len(join.unique_id) != NCCL_UNIQUE_ID_BYTES or any(not (-128 <= b <= 255) for b in join.unique_id):
-            raise ProtocolError(f"plan has a malformed nccl unique_id ({len(join.unique_id)} values)")
-    elif isinstance(join, NixlJoin):
-        _validate_nixl_join(join)
-    else:
-        if not (1 <= len(join.slots) <= MAX_SLOTS):
-            raise ProtocolError(f"plan has {len(join.slots)} slot handles (expected 1 to {MAX_SLOTS})")
-        for handle in join.slots:
-            if not handle:
-                raise ProtocolError("plan has an empty slot handle")
-            _check_text("slot handle", handle)
-        _check_text("release_addr", join.release_addr, 256)
-        if not join.release_addr.startswith("tcp://"):
-            raise ProtocolError(f"plan release_addr {join.release_addr[:256]!r} is not a tcp:// address")
-
-
-def _validate_nixl_join(join: NixlJoin) -> None:
-    if not join.agent:
-        raise ProtocolError("plan has an empty nixl agent name")
-    _check_text("nixl agent name", join.agent, 256)
-    if not (1 <= len(join.metadata) <= MAX_NIXL_METADATA_BYTES):
-        raise ProtocolError(
-            f"plan has {len(join.metadata)} bytes of nixl agent metadata (expected 1 to {MAX_NIXL_METADATA_BYTES})"
-        )
-    if join.mem_type not in NIXL_MEM_TYPES:
-        raise ProtocolError(f"plan has nixl memory type {join.mem_type[:16]!r} (one of {', '.join(NIXL_MEM_TYPES)})")
-    if not (1 <= len(join.slots) <= MAX_SLOTS):
-        raise ProtocolError(f"plan has {len(join.slots)} nixl slots (expected 1 to {MAX_SLOTS})")
-    for region in join.slots:
-        in_range = region.addr > 0 and 0 < region.nbytes <= MAX_TENSOR_BYTES  # msgpack: addr < 2**64
-        if not (in_range and 0 <= region.device_id < 1 << 16):
-            raise ProtocolError(f"plan has a malformed nixl slot {region.addr}:{region.nbytes}@{region.device_id}")
-    _check_text("release_addr", join.release_addr, 256)
-    if not join.release_addr.startswith("tcp://"):
-        raise ProtocolError(f"plan release_addr {join.release_addr[:256]!r} is not a tcp:// address")
+    if not isinstance(group.join, JoinSpec):  # the union holds only JoinSpec kinds: a bug if not
+        raise ProtocolError(f"plan has join fields of an unknown kind {type(group.join).__name__}")
+    group.join.validate()
 
 
 def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
@@ -699,14 +619,9 @@ def alias_sent_twice(tied: Mapping[str, Sequence[str]]) -> str | None:
 # -- the largest legal frame, each way (ZeroMQ's MAXMSGSIZE: transport/sockets.py) ---------------------
 # Upper bounds of the msgpack encoding, from the limits above: a text of n characters is at most 4n
 # bytes of UTF-8 plus a 5-byte header; an int at most 9 bytes; a struct's keys and tag fit in
-# _STRUCT_BYTES. tests/unit/test_messages.py builds the largest legal message of every kind and checks
-# it fits, so a new field or limit that is not counted here fails there.
-_INT_BYTES = 9
-_STRUCT_BYTES = 256
-
-
-def _text_bytes(chars: int) -> int:
-    return 4 * chars + 5
+# _STRUCT_BYTES (protocol/limits.py); each join kind counts its own (`MAX_BYTES`).
+# tests/unit/test_messages.py builds the largest legal message of every kind and checks it fits, so a
+# new field or limit that is not counted here fails there.
 
 
 def _entry_bytes() -> int:
@@ -720,13 +635,7 @@ def _to_receiver_bytes() -> int:
     per_entry = 2 * (5 + MAX_BUCKET_ENTRIES * _INT_BYTES) + _INT_BYTES  # fingerprints, deltas, delta_base
     lora = _STRUCT_BYTES + 5 * (_text_bytes(16) + _INT_BYTES) + 4 * 5 + MAX_LORA_NAMES * (_text_bytes(MAX_NAME_LEN) + 9)
     bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry + lora
-    joins = (
-        _text_bytes(256) + _INT_BYTES,  # StoreJoin
-        5 + NCCL_UNIQUE_ID_BYTES * _INT_BYTES,  # NcclJoin
-        5 + MAX_SLOTS * _text_bytes(MAX_TEXT_LEN) + _text_bytes(256),  # SharedJoin
-        _text_bytes(256) + MAX_NIXL_METADATA_BYTES + 5 + _text_bytes(8) + 5 + MAX_SLOTS * (5 + 3 * _INT_BYTES)
-        + _text_bytes(256),  # NixlJoin
-    )  # fmt: skip
+    joins = [kind.MAX_BYTES for kind in _JOIN_KINDS]  # every kind the union holds
     members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
     senders = 5 + MAX_SENDERS * (5 + _text_bytes(256) + _INT_BYTES)
     plan = 2 * _INT_BYTES + _text_bytes(MAX_TEXT_LEN) + _text_bytes(64) + 2 * _INT_BYTES + members + max(joins)

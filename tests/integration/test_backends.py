@@ -83,7 +83,9 @@ def _group(join, *, backend="gloo", bucket_size=1024, members=("r0",)):
 def test_sender_says_what_the_plan_needs_and_packs_through_the_backend(name):
     """The sender's side of the interface: a typed join spec, `pack` into a slot, `view` of it, and
     members that come in through the group spec."""
-    from lightning_weightsync.protocol.messages import SharedJoin, StoreJoin, validate_group
+    from lightning_weightsync.protocol.joins.shared import SharedJoin
+    from lightning_weightsync.protocol.joins.store import StoreJoin
+    from lightning_weightsync.protocol.messages import validate_group
     from lightning_weightsync.transport.backends import NUM_SLOTS, next_slot
 
     backend = build_backend(name, **_kwargs())
@@ -111,7 +113,7 @@ def test_sender_says_what_the_plan_needs_and_packs_through_the_backend(name):
 
 def test_a_plan_for_another_backend_is_a_protocol_error():
     from lightning_weightsync import ProtocolError
-    from lightning_weightsync.protocol.messages import SharedJoin
+    from lightning_weightsync.protocol.joins.shared import SharedJoin
 
     backend = build_backend("gloo", **_kwargs(is_sender=False))
     with pytest.raises(ProtocolError, match="SharedJoin join fields, backend gloo needs StoreJoin"):
@@ -120,7 +122,7 @@ def test_a_plan_for_another_backend_is_a_protocol_error():
 
 def test_shm_receiver_names_a_missing_segment_and_rejects_bad_plans():
     from lightning_weightsync import PeerError, ProtocolError
-    from lightning_weightsync.protocol.messages import SharedJoin
+    from lightning_weightsync.protocol.joins.shared import SharedJoin
 
     receiver = build_backend("shm", **_kwargs(is_sender=False, identity="r0"))
     try:

@@ -570,7 +570,7 @@ class _ScriptedSteps:
 
 def _loopback_backend(wire):
     """A receiver backend whose "broadcast" copies scripted bytes into the slot (or raises)."""
-    from lightning_weightsync.protocol.messages import StoreJoin
+    from lightning_weightsync.protocol.joins.store import StoreJoin
     from lightning_weightsync.transport.backends import NUM_SLOTS, Backend
 
     class Loopback(Backend):
@@ -605,7 +605,8 @@ async def test_bucket_pipeline_runs_on_what_it_is_given(failure):
     from lightning_weightsync import PeerError, ReceiveStats
     from lightning_weightsync.engine.pipeline import BucketPipeline
     from lightning_weightsync.protocol.chunks import as_bytes, merge_weight_chunks
-    from lightning_weightsync.protocol.messages import BucketMeta, Entry, GroupSpec, Member, Plan, StoreJoin
+    from lightning_weightsync.protocol.joins.store import StoreJoin
+    from lightning_weightsync.protocol.messages import BucketMeta, Entry, GroupSpec, Member, Plan
     from lightning_weightsync.transport.executor import SerialExecutor
 
     weight = torch.arange(8, dtype=torch.float32)

@@ -229,7 +229,7 @@ def test_a_direct_read_lands_in_the_callers_tensor_and_its_registration_is_cache
 
 def test_receiver_rejects_plans_it_cannot_use(pair):
     from lightning_weightsync import ProtocolError
-    from lightning_weightsync.protocol.messages import NixlJoin
+    from lightning_weightsync.protocol.joins.nixl import NixlJoin
 
     sender, receiver = pair
     spec = sender.join_spec(1)

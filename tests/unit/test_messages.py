@@ -22,6 +22,10 @@ import lightning_weightsync
 from lightning_weightsync import ProtocolError, TensorMeta
 from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
 from lightning_weightsync.protocol.dtypes import DTYPES
+from lightning_weightsync.protocol.joins.nccl import NCCL_UNIQUE_ID_BYTES, NcclJoin
+from lightning_weightsync.protocol.joins.nixl import MAX_NIXL_METADATA_BYTES, NixlJoin, NixlRegion
+from lightning_weightsync.protocol.joins.shared import SharedJoin
+from lightning_weightsync.protocol.joins.store import StoreJoin
 from lightning_weightsync.protocol.messages import (
     MAC_LEN,
     MAX_FRAME_TO_RECEIVER,
@@ -32,7 +36,6 @@ from lightning_weightsync.protocol.messages import (
     MAX_MEMBERS,
     MAX_NAME_LEN,
     MAX_NDIM,
-    MAX_NIXL_METADATA_BYTES,
     MAX_SENDERS,
     MAX_SLOTS,
     MAX_STORE_KEY_LEN,
@@ -40,7 +43,6 @@ from lightning_weightsync.protocol.messages import (
     MAX_TENSOR_BYTES,
     MAX_TEXT_LEN,
     MAX_TIED_NAMES,
-    NCCL_UNIQUE_ID_BYTES,
     Abort,
     Ack,
     BucketDone,
@@ -52,9 +54,6 @@ from lightning_weightsync.protocol.messages import (
     LoraSpec,
     Member,
     Message,
-    NcclJoin,
-    NixlJoin,
-    NixlRegion,
     Plan,
     Prepare,
     Ready,
@@ -62,8 +61,6 @@ from lightning_weightsync.protocol.messages import (
     Register,
     Seal,
     SenderAddress,
-    SharedJoin,
-    StoreJoin,
     StoreReply,
     StoreRequest,
     decode,
@@ -961,3 +958,52 @@ def test_a_bucket_from_an_impossible_sender_is_refused(sender: int) -> None:
     validate(BucketMeta(1, 0, True, 0, [], {}, MAX_SENDERS))
     with pytest.raises(ProtocolError, match="from sender"):
         validate(BucketMeta(1, 0, True, 0, [], {}, sender))
+
+
+JOIN_SAMPLES = {
+    "store": StoreJoin("127.0.0.1", 29601),
+    "nccl": NcclJoin(NCCL_ID),
+    "shared": SharedJoin(["psm_0a1b", "psm_2c3d"], "tcp://127.0.0.1:5555"),
+    "nixl": NixlJoin("agent-0", b"md", "DRAM", [NixlRegion(4096, 1024, 0)] * 2, "tcp://127.0.0.1:5556"),
+}
+
+
+def test_every_join_kind_round_trips_in_a_plan() -> None:
+    """The wire union is built from `JOIN_KINDS`: a plan carrying any registered kind decodes to the same
+    kind (a new kind without a sample here fails, so it is round-tripped too)."""
+    from lightning_weightsync.protocol.joins import JOIN_KINDS
+
+    assert set(JOIN_SAMPLES) == set(JOIN_KINDS)
+    for tag, join in JOIN_SAMPLES.items():
+        assert isinstance(join, JOIN_KINDS[tag])
+        plan = _plan(join=join)
+        for key in (None, KEY):
+            back = decode(encode(plan, KEY if key else None), key)
+            assert back == plan and type(back.group.join) is type(join)
+
+
+def test_a_join_of_an_unknown_kind_is_rejected() -> None:
+    """A tag no registered kind has is a schema error (strict tagged union), never decoded loosely."""
+
+    class OtherJoin(msgspec.Struct, tag="other", frozen=True):
+        host: str
+        port: int
+
+    frames = encode(_plan(join=OtherJoin("127.0.0.1", 1)))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="malformed control message") as info:
+        decode(frames)
+    assert not isinstance(info.value, DecoderBug)
+    untagged = msgspec.msgpack.encode({"type": "plan", "version": 3, "rank": 1, "group": {"join": {"host": "h"}}})
+    with pytest.raises(ProtocolError, match="malformed control message"):
+        decode([untagged])
+
+
+def test_join_kinds_cannot_be_added_once_the_union_is_built() -> None:
+    """`messages` builds its decoder from the complete table and freezes it: a kind added later would not
+    be decodable, so adding one is refused instead of silently ignored."""
+    from lightning_weightsync.errors import ConfigError
+    from lightning_weightsync.protocol.joins import JOIN_KINDS
+
+    with pytest.raises(ConfigError, match="registered after the wire union was built"):
+        JOIN_KINDS.add("late", "lightning_weightsync.protocol.joins.store:StoreJoin")
+    assert "late" not in JOIN_KINDS

@@ -10,14 +10,12 @@ import msgspec
 import pytest
 
 from lightning_weightsync.errors import BackendUnavailable, ProtocolError
+from lightning_weightsync.protocol.joins.nixl import MAX_NIXL_METADATA_BYTES, NixlJoin, NixlRegion
 from lightning_weightsync.protocol.messages import (
-    MAX_NIXL_METADATA_BYTES,
     MAX_SLOTS,
     MAX_TENSOR_BYTES,
     GroupSpec,
     Member,
-    NixlJoin,
-    NixlRegion,
     Plan,
     decode,
     encode,

@@ -4,28 +4,23 @@
 - `safetensors`: `<rollout.sink.dir>/step_<version>.safetensors`, the last `keep_last` kept;
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
-Each sink registers itself under its `SinkType` with `@register_sink` (base.py); `build_sink(cfg)`
-reads that registry, and a unit test keeps it equal to the `SinkType` choices. (A rollout engine such
-as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines.py`.)
+Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config.py`: config
+lists the choices and sits below this layer); `build_sink(cfg)` imports only the sink it builds. (A rollout
+engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines.py`.)
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from ...config import SinkType
-from ...errors import ConfigError
-from . import callable, module, safetensors  # noqa: F401 - registration
-from .base import SINKS, Sink, SinkState, load_callable, load_object, register_sink
+from ...config import SINKS
+from .base import Sink, SinkState, load_callable, load_object
 
 
 def build_sink(cfg: DictConfig) -> Sink:
     """The sink named by `rollout.sink.type`, built from the rest of `rollout.sink`."""
-    kind = SinkType(cfg.rollout.sink.type)
-    cls = SINKS.get(kind)
-    if cls is None:
-        raise ConfigError(f"rollout.sink.type={kind} has no sink; choose one of: {', '.join(map(str, SINKS))}")
+    cls: type[Sink] = SINKS[cfg.rollout.sink.type]
     return cls(cfg)
 
 
-__all__ = ["SINKS", "Sink", "SinkState", "build_sink", "load_callable", "load_object", "register_sink"]
+__all__ = ["SINKS", "Sink", "SinkState", "build_sink", "load_callable", "load_object"]

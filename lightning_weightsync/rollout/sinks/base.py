@@ -29,12 +29,12 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from ...config import ApplyMode, SinkType
+from ...config import ApplyMode
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
 from ...protocol.messages import LoraSpec, alias_sent_twice
@@ -173,24 +173,6 @@ class Sink(ABC):
         """A commit raised: by default the same as an abort (subclasses may be stricter)."""
         if self._abort(version, "commit failed"):
             self.state = SinkState.INCOMPLETE
-
-
-S = TypeVar("S", bound=type[Sink])
-
-SINKS: dict[SinkType, type[Sink]] = {}
-"""Every daemon sink by its `rollout.sink.type`; filled by `@register_sink`, read by `build_sink`."""
-
-
-def register_sink(kind: SinkType) -> Callable[[S], S]:
-    """Class decorator: the one place a sink says which `rollout.sink.type` it serves."""
-
-    def register(cls: S) -> S:
-        if kind in SINKS and SINKS[kind] is not cls:
-            raise ValueError(f"sink type {kind} is registered twice ({SINKS[kind].__name__}, {cls.__name__})")
-        SINKS[kind] = cls
-        return cls
-
-    return register
 
 
 def _check_tied(tied: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:

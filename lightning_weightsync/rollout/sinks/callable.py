@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ...config import ApplyMode, SinkType
+from ...config import ApplyMode
 from ...errors import SinkError, VersionAborted, explain
 from ...protocol.chunks import TensorMeta
-from .base import Sink, SinkState, load_callable, register_sink
+from .base import Sink, SinkState, load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class _Abort:
         self.reason = reason
 
 
-@register_sink(SinkType.callable)
 class CallableSink(Sink):
     """Calls `rollout.sink.target(version, iterator of (name, tensor))` once per version."""
 

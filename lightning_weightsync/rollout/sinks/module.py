@@ -32,16 +32,15 @@ import threading
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ...config import ApplyMode, LoraApply, SinkType
+from ...config import ApplyMode, LoraApply
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
-from .base import Sink, SinkState, describe, load_callable, register_sink
+from .base import Sink, SinkState, describe, load_callable
 from .lora import LoraLoader
 
 logger = logging.getLogger(__name__)
 
 
-@register_sink(SinkType.module)
 class ModuleSink(Sink):
     """Loads versions into `self.module` in place; see the module docstring for the two policies."""
 

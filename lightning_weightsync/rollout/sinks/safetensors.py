@@ -65,12 +65,11 @@ from typing import BinaryIO
 import torch
 from omegaconf import DictConfig
 
-from ...config import SinkType
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta, as_bytes
 from ...protocol.messages import LoraSpec
 from ...transport.process import process_alive
-from .base import Sink, register_sink
+from .base import Sink
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +194,6 @@ def adapter_config(spec: LoraSpec) -> dict[str, object]:
     }
 
 
-@register_sink(SinkType.safetensors)
 class SafetensorsSink(Sink):
     """Writes each complete version to `<rollout.sink.dir>/step_<version>.safetensors`, keeps the last K."""
 

@@ -1,13 +1,50 @@
-"""Data-plane backends, one a file, each registered under its `transport.backend` name by
-`@register_backend` (see `base.py`). Importing this package registers them all; the optional
-dependencies (cupy for nccl, torch_npu for hccl, a GPU for cuda_ipc) are imported only when a backend
-is built, so the registry always lists every name and config validation can read it.
+"""Data-plane backends, one a file, each named by one line of `BACKENDS` below (its `transport.backend`
+value -> where its class lives). A backend's module is imported only when that backend is built, so
+config validation lists every name without importing cupy (nccl), torch_npu (hccl) or nixl, and the rest
+of the package never imports a backend's module (tests/unit/test_layers.py): it asks this package.
+
+Adding a backend: its file here (a `Backend` subclass with `name`, `natural_device`, `join_type`), one
+line below, and, when it needs a rendezvous of its own, its join kind (`protocol/joins/`, one file and
+one line there). docs/concepts.md, "Adding a backend".
 """
 
 from __future__ import annotations
 
-from . import cuda_ipc, gloo, hccl, nccl, nixl, shm  # noqa: F401 - registration
-from .base import BACKENDS, NO_SLOT, NUM_SLOTS, Backend, backend_class, build_backend, next_slot, register_backend
+from typing import Any
+
+from ...registry import Registry
+from .base import NO_SLOT, NUM_SLOTS, Backend, next_slot
+
+BACKENDS: Registry[type[Backend]] = Registry("transport.backend", "data-plane backend")
+"""Every backend by its `transport.backend` name, imported when built; read by config validation (the
+allowed names), `build_backend` and `groups_draining`."""
+BACKENDS.add("gloo", "lightning_weightsync.transport.backends.gloo:GlooBackend")
+BACKENDS.add("nccl", "lightning_weightsync.transport.backends.nccl:NcclBackend")
+BACKENDS.add("hccl", "lightning_weightsync.transport.backends.hccl:HcclBackend")
+BACKENDS.add("shm", "lightning_weightsync.transport.backends.shm:ShmBackend")
+BACKENDS.add("cuda_ipc", "lightning_weightsync.transport.backends.cuda_ipc:CudaIpcBackend")
+BACKENDS.add("nixl", "lightning_weightsync.transport.backends.nixl:NixlBackend")
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class `transport.backend=name` builds (imports its module); `ConfigError` listing the names
+    otherwise."""
+    return BACKENDS[name]
+
+
+def build_backend(name: str, **kwargs: Any) -> Backend:
+    return backend_class(name)(**kwargs)
+
+
+def groups_draining() -> int:
+    """Groups, of any backend built in this process, given up after a failure whose transfer is still stuck
+    in a thread of its own (at most `transport.timeout_s`). A process that exits meanwhile must not run C++
+    exit handlers beside them (libstdc++ aborts: "terminate called without an active exception"): the
+    rollout CLI ends with `os._exit` then, once everything of its own is closed. Asks only the backends
+    whose modules are loaded (a backend never built has no group)."""
+    counts = {cls.draining.__func__: cls.draining() for cls in BACKENDS.loaded().values()}  # type: ignore[attr-defined]
+    return sum(counts.values())
+
 
 __all__ = [
     "BACKENDS",
@@ -16,6 +53,6 @@ __all__ = [
     "Backend",
     "backend_class",
     "build_backend",
+    "groups_draining",
     "next_slot",
-    "register_backend",
 ]

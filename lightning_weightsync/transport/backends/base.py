@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ...errors import ConfigError, ProtocolError
-from ...protocol.messages import GroupSpec, Join
+from ...errors import ProtocolError
+from ...protocol.joins import JoinSpec
+from ...protocol.messages import GroupSpec
 from ..device import empty_bucket, record_event
 
 if TYPE_CHECKING:
@@ -51,13 +52,13 @@ class Rendezvous(Protocol):
 
 
 class Backend(ABC):
-    name: str = "base"  # set by @register_backend
+    name: str = "base"  # its `transport.backend` name, the one its line in `BACKENDS` (__init__.py) registers
     natural_device: str = "cpu"  # where buckets live unless `transport.device` says otherwise
     # True where `broadcast` may read from / write to any contiguous tensor on `device` instead of
     # a slot: full-bucket chunks then skip the pack copy (sender) and the merge copy (receiver).
     direct_ok: bool = False
     # The `Join` kind this backend puts into (sender) and reads from (receivers) a group spec.
-    join_type: type[Join]
+    join_type: type[JoinSpec]
     # True where a receiver's slots are plain memory of its own (not the sender's shared or registered
     # slots): they outlive a sender's restart and can be allocated before the first plan (`preallocate`).
     own_receiver_slots: bool = False
@@ -106,7 +107,7 @@ class Backend(ABC):
         return NUM_SLOTS * self.bucket_size
 
     @abstractmethod
-    def join_spec(self, generation: int) -> Join:
+    def join_spec(self, generation: int) -> JoinSpec:
         """Sender only: what receivers need to join the group of `generation` (goes into its `GroupSpec`)."""
 
     def join(self, group: GroupSpec, rank: int, version: int) -> None:
@@ -210,33 +211,8 @@ class Backend(ABC):
         self._drop_group()
         self.buckets = []
 
-
-B = TypeVar("B", bound=type[Backend])
-
-BACKENDS: dict[str, type[Backend]] = {}
-"""Every backend by its `transport.backend` name; filled by `@register_backend`, read by config
-validation (the allowed names) and by `build_backend`."""
-
-
-def register_backend(name: str, *, natural_device: str) -> Callable[[B], B]:
-    """Class decorator: make a backend known under `name` (the one place a backend name is defined)."""
-
-    def register(cls: B) -> B:
-        if name in BACKENDS and BACKENDS[name] is not cls:
-            raise ValueError(f"backend name {name!r} is registered twice ({BACKENDS[name].__name__}, {cls.__name__})")
-        cls.name, cls.natural_device = name, natural_device
-        BACKENDS[name] = cls
-        return cls
-
-    return register
-
-
-def backend_class(name: str) -> type[Backend]:
-    try:
-        return BACKENDS[str(name)]
-    except KeyError:
-        raise ConfigError(f"transport.backend={name!r} is not allowed; choose one of: {', '.join(BACKENDS)}") from None
-
-
-def build_backend(name: str, **kwargs: Any) -> Backend:
-    return backend_class(name)(**kwargs)
+    @classmethod
+    def draining(cls) -> int:
+        """Groups of this backend given up after a failure that still wait for a stuck transfer in a thread
+        of their own (a process exiting beside them aborts; see `backends.groups_draining`). Most have none."""
+        return 0

@@ -8,15 +8,17 @@ from typing import Any
 import torch
 
 from ...errors import PeerError, ProtocolError
-from .base import NUM_SLOTS, register_backend
+from .base import NUM_SLOTS
 from .shared import SharedBucketBackend
 
 
-@register_backend("cuda_ipc", natural_device="cuda")
 class CudaIpcBackend(SharedBucketBackend):
     """Trainer and rollout on one GPU: CUDA buckets shared by IPC handle (no pickle: the handle's
     fields travel as hex strings). The sender synchronizes the device before a bucket is announced,
     so a receiver never reads a slot whose copies are still queued."""
+
+    name = "cuda_ipc"
+    natural_device = "cuda"
 
     def _create_slots(self) -> tuple[list[torch.Tensor], list[str]]:
         slots = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(NUM_SLOTS)]

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .base import register_backend
 from .torch_pg import TorchProcessGroupBackend
 
 GLOO_THREADS = 4
@@ -24,9 +23,11 @@ def _devices() -> list[Any]:
     return [dist.ProcessGroupGloo.create_default_device()]
 
 
-@register_backend("gloo", natural_device="cpu")
 class GlooBackend(TorchProcessGroupBackend):
     """CPU buckets broadcast with gloo; also the reference implementation tested on every CI run."""
+
+    name = "gloo"
+    natural_device = "cpu"
 
     direct_ok = True  # CPU tensors: any contiguous chunk can be sent / received in place
 

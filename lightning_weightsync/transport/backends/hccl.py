@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..device import import_torch_npu, synchronize
-from .base import Backend, register_backend
+from .base import Backend
 from .torch_pg import TorchProcessGroupBackend
 
 
-@register_backend("hccl", natural_device="npu")
 class HcclBackend(TorchProcessGroupBackend):
+    name = "hccl"
+    natural_device = "npu"
     # any contiguous NPU tensor on `device` can be sent / received in place: `wait_fence` covers the
     # work that produced it, and the device is synchronized after each broadcast
     direct_ok = True

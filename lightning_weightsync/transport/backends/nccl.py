@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ...errors import BackendUnavailable, PeerError
-from ...protocol.messages import GroupSpec, NcclJoin
-from .base import NO_SLOT, Backend, register_backend
+from ...protocol.joins.nccl import NcclJoin
+from ...protocol.messages import GroupSpec
+from .base import NO_SLOT, Backend
 
 
 def _import_cupy_nccl() -> tuple[Any, Any]:
@@ -36,8 +37,9 @@ def _import_cupy_nccl() -> tuple[Any, Any]:
     return cupy, nccl
 
 
-@register_backend("nccl", natural_device="cuda")
 class NcclBackend(Backend):
+    name = "nccl"
+    natural_device = "cuda"
     join_type = NcclJoin
     direct_ok = True  # any contiguous CUDA tensor on `device` can be sent / received in place
     own_receiver_slots = True  # a receiver broadcasts into its own two device tensors

@@ -75,20 +75,19 @@ import torch
 import zmq
 
 from ...errors import BackendUnavailable, ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from ...protocol.joins.nixl import NixlJoin, NixlRegion
 from ...protocol.messages import (
     MAX_FRAME_TO_RECEIVER,
     MAX_FRAME_TO_SENDER,
     BucketDone,
     GroupSpec,
-    NixlJoin,
-    NixlRegion,
     Ready,
     decode,
     encode,
 )
 from ..droplog import DropLog
 from ..sockets import network_options
-from .base import NUM_SLOTS, Backend, register_backend
+from .base import NUM_SLOTS, Backend
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +146,13 @@ class _Registration:
     descs: Any  # nixlRegDList, for deregister_memory
 
 
-@register_backend("nixl", natural_device="cpu")
 class NixlBackend(Backend):
     """One-sided READs of the sender's registered slots through NIXL (see the module docstring)."""
 
+    name = "nixl"
+    natural_device = "cpu"
     join_type = NixlJoin
+    agent_classes = staticmethod(import_nixl)  # for code that drives NIXL agents itself (bench/nixl.py)
 
     def __init__(self, **kwargs: Any) -> None:
         self._nixl_agent_cls, self._nixl_config_cls = import_nixl()

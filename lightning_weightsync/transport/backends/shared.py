@@ -19,12 +19,12 @@ import torch
 import zmq
 
 from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from ...protocol.joins.shared import SharedJoin
 from ...protocol.messages import (
     MAX_FRAME_TO_RECEIVER,
     MAX_FRAME_TO_SENDER,
     BucketDone,
     GroupSpec,
-    SharedJoin,
     decode,
     encode,
 )

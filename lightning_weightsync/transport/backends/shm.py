@@ -11,13 +11,15 @@ from typing import Any
 import torch
 
 from ...errors import PeerError, ProtocolError
-from .base import NUM_SLOTS, register_backend
+from .base import NUM_SLOTS
 from .shared import SharedBucketBackend
 
 
-@register_backend("shm", natural_device="cpu")
 class ShmBackend(SharedBucketBackend):
     """Trainer and rollout on one host, CPU buckets in POSIX shared memory."""
+
+    name = "shm"
+    natural_device = "cpu"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, WeightSyncError, WeightSyncTimeout
-from ...protocol.messages import GroupSpec, StoreJoin
+from ...protocol.joins.store import StoreJoin
+from ...protocol.messages import GroupSpec
 from .base import Backend, Rendezvous
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ class TorchProcessGroupBackend(Backend):
     def close(self) -> None:
         super().close()
         self._store = None
+
+    @classmethod
+    def draining(cls) -> int:
+        return groups_draining()
 
 
 _DRAINING: set[threading.Thread] = set()  # groups being let go while a transfer is stuck in them
