@@ -301,6 +301,12 @@ class SyncDriver:
                 "set transport.delta=off to silence this, or use trainer.send_mode=gather for deltas", t.delta,
             )  # fmt: skip
 
+    def finish(self, module: nn.Module, version: int) -> bool:
+        """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight
+        (and send `version` when the last sync skipped it) and apply `trainer.on_failure` to it; True when
+        the last version was delivered. Nothing to do for blocking syncs (True)."""
+        return self.overlap.finish(module, version) if self.overlap is not None else True
+
     def close(self) -> None:
         if self.overlap is not None:
             self.overlap.close()  # ends a background send first: it uses the sender and the rollouts
