@@ -303,7 +303,7 @@ PLANTS = [
           "times.append(1.0)", ("tests/integration/test_device_check.py", "-k", "complete_report")),
     # -- issue 25 item 8: failure paths that passed the whole suite when planted
     Plant("gather: FSDP1's freed views treated as stable", f"{PKG}/trainer/gather.py",
-          "    return not _fsdp1_units(module)", "    return True",
+          "    return not fsdp1_units(module)", "    return True",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp1")),
     Plant("driver: the gather not joined when the send never started", f"{PKG}/trainer/driver.py",
           "            for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' "

@@ -202,7 +202,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
             driver.start()
             driver.sync(net, base)  # forms the data-plane group: not timed
             driver.finish(net, None)
-        compute, stall = [], []
+        compute, stall, snapshot = [], [], []
         dist.barrier()
         began = time.perf_counter()
         for step in range(1, steps + 1):
@@ -217,12 +217,14 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
                 driver.sync(net, base + step)
             compute.append(t1 - t0)
             stall.append(time.perf_counter() - t1)
+            if driver is not None and driver.overlap is not None:
+                snapshot.append(driver.overlap.snapshot_seconds)
         if driver is not None:
             driver.finish(net, None)  # the last version is delivered before the clock stops
         total = time.perf_counter() - began
         if driver is not None:
             driver.close()
-        report[mode] = {"compute_s": compute, "stall_s": stall, "total_s": total}
+        report[mode] = {"compute_s": compute, "stall_s": stall, "total_s": total, "snapshot_s": snapshot}
     if rank == 0:
         out.put(report)
     dist.destroy_process_group()
@@ -267,6 +269,7 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
         r = report[mode]
         out["modes"][mode] = {
             "median_stall_s": _median(r["stall_s"]),
+            "median_snapshot_s": _median(r["snapshot_s"]) if r["snapshot_s"] else 0.0,
             "total_s": r["total_s"],
             "median_step_compute_s": _median(r["compute_s"]),
             "step_slowdown": _median(r["compute_s"]) / _median(base["compute_s"]),
@@ -280,12 +283,14 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
 def print_overlap(out: dict[str, Any]) -> None:
     print(
         f"overlap, 2-rank FSDP2 (gloo) tiny LM of {out['model_mb']:.0f} MiB, {out['steps']} steps, one rollout:\n"
-        f"  {'mode':<20} {'stall/sync':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} {'x no sync':>10}"
+        f"  {'mode':<20} {'stall/sync':>11} {'of it copy':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} "
+        f"{'x no sync':>10}"
     )
     for mode, m in out["modes"].items():
         ratio = f"{m['stall_over_blocking']:.3f}" if "stall_over_blocking" in m else "-"
         print(
-            f"  {mode:<20} {m['median_stall_s'] * 1e3:>9.0f}ms {ratio:>11} {m['total_s']:>8.2f}s "
+            f"  {mode:<20} {m['median_stall_s'] * 1e3:>9.0f}ms {m['median_snapshot_s'] * 1e3:>9.0f}ms {ratio:>11} "
+            f"{m['total_s']:>8.2f}s "
             f"{m['median_step_compute_s'] * 1e3:>11.0f}ms {m['step_slowdown']:>10.2f}"
         )
 

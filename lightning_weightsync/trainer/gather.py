@@ -94,7 +94,7 @@ def _is_fsdp1(module: nn.Module) -> bool:
     return FSDP is not None and isinstance(module, FSDP)
 
 
-def _walk_tensors(
+def walk_tensors(
     root: nn.Module, path: tuple[str, ...], stop: Callable[[nn.Module], bool], include_buffers: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(raw name, tensor) in state-dict order: per module its parameters, then its persistent
@@ -108,7 +108,7 @@ def _walk_tensors(
             yield ".".join((*mod_path, attr)), tensor
 
 
-def _fsdp1_units(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
+def fsdp1_units(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
     if FSDP is None:
         return []
     return [(p, m) for p, m in walk_modules(module, (), lambda _: False) if _is_fsdp1(m)]
@@ -178,19 +178,19 @@ def iter_full_parameters(
             yield name, cast_floating(full.detach(), cast)
             del full
 
-    units = _fsdp1_units(module)
+    units = fsdp1_units(module)
     if not units:
-        yield from emit(_walk_tensors(module, (), lambda _: False, include_buffers))
+        yield from emit(walk_tensors(module, (), lambda _: False, include_buffers))
         return
     # FSDP1: tensors outside every FSDP unit first, then one unit at a time (pre-order, so a root
     # unit is lazily initialised before its children are summoned).
     if not _is_fsdp1(module):
-        yield from emit(_walk_tensors(module, (), _is_fsdp1, include_buffers))
+        yield from emit(walk_tensors(module, (), _is_fsdp1, include_buffers))
     assert FSDP is not None
     for path, unit in units:
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             # the unit's own tensors: stop at nested units, they are summoned on their own turn
-            yield from emit(_walk_tensors(unit, path, _is_fsdp1, include_buffers))
+            yield from emit(walk_tensors(unit, path, _is_fsdp1, include_buffers))
 
 
 def yields_stable_tensors(module: nn.Module) -> bool:
@@ -198,13 +198,13 @@ def yields_stable_tensors(module: nn.Module) -> bool:
     next one, so a sender may still read a tensor while the next is gathered (overlap). FSDP2's
     `full_tensor()` allocates afresh and plain/DDP parameters are untouched during a sync; FSDP1's
     `summon_full_params` views are freed and reused unit by unit, so they are not stable."""
-    return not _fsdp1_units(module)
+    return not fsdp1_units(module)
 
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether `module` is FSDP-sharded (FSDP1 units or FSDP2 DTensor parameters), i.e. whether the
     gather has collectives to run."""
-    return bool(_fsdp1_units(module)) or any(isinstance(p, DTensor) for p in module.parameters())
+    return bool(fsdp1_units(module)) or any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def drain(weights: Iterable[Any]) -> int:

@@ -59,7 +59,7 @@ from torch import nn
 from ..config import OverlapGather, OverlapPolicy, OverlapStaging
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
-from .gather import PendingGather, _fsdp1_units, drain, is_sharded
+from .gather import PendingGather, drain, fsdp1_units, is_sharded
 from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .side_gather import MirrorMeshes, StagedShard
 
@@ -210,7 +210,7 @@ class OverlapSync:
 
         d = self.driver
         policy = policy or self.policy
-        if _fsdp1_units(module):
+        if fsdp1_units(module):
             raise ConfigError(
                 "trainer.overlap does not support FSDP1: its summoned full parameters are views of storage it "
                 "reuses unit by unit, so a snapshot would cost a full gather into a second copy anyway; use "

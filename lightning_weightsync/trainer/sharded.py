@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
-from .gather import DTensor, _fsdp1_units, _walk_tensors, cast_floating, resolve_dtype
+from .gather import DTensor, cast_floating, fsdp1_units, resolve_dtype, walk_tensors
 from .names import NameMapper, SentNames, own_tensors, walk_modules
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class LocalShards:
         self.cast = resolve_dtype(dtype)
         self.rank, self.world = _world()
         self.items: list[_Held] = []
-        for raw, tensor in _walk_tensors(module, (), lambda _: False, include_buffers):  # 1
+        for raw, tensor in walk_tensors(module, (), lambda _: False, include_buffers):  # 1
             name = named(raw)
             if name is not None:
                 self.items.append(_held(raw, name, tensor))
@@ -338,7 +338,7 @@ def iter_local_shards(
     same cast), as `(name, TensorShard)` for a part or `(name, tensor)` for a whole tensor this rank sends.
     Call on every rank: FSDP2 / DTensor models are planned at once (`LocalShards`: one small collective,
     and a layout it cannot send raises ConfigError here); FSDP1 needs no collective."""
-    if _fsdp1_units(module):
+    if fsdp1_units(module):
         rank, world = _world()
         named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
         return _fsdp1_local_shards(module, include_buffers, named, resolve_dtype(dtype), rank, world)
@@ -369,7 +369,7 @@ def _fsdp1_local_shards(
     paths = {id(mod): path for path, mod in walk_modules(module, (), lambda _: False)}
     managed: set[tuple[int, str]] = set()  # (module, attribute) of every parameter a flat parameter holds
 
-    for _, unit in _fsdp1_units(module):
+    for _, unit in fsdp1_units(module):
         handle = getattr(unit, "_handle", None)
         if handle is None:
             continue
