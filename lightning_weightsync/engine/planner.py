@@ -4,7 +4,8 @@
         for each chunk of it (protocol.chunks.BucketLayout: offsets, bucket boundaries):
             Flush(the packed bucket)   when the chunk cannot join it: the layout starts a new bucket (its offset
                                        goes back, or MAX_BUCKET_ENTRIES chunks), or a direct chunk comes while
-                                       the packed bucket holds part of a tensor
+                                       the packed bucket holds part of a tensor, or is followed by a packed
+                                       chunk of its own tensor (a receiver merges one tensor at a time)
             Flush(a direct bucket)     a chunk that goes alone (transport.direct_min_mb, or a full bucket), sent
                                        from the caller's tensor: no slot, no copy
             Pack(slot, offset, data)   otherwise: the chunk is copied into the packed bucket's slot
@@ -92,6 +93,12 @@ class Flush:
 Step = Pack | Flush
 
 
+def _nbytes(tensor: torch.Tensor | TensorShard) -> int:
+    """The bytes this sender sends of `tensor` (a shard's own, not the whole tensor's)."""
+    data = tensor.data if isinstance(tensor, TensorShard) else tensor
+    return data.numel() * data.element_size()
+
+
 @dataclass
 class PlanCounts:
     """What the plan so far carries (the figures `SendStats` reports)."""
@@ -121,15 +128,16 @@ class _OpenBucket:
         self.deltas.append(item.delta_size)
         self.fill = meta.offset + meta.chunk_size
 
-    def ends_before(self, meta: TensorMeta, direct: bool) -> bool:
+    def ends_before(self, meta: TensorMeta, direct: bool, tail_packed: bool = False) -> bool:
         """Whether this bucket must go out before `meta`'s chunk is planned. A packed chunk: when the layout
         starts a new bucket (the offset goes back, or the entry cap: empty tensors do not move the offset).
-        A direct chunk goes out around it while it holds whole tensors only: a receiver merges one tensor at a
-        time, so no other tensor may come between the chunks of one."""
+        A direct chunk goes out around it while it holds whole tensors only, and while the direct chunk's own
+        tensor has no packed chunk after it (`tail_packed`): a receiver merges one tensor at a time, so no
+        other tensor may come between the chunks of one."""
         if not self.entries:
             return False
         if direct:
-            return not self.whole
+            return not self.whole or tail_packed
         assert meta.offset is not None
         return meta.offset < self.fill or len(self.entries) >= MAX_BUCKET_ENTRIES
 
@@ -171,9 +179,11 @@ class BucketPlanner:
         item = Outgoing(name, tensor)
         for transform in self.transforms:
             item = transform(item)
+        left = _nbytes(item.tensor)  # of this tensor's bytes, not yet planned
         for meta, data in self._layout.chunks(item.name, item.tensor):
+            left -= meta.chunk_size
             direct = self._goes_direct(meta, data)
-            if self._open.ends_before(meta, direct):
+            if self._open.ends_before(meta, direct, direct and self._tail_packed(meta, left)):
                 yield self._flush(is_last=False)
             self._count(meta)
             entry = item.entry(meta)
@@ -198,6 +208,15 @@ class BucketPlanner:
             and data.device == self.direct_device
             and chunk_goes_alone(meta, self.bucket_size, self.direct_min)
         )
+
+    def _tail_packed(self, meta: TensorMeta, left: int) -> bool:
+        """Whether a direct chunk is followed by a packed chunk of its tensor. Then the open packed bucket goes
+        out first, even if it holds whole tensors only: published after this chunk, it would put other tensors
+        between this tensor's chunks (and its tail, when the open bucket ends at offset 0, would join it behind
+        them). Only a chunk sent alone because it fills a bucket (not by `direct_min`) has such a tail: the
+        tensor's last `left` bytes, packed unless they fill whole buckets too."""
+        by_size = self.direct_min is not None and meta.nbytes >= self.direct_min > 0
+        return not by_size and left % self.bucket_size != 0
 
     def _count(self, meta: TensorMeta) -> None:
         self.counts.nbytes += meta.chunk_size
