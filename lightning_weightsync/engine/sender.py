@@ -1,12 +1,13 @@
 """WeightSender: split, pack, publish, broadcast, swap.
 
-    for each chunk from split_weight_chunks(weights, bucket_size, alone_from=direct_min):
-        when the chunk starts a new bucket: publish the full bucket's metadata (ZeroMQ), start its
-        broadcast on the executor thread, swap to the other slot, and wait until that slot's
-        previous broadcast is complete (not merely enqueued) before packing into it
-        a chunk of a large tensor (>= transport.direct_min_mb) has a bucket of its own: it is not
-        packed but broadcast straight from the caller's tensor (where the backend can)
-        otherwise pack: bucket[offset : offset + size] = chunk
+    for each step the bucket planner (engine/planner.py) makes of the stream (fingerprints, deltas: its
+    transforms; the layout: protocol.chunks.BucketLayout):
+        Pack: bucket[offset : offset + size] = chunk, in the slot being filled
+        Flush of a packed bucket: publish its metadata (ZeroMQ), start its broadcast on the executor
+            thread, and wait until the other slot's previous broadcast is complete (not merely
+            enqueued) before packing into it
+        Flush of a direct bucket (a chunk of a large tensor, >= transport.direct_min_mb, where the
+            backend can): its metadata, then its broadcast straight from the caller's tensor, no slot
     publish + broadcast the last bucket (is_last); wait for both slots; collect acks
 
 Buckets are allocated once (by the backend, at `start()`) and reused for every version. Memory:
