@@ -323,8 +323,8 @@ PLANTS = [
           ("tests/unit/test_config.py", "-k", "direct_min_mb_zero")),
     # -- issue 25 items 1-2: a lost rollout costs transport.liveness_s; a signal mid-sync stops every rank
     Plant("session: a rollout that served and vanished waited out timeout_s", f"{PKG}/engine/session.py",
-          "            if short and self.missing_since is not None:  # the rollouts are gone: not worth timeout_s",
-          "            if False:", ("tests/integration/test_session.py", "-k", "served_then_died")),
+          "        if short and self.missing_since is not None:\n", "        if False:\n",
+          ("tests/integration/test_session.py", "-k", "served_then_died")),
     Plant("session: a member gone mid-broadcast not noticed", f"{PKG}/engine/session.py",
           "                if gone is not None:\n", "                if False:\n",
           ("tests/integration/test_session.py", "-k", "frozen")),
