@@ -98,7 +98,7 @@ class _Drainable:
     def __aiter__(self) -> _Drainable:
         return self
 
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
+    async def __anext__(self) -> tuple[str, torch.Tensor | TensorShard]:
         try:
             item = await self._it.__anext__()
         except StopAsyncIteration:
