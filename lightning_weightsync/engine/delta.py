@@ -1,8 +1,9 @@
 """Delta: send only the elements that changed since the version every receiver holds (`transport.delta`).
 
-    sender:   VersionDelta.encode(name, tensor) per tensor: compare with the host copy of the last version
-              every receiver acknowledged (`DeltaBase`), send a payload of the changed elements when it is
-              worth it (else the tensor whole), and update the copy
+    sender:   VersionDelta.encode(name, tensor) per tensor (`transform`: a stage on the planned stream):
+              compare with the host copy of the last version every receiver acknowledged (`DeltaBase`),
+              send a payload of the changed elements when it is worth it (else the tensor whole), and
+              update the copy
     wire:     the payload goes through the same split into buckets as any tensor; its entries keep the
               tensor's name, shape and dtype, and `BucketMeta.deltas` says the payload's size (-1: whole)
     receiver: apply_delta(payload, meta, held, target): the held version's values (the sink's tensor),
@@ -41,6 +42,7 @@ import torch
 
 from ..errors import DeltaError, ProtocolError
 from ..protocol.chunks import TensorMeta
+from .planner import Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +259,17 @@ class VersionDelta:
             return tensor, -1
         self.payloads += 1
         return payload, payload.numel()
+
+    def transform(self, item: Outgoing) -> Outgoing:
+        """The planner's transform (`engine.planner.Transform`): the tensor's delta payload where this version
+        sends one (its entries still describe the tensor it rebuilds), else the tensor as it came."""
+        if not isinstance(item.tensor, torch.Tensor):  # a shard: sharded versions never send deltas
+            return item
+        shape, dtype = tuple(item.tensor.shape), item.tensor.dtype
+        sendable, size = self.encode(item.name, item.tensor)
+        if size < 0:
+            return item
+        return Outgoing(item.name, sendable, item.fingerprint, size, (shape, dtype))
 
     def finish(self, version: int, ok: bool) -> None:
         """After the version: the copy is of `version` when every receiver took it, else not whole."""

@@ -1,12 +1,13 @@
 """WeightSender: split, pack, publish, broadcast, swap.
 
-    for each chunk from split_weight_chunks(weights, bucket_size, alone_from=direct_min):
-        when the chunk starts a new bucket: publish the full bucket's metadata (ZeroMQ), start its
-        broadcast on the executor thread, swap to the other slot, and wait until that slot's
-        previous broadcast is complete (not merely enqueued) before packing into it
-        a chunk of a large tensor (>= transport.direct_min_mb) has a bucket of its own: it is not
-        packed but broadcast straight from the caller's tensor (where the backend can)
-        otherwise pack: bucket[offset : offset + size] = chunk
+    for each step the bucket planner (engine/planner.py) makes of the stream (fingerprints, deltas: its
+    transforms; the layout: protocol.chunks.BucketLayout):
+        Pack: bucket[offset : offset + size] = chunk, in the slot being filled
+        Flush of a packed bucket: publish its metadata (ZeroMQ), start its broadcast on the executor
+            thread, and wait until the other slot's previous broadcast is complete (not merely
+            enqueued) before packing into it
+        Flush of a direct bucket (a chunk of a large tensor, >= transport.direct_min_mb, where the
+            backend can): its metadata, then its broadcast straight from the caller's tensor, no slot
     publish + broadcast the last bucket (is_last); wait for both slots; collect acks
 
 Buckets are allocated once (by the backend, at `start()`) and reused for every version. Memory:
@@ -27,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,20 +36,11 @@ from omegaconf import DictConfig
 
 from ..config import DeltaMode, VerifyMode, auth_token, bucket_size_bytes, direct_min_bytes, load_config
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.chunks import (
-    MAX_BUCKET_ENTRIES,
-    NamedTensors,
-    TensorMeta,
-    TensorShard,
-    aiter_any,
-    chunk_goes_alone,
-    split_weight_chunks,
-)
+from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
-from ..protocol.fingerprint import NO_FINGERPRINT
 from ..protocol.messages import (
+    Ack,
     BucketMeta,
-    Entry,
     GroupSpec,
     LoraSpec,
     Member,
@@ -57,12 +49,13 @@ from ..protocol.messages import (
     validate_lora,
     validate_tied,
 )
-from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend, backend_class, next_slot
+from ..transport.backends import NUM_SLOTS, Backend, backend_class, next_slot
 from ..transport.control import Peer, SenderControl
 from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
 from .delta import DeltaBase, DeltaPolicy, VersionDelta
 from .endpoint import Endpoint
+from .planner import BucketPlanner, Flush, Pack
 from .session import SenderSession
 from .stats import SendStats, human_bytes
 from .verify import SenderFingerprints
@@ -94,9 +87,9 @@ class _Drainable:
     generator mid-way, the other ranks would hang. So the sender always exhausts the iterable.
     """
 
-    def __init__(self, weights: NamedTensors, fingerprints: SenderFingerprints | None = None) -> None:
-        self._it: AsyncIterator[tuple[str, torch.Tensor]] = aiter_any(weights)
-        self.fingerprints = fingerprints  # taken as each tensor is pulled (transport.verify)
+    def __init__(self, weights: NamedTensors) -> None:
+        self.weights = weights  # the caller's own object (`holds_its_tensors` reads what it is)
+        self._it: AsyncIterator[tuple[str, torch.Tensor | TensorShard]] = aiter_any(weights)
         self.exhausted = False
         self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
         self.check = True  # validate each tensor with the receivers' rules (off while draining)
@@ -105,7 +98,7 @@ class _Drainable:
     def __aiter__(self) -> _Drainable:
         return self
 
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
+    async def __anext__(self) -> tuple[str, torch.Tensor | TensorShard]:
         try:
             item = await self._it.__anext__()
         except StopAsyncIteration:
@@ -120,8 +113,6 @@ class _Drainable:
             except WeightSyncError:
                 self.failed = True  # a local failure: the group is fine, the rest is drained
                 raise
-            if self.fingerprints is not None:
-                self.fingerprints.take(*item)
         return item
 
     async def drain(self) -> None:
@@ -179,6 +170,100 @@ def _check_outgoing(item: object, names: set[str]) -> None:
     names.add(name)
 
 
+class _TellOnce:
+    """`Sharding.on_members`, called exactly once per version (with [] when the version failed before it
+    gathered anyone), so no other rank waits for it."""
+
+    def __init__(self, sharding: Sharding | None) -> None:
+        self._on_members = sharding.on_members if sharding is not None else None
+
+    def __call__(self, members: list[str]) -> None:
+        on_members, self._on_members = self._on_members, None
+        if on_members is not None:
+            on_members(members)
+
+
+@dataclass(frozen=True)
+class _VersionOptions:
+    """One version's options, resolved once from `send_weights`' arguments and the config."""
+
+    stable_tensors: bool
+    tied: dict[str, list[str]]
+    lora: LoraSpec | None
+    verify: VerifyMode
+    sharded: bool = False
+    index: int = 0  # this sender's index in a sharded version (0: the coordinator, or the only sender)
+    only: frozenset[str] | None = None  # a sharded part: exactly the coordinator's receivers
+    others: list[SenderAddress] = field(default_factory=list)  # the coordinator's plan lists the other senders
+
+    @classmethod
+    def resolve(
+        cls,
+        cfg: DictConfig,
+        weights: object,
+        stable_tensors: bool | None,
+        tied: Mapping[str, Iterable[str]] | None,
+        sharding: Sharding | None,
+        lora: LoraSpec | None,
+    ) -> _VersionOptions:
+        # sharded: each shard's bytes are fingerprinted, and each receiver checks them where they land
+        verify = VerifyMode(cfg.transport.verify)
+        # a shard's chunks end before its tensor's last byte, so "the caller may reuse this tensor now" cannot be
+        # read from the metadata: shards are the module's own local storage, untouched during a sync (stable)
+        stable = holds_its_tensors(weights) if stable_tensors is None else bool(stable_tensors)
+        tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
+        if sharding is None:
+            return cls(stable, tied_names, lora, verify)
+        only = frozenset(sharding.members) if sharding.index > 0 else None
+        others = list(sharding.others) if sharding.index == 0 else []
+        return cls(True, tied_names, lora, verify, True, sharding.index, only, others)
+
+
+@dataclass
+class _Sent:
+    """What a version's stream leaves for its accounting (`WeightSender._account`)."""
+
+    delta: VersionDelta
+    fingerprints: SenderFingerprints
+    formed: bool  # the version formed the group: its time is not a measure of the link
+    sharded: bool = False  # this rank sent a part of the version: its fingerprints are of shards
+    acks: dict[str, Ack | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """One version's stream as `_stream` sends it: to whom, what every bucket's metadata says besides its own
+    layout, and how many direct broadcasts may still run while the next tensor is produced."""
+
+    version: int
+    peers: list[Peer]
+    tied: dict[str, list[str]]
+    sender: int
+    lora: LoraSpec | None
+    delta_base: int  # the version the deltas are against; -1: none
+    direct_in_flight: int
+
+    @classmethod
+    def of(
+        cls, version: int, peers: list[Peer], options: _VersionOptions, delta: VersionDelta, direct_in_flight: int
+    ) -> _Wire:
+        base = delta.policy.base_version
+        # Unless the producer's tensors are stable, the caller may reuse a tensor's memory once it yields the next
+        # one, so its broadcasts must be complete by then; with stable tensors, up to `direct_in_flight` of them
+        # may still be moving.
+        in_flight = max(1, direct_in_flight) if options.stable_tensors else 0
+        return cls(version, peers, options.tied, options.index, options.lora, -1 if base is None else base, in_flight)
+
+    def meta(self, step: Flush) -> BucketMeta:
+        """The metadata of a planned bucket: the tie and the LoRA spec travel with the first one."""
+        first = step.index == 0
+        return BucketMeta(
+            self.version, step.index, step.is_last, step.nbytes, step.entries, self.tied if first else {},
+            self.sender, fingerprints=step.fingerprints, deltas=step.deltas,
+            delta_base=self.delta_base if step.deltas else -1, lora=self.lora if first else None,
+        )  # fmt: skip
+
+
 class WeightSender(Endpoint):
     """Sends versions of a stream of `(name, tensor)` to every registered receiver.
 
@@ -214,7 +299,8 @@ class WeightSender(Endpoint):
         self._generation = 0
         self._last_version: int | None = None
         self._delta_base = DeltaBase()  # the host copy deltas are taken against (transport.delta)
-        self._pending: list[asyncio.Future[None] | None] = [None] * NUM_SLOTS  # broadcast per slot
+        # per slot: the broadcast that last read it, and its bucket's index
+        self._pending: list[tuple[asyncio.Future[None], int] | None] = [None] * NUM_SLOTS
         self._direct: deque[tuple[asyncio.Future[None], int]] = deque()  # direct broadcasts, oldest first
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -312,6 +398,20 @@ class WeightSender(Endpoint):
         `sharding`: this sender's part in a sharded version (see `Sharding`); `weights` may then
         yield `(name, TensorShard)` items, the byte ranges this rank owns.
         """
+        self._check_call(weights, version)
+        self._last_version = version
+        stats = SendStats(version=version)
+        start = time.perf_counter()
+        try:
+            sent = await self._send_version(_Drainable(weights), version, stats, stable_tensors, tied, sharding, lora)
+        finally:
+            stats.seconds = time.perf_counter() - start
+        if sent is not None:
+            self._account(sent, stats)
+        return stats
+
+    def _check_call(self, weights: object, version: object) -> None:
+        """What makes `send_weights` fail before anything is sent or pulled."""
         iterable = hasattr(weights, "__iter__") or hasattr(weights, "__aiter__")
         if isinstance(weights, (Mapping, str, bytes)) or not iterable:
             hint = "; pass weights.items() for a dict" if isinstance(weights, Mapping) else ""
@@ -326,64 +426,43 @@ class WeightSender(Endpoint):
             raise WeightSyncError(
                 f"version {version} <= last sent version {self._last_version}; versions must increase"
             )
-        self._last_version = version
-        # sharded: each shard's bytes are fingerprinted, and each receiver checks them where they land
-        fingerprints = SenderFingerprints(VerifyMode(self.cfg.transport.verify), version)
-        source = _Drainable(weights, fingerprints)
-        stats = SendStats(version=version)
-        start = time.perf_counter()
+
+    async def _send_version(
+        self,
+        source: _Drainable,
+        version: int,
+        stats: SendStats,
+        stable_tensors: bool | None,
+        tied: Mapping[str, Iterable[str]] | None,
+        sharding: Sharding | None,
+        lora: LoraSpec | None,
+    ) -> _Sent | None:
+        """Steps 1-5 of one version (None: nothing to send). On any failure the version is abandoned: the
+        group is told, and `source` drained (every FSDP rank must run the same gathers)."""
+        tell = _TellOnce(sharding)
         peers: list[Peer] = []
-        told = False  # sharded coordinator: whether the other ranks heard who the receivers are
-
-        def tell(members: list[str]) -> None:
-            nonlocal told
-            if sharding is not None and sharding.on_members is not None and not told:
-                told = True
-                sharding.on_members(members)
-
-        only = frozenset(sharding.members) if sharding is not None and sharding.index > 0 else None
-        # a shard's chunks end before its tensor's last byte, so "the caller may reuse this tensor now" cannot be
-        # read from the metadata: shards are the module's own local storage, untouched during a sync (stable)
-        if stable_tensors is None:
-            stable_tensors = holds_its_tensors(weights)
-        stable_tensors = stable_tensors or sharding is not None
-        index = sharding.index if sharding is not None else 0
         try:
-            # the policy is read per version (a caller may lower min_receivers after losing a rollout)
-            self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
-            self._steps.ready_timeout_s = float(self.cfg.transport.ready_timeout_s)
-            tied_names = {str(k): [str(a) for a in v] for k, v in (tied or {}).items()}
-            try:
-                validate_tied(BucketMeta(version, 0, False, 0, [], tied_names))  # what every receiver checks
-                if lora is not None:
-                    validate_lora(lora)
-            except ProtocolError:
-                source.failed = True  # a local failure: the group is fine
-                raise
-            if only is not None and not only:
+            options = self._options(source, version, stable_tensors, tied, sharding, lora)
+            if options.only is not None and not options.only:
                 logger.info("version %d: the coordinating sender gathered no receivers; nothing sent", version)
                 await source.drain()
-                return stats
-            peers = await self._steps.gather_ready(version, only)  # 1-2: Prepare -> Ready
+                return None
+            peers = await self._steps.gather_ready(version, options.only)  # 1-2: Prepare -> Ready
             tell([p.identity for p in peers])
             stats.receivers = len(peers)
             if not peers:
                 logger.info("version %d: no receivers registered; nothing sent", version)
                 await source.drain()
-                return stats
-            others = list(sharding.others) if sharding is not None and index == 0 else []
+                return None
             generation = self._generation
-            await self._join(version, peers, others)  # 3: Plan, and the data-plane group
+            await self._join(version, peers, options.others)  # 3: Plan, and the data-plane group
             formed = self._generation != generation  # this version's time includes forming the group
             # a sharded version's parts are shards: no sender has a whole tensor to diff (delta is whole-only)
-            policy = self._delta_policy(peers) if sharding is None else DeltaPolicy(False, None, False)
-            delta = VersionDelta(self._delta_base, policy)
-            # 4: bucket metadata, each ahead of its bytes
-            await self._stream(
-                source, version, peers, stats, stable_tensors=stable_tensors, tied=tied_names, sender=index,
-                delta=delta, lora=lora,
-            )  # fmt: skip
-            acks = await self._steps.collect_acks(version, peers)  # 5: Ack
+            policy = self._delta_policy(peers) if not options.sharded else DeltaPolicy(False, None, False)
+            fingerprints = SenderFingerprints(options.verify, version)
+            sent = _Sent(VersionDelta(self._delta_base, policy), fingerprints, formed, options.sharded)
+            await self._stream(source, peers, stats, options, sent)  # 4: bucket metadata, each ahead of its bytes
+            sent.acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
             tell([])
             if peers:
@@ -391,29 +470,55 @@ class WeightSender(Endpoint):
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
             await source.drain()
             raise
-        finally:
-            stats.seconds = time.perf_counter() - start
-        stats.checksums = fingerprints.checksums if sharding is None else {}  # shards' are no tensor's checksum
+        return sent
+
+    def _options(
+        self,
+        source: _Drainable,
+        version: int,
+        stable_tensors: bool | None,
+        tied: Mapping[str, Iterable[str]] | None,
+        sharding: Sharding | None,
+        lora: LoraSpec | None,
+    ) -> _VersionOptions:
+        """`send_weights`' arguments and the config, resolved once for the version; what every receiver would
+        refuse is refused here (a local failure: the group is fine, `source` is marked so)."""
+        # the policy is read per version (a caller may lower min_receivers after losing a rollout)
+        self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
+        self._steps.ready_timeout_s = float(self.cfg.transport.ready_timeout_s)
+        try:
+            options = _VersionOptions.resolve(self.cfg, source.weights, stable_tensors, tied, sharding, lora)
+            validate_tied(BucketMeta(version, 0, False, 0, [], options.tied))  # what every receiver checks
+            if lora is not None:
+                validate_lora(lora)
+        except ProtocolError:
+            source.failed = True
+            raise
+        return options
+
+    def _account(self, sent: _Sent, stats: SendStats) -> None:
+        """After the acks: what the version leaves (checksums, the delta copy and its measure); raises
+        `PeerError` (stats attached) when a receiver did not take it."""
+        stats.checksums = sent.fingerprints.checksums if not sent.sharded else {}  # a shard's is no tensor's
         stats.failed = {
             ident: ("no ack within transport.timeout_s" if ack is None else ack.error or "failed")
-            for ident, ack in acks.items()
+            for ident, ack in sent.acks.items()
             if ack is None or not ack.ok
         }
-        delta.finish(version, ok=not stats.failed)
-        stats.delta_tensors = delta.payloads
-        if not stats.failed and not formed:
-            self._delta_base.measured(delta.payloads > 0, stats.seconds, delta.model_bytes)
+        sent.delta.finish(stats.version, ok=not stats.failed)
+        stats.delta_tensors = sent.delta.payloads
+        if not stats.failed and not sent.formed:
+            self._delta_base.measured(sent.delta.payloads > 0, stats.seconds, sent.delta.model_bytes)
         if stats.failed:
-            err = PeerError(f"version {version}: receivers failed: {stats.failed}")
+            err = PeerError(f"version {stats.version}: receivers failed: {stats.failed}")
             err.stats = stats
             raise err
         logger.info(
             "version %d sent: %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets",
-            version, human_bytes(stats.nbytes), stats.seconds,
+            stats.version, human_bytes(stats.nbytes), stats.seconds,
             human_bytes(stats.nbytes / stats.seconds if stats.seconds > 0 else 0.0), stats.receivers,
             stats.num_tensors, stats.num_buckets,
         )  # fmt: skip
-        return stats
 
     async def _join(self, version: int, peers: list[Peer], others: list[SenderAddress] | None = None) -> None:
         """Tell every receiver its rank, then build (or reuse) the data-plane group."""
@@ -453,156 +558,72 @@ class WeightSender(Endpoint):
             raise
 
     async def _stream(
-        self,
-        source: _Drainable,
-        version: int,
-        peers: list[Peer],
-        stats: SendStats,
-        *,
-        stable_tensors: bool = False,
-        tied: dict[str, list[str]] | None = None,
-        sender: int = 0,
-        delta: VersionDelta | None = None,
-        lora: LoraSpec | None = None,
+        self, source: _Drainable, peers: list[Peer], stats: SendStats, options: _VersionOptions, sent: _Sent
     ) -> None:
-        """Split, pack, publish, broadcast, swap: the bucket sequence of one version.
+        """Split, pack, publish, broadcast, swap: the planner's steps for one version, executed.
 
         Packed buckets take turns in the two slots (bucket metadata, then its broadcast, then on to the
         other slot once the broadcast that last read it is complete). A direct bucket (one chunk of a
         large tensor) needs no slot: its metadata leaves and its broadcast is queued at once, so the
         metadata runs ahead of the bytes and the data-plane thread issues broadcasts back to back.
         """
+        assert self._backend is not None
+        backend = self._backend
+        planner = BucketPlanner(
+            self.bucket_size,
+            direct_min=self.direct_min,
+            direct_device=self.device if backend.direct_ok else None,
+            transforms=(sent.fingerprints.stamp, sent.delta.transform),  # fingerprints are of the tensor itself
+        )
+        wire = _Wire.of(stats.version, peers, options, sent.delta, self.direct_in_flight)
+        self._pending = [None] * NUM_SLOTS
+        self._direct = deque()
+        async for name, tensor in source:
+            for step in planner.add(name, tensor):
+                if isinstance(step, Pack):
+                    backend.pack(step.slot, step.offset, step.data)
+                else:
+                    await self._flush(step, wire)
+            if not options.stable_tensors:  # the caller may reuse this tensor's memory next
+                await self._settle_direct(0, wire.version)
+        last = planner.finish()
+        await self._flush(last, wire)  # after a direct bucket: an empty terminator (no broadcast)
+        await self._settle_direct(0, wire.version)
+        for slot in (next_slot(last.slot), last.slot):  # oldest broadcast first
+            await self._complete(slot, wire.version)
+        counts = planner.counts
+        stats.nbytes, stats.num_tensors = counts.nbytes, counts.tensors
+        stats.num_chunked_tensors = counts.chunked_tensors
+        stats.num_buckets, stats.direct_buckets = counts.buckets, counts.direct_buckets
+
+    async def _flush(self, step: Flush, wire: _Wire) -> None:
+        """A planned bucket out: its metadata to every receiver, then its broadcast onto the data-plane thread
+        (from its slot, or from the caller's tensor for a direct bucket). A packed bucket's slot is the next
+        but one to pack: the sender waits until the other slot's last broadcast is complete."""
         assert self._backend is not None and self._executor is not None
-        backend, executor = self._backend, self._executor
-        pending = self._pending = [None] * NUM_SLOTS  # the last broadcast of each packed slot
-        # Direct broadcasts queued or running, oldest first. Unless the producer's tensors are stable, the
-        # caller may reuse a tensor's memory once it yields the next one, so its broadcasts must be
-        # complete by then; with stable tensors, up to `direct_in_flight` of them may still be moving.
-        direct = self._direct = deque()
-        in_flight_limit = max(1, self.direct_in_flight) if stable_tensors else 0
-        slot, bucket_index, fill = 0, 0, 0
-        entries: list[Entry] = []
-        prints: list[int] = []  # one fingerprint per entry (transport.verify), NO_FINGERPRINT where none
-        fingerprints = source.fingerprints
-        sizes: list[int] = []  # one per entry: the delta payload it is a chunk of, -1 where the tensor goes whole
-        deltas: dict[str, tuple[TensorMeta, int]] = {}  # name -> (the tensor's own meta, payload bytes)
-        delta_base = delta.policy.base_version if delta is not None and delta.policy.base_version is not None else -1
-        whole = True  # every chunk packed in the bucket so far is a whole tensor
+        backend = self._backend
+        backend.fence(step.slot)
+        await self._steps.publish(wire.peers, wire.meta(step))
+        future = self._executor.submit_started(backend.start_broadcast, step.slot, step.nbytes, step.index, step.data)
+        if step.direct:
+            self._direct.append((future, step.index))
+            await self._settle_direct(wire.direct_in_flight, wire.version)
+            return
+        self._pending[step.slot] = (future, step.index)
+        if not step.is_last:
+            await self._complete(next_slot(step.slot), wire.version)
 
-        async def announce(
-            bucket_slot: int,
-            is_last: bool,
-            nbytes: int,
-            bucket_entries: list[Entry],
-            data: torch.Tensor | None,
-            bucket_prints: list[int],
-            bucket_sizes: list[int],
-        ) -> asyncio.Future[None]:
-            """A bucket's metadata to every receiver, then its broadcast onto the data-plane thread (from
-            `bucket_slot`, or from the caller's tensor `data` for a direct bucket)."""
-            nonlocal bucket_index
-            index, bucket_index = bucket_index, bucket_index + 1
-            first_tied = tied if index == 0 and tied else {}
-            backend.fence(bucket_slot)
-            checked = bucket_prints if any(p != NO_FINGERPRINT for p in bucket_prints) else []
-            carried = bucket_sizes if any(size >= 0 for size in bucket_sizes) else []
-            meta = BucketMeta(
-                version, index, is_last, nbytes, bucket_entries, first_tied, sender, fingerprints=checked,
-                deltas=carried, delta_base=delta_base if carried else -1, lora=lora if index == 0 else None,
-            )  # fmt: skip
-            await self._steps.publish(peers, meta)
-            stats.num_buckets += bool(bucket_entries)
-            return executor.submit_started(backend.start_broadcast, bucket_slot, nbytes, index, data)
+    async def _settle_direct(self, keep: int, version: int) -> None:
+        """Wait for the oldest direct broadcasts until at most `keep` are queued or running."""
+        while len(self._direct) > keep:
+            future, index = self._direct.popleft()
+            await self._broadcast_done(future, version, index)
 
-        async def publish(is_last: bool) -> None:
-            """The packed bucket, from its slot."""
-            nonlocal fill, entries, prints, sizes
-            pending[slot] = await announce(slot, is_last, fill, entries, None, prints, sizes)
-            fill, entries, prints, sizes = 0, [], [], []
-
-        async def publish_direct(entry: Entry, data: torch.Tensor) -> None:
-            """A direct bucket, straight from the caller's tensor."""
-            index = bucket_index
-            prints_of, sizes_of = [print_of(entry)], [size_of(entry)]
-            direct.append((await announce(NO_SLOT, False, entry.chunk_size, [entry], data, prints_of, sizes_of), index))
-
-        def print_of(entry: Entry) -> int:
-            return fingerprints.of(entry.name) if fingerprints is not None else NO_FINGERPRINT
-
-        def size_of(entry: Entry) -> int:
-            return deltas[entry.name][1] if entry.name in deltas else -1
-
-        async def encoded() -> AsyncIterator[tuple[str, torch.Tensor]]:
-            """The source, each tensor replaced by its delta payload where the version sends one."""
-            async for name, tensor in source:
-                if delta is None:
-                    yield name, tensor
-                    continue
-                sendable, size = delta.encode(name, tensor)
-                if size >= 0:
-                    deltas[name] = (TensorMeta(name, tuple(tensor.shape), tensor.dtype, 0, 0), size)
-                yield name, sendable
-
-        async def swap() -> None:
-            """On to the next slot, once the broadcast that last read it is complete."""
-            nonlocal slot
-            slot = next_slot(slot)
-            await self._complete(pending, slot, version, bucket_index - NUM_SLOTS)
-
-        async def settle_direct(keep: int) -> None:
-            while len(direct) > keep:
-                future, index = direct.popleft()
-                await self._broadcast_done(future, version, index)
-
-        direct_ok, bucket_size, alone_from = backend.direct_ok, self.bucket_size, self.direct_min
-        async for meta, data in split_weight_chunks(
-            encoded(), bucket_size, alone_from=alone_from if direct_ok else None
-        ):
-            assert meta.offset is not None
-            # A chunk alone in its bucket needs no packing where the backend can send any tensor.
-            is_direct = (
-                direct_ok and meta.chunk_size > 0 and data.device == self.device
-                and chunk_goes_alone(meta, bucket_size, alone_from)
-            )  # fmt: skip
-            # The packed bucket so far is complete when the split starts a new one (its offset goes back, or
-            # it holds MAX_BUCKET_ENTRIES chunks: empty tensors do not move the offset). A direct chunk goes out
-            # around it while it holds whole tensors only; one with a part of a tensor goes out first (a
-            # receiver merges one tensor at a time: no other tensor may come between its chunks).
-            if entries and (not whole if is_direct else meta.offset < fill or len(entries) >= MAX_BUCKET_ENTRIES):
-                await publish(is_last=False)
-                await swap()
-            entry = Entry.from_meta(meta)
-            if meta.name in deltas:  # a chunk of a delta payload: the entry describes the tensor it rebuilds
-                real = deltas[meta.name][0]
-                shape, dtype = list(real.shape), dtype_name(real.dtype)
-                entry = Entry(meta.name, shape, dtype, meta.chunk_offset, meta.chunk_size, meta.offset)
-            stats.nbytes += meta.chunk_size
-            if meta.is_first:
-                stats.num_tensors += 1
-                stats.num_chunked_tensors += not meta.is_last
-            if is_direct:  # a bucket of its own, published around the packed one being filled
-                stats.direct_buckets += 1
-                await publish_direct(entry, data)
-                await settle_direct(in_flight_limit)
-            else:
-                if meta.chunk_size:
-                    backend.pack(slot, meta.offset, data)
-                whole = (whole or not entries) and meta.is_first and meta.is_last
-                entries.append(entry)
-                prints.append(print_of(entry))
-                sizes.append(size_of(entry))
-                fill = meta.offset + meta.chunk_size
-            if meta.is_last and not stable_tensors:  # the caller may reuse this tensor's memory next
-                await settle_direct(0)
-        await publish(is_last=True)  # after a direct bucket: an empty terminator (no broadcast)
-        await settle_direct(0)
-        for age in range(NUM_SLOTS - 1, -1, -1):  # oldest broadcast first
-            await self._complete(pending, (slot - age) % NUM_SLOTS, version, bucket_index - 1 - age)
-
-    async def _complete(self, pending: list[asyncio.Future[None] | None], slot: int, version: int, index: int) -> None:
+    async def _complete(self, slot: int, version: int) -> None:
         """Wait until the broadcast that last used `slot` is complete on this rank."""
-        future, pending[slot] = pending[slot], None
-        await self._broadcast_done(future, version, index)
+        pending, self._pending[slot] = self._pending[slot], None
+        if pending is not None:
+            await self._broadcast_done(pending[0], version, pending[1])
 
     async def _broadcast_done(self, future: asyncio.Future[None] | None, version: int, index: int) -> None:
         if future is None:
@@ -642,13 +663,12 @@ class WeightSender(Endpoint):
         logger.debug("version %d abandoned: %s", version, reason)
         if not transport_failed:
             try:
-                while self._direct:
-                    await self._broadcast_done(self._direct.popleft()[0], version, -1)
+                await self._settle_direct(0, version)
                 for slot in range(NUM_SLOTS):
-                    await self._complete(self._pending, slot, version, -1)
+                    await self._complete(slot, version)
             except (WeightSyncError, asyncio.CancelledError):
                 transport_failed = True
-        for future in [*self._pending, *(f for f, _ in self._direct)]:
+        for future in [*(p[0] for p in self._pending if p is not None), *(f for f, _ in self._direct)]:
             forget(future)
         self._pending = [None] * NUM_SLOTS
         self._direct = deque()

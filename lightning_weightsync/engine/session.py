@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready, SenderAddress
@@ -35,6 +35,25 @@ GONE = "disconnected (its process stopped or the link is down)"
 NACK_GRACE_S = 0.1  # once a member is found gone: how long its nack, sent just before it left, may still take
 
 T = TypeVar("T")
+
+
+class _Round:
+    """One version's Prepare -> Ready round on the sender (`SenderSession.gather_ready`): whom it asked
+    (identity -> when), who answered, and its clock."""
+
+    def __init__(
+        self,
+        version: int,
+        asked: dict[str, float],
+        only: frozenset[str] | None,
+        min_receivers: int,
+        session: SenderSession,
+    ) -> None:
+        self.version, self.asked, self.only, self.min_receivers = version, asked, only, min_receivers
+        self.ready: dict[str, Peer] = {}
+        self.started = time.monotonic()
+        self.deadline = self.started + session.timeout_s
+        self.say_at = self.started + min(session.liveness_s, WAITING_LOG_EVERY_S)
 
 
 class SenderSession:
@@ -93,100 +112,124 @@ class SenderSession:
             raise
 
     async def _gather_ready(self, version: int, asked: dict[str, float], only: frozenset[str] | None) -> list[Peer]:
-        control, min_receivers = self.control, self.min_receivers if only is None else len(only)
-        started = time.monotonic()
-        deadline = started + self.timeout_s
-        say_at = started + min(self.liveness_s, WAITING_LOG_EVERY_S)
-        ready: dict[str, Peer] = {}
+        rnd = _Round(version, asked, only, self.min_receivers if only is None else len(only), self)
         while True:
             now = time.monotonic()
-            for identity in list(control.peers):
-                if only is not None and identity not in only:
-                    continue
-                if identity not in asked:
-                    try:
-                        await control.send(identity, Prepare(version, self.session, control.peers[identity].nonce))
-                        asked[identity] = now
-                    except PeerError:  # its connection is gone: not "unreachable", just not there any more
-                        control.forget(identity)
-                elif identity not in ready and now - asked[identity] > self.ready_timeout_s:
-                    logger.warning(
-                        "receiver %s did not answer within transport.ready_timeout_s=%ss; dropping it",
-                        identity,
-                        self.ready_timeout_s,
-                    )
-                    control.forget(identity)
-                    del asked[identity]
-            waiting = [i for i in control.peers if i not in ready and (only is None or i in only)]
-            if len(ready) >= min_receivers and not waiting:
-                members = sorted(ready.values(), key=lambda p: p.identity)
-                self.members = [p.identity for p in members]
-                if self.missing_since is not None and self.served:
-                    logger.info("version %d: %d receivers ready again (%s)", version, len(members), self.members)
-                self.served = dict.fromkeys(self.members, version)
-                self.missing_since = None
-                return members
-            if only is not None and now - started > self.ready_timeout_s:
-                # the coordinating sender gathered these receivers, so they are alive: one that has not reached
-                # this rank by now cannot (the address it was given is not this rank's, as the rollouts see it)
-                missing = sorted(only - set(ready))
-                reason = (
-                    f"version {version}: receivers {missing} did not reach this sender at {control.address} within "
-                    f"transport.ready_timeout_s={self.ready_timeout_s}s; transport.sender_host (or "
-                    "LIGHTNING_WEIGHTSYNC_SENDER_HOST) must be this rank's address as the rollouts see it"
-                )
-                for identity in asked:
-                    with contextlib.suppress(PeerError):
-                        await control.send(identity, Abort(version, reason[:1000]))
-                raise WeightSyncTimeout(reason)
-            gone = sorted(i for i in self.served if i not in control.peers)
-            short = len(ready) + len(waiting) < min_receivers  # even if every registered one answers
-            if short and gone and self.missing_since is None:
-                self.missing_since = now
-                last = max(self.served[i] for i in gone)
-                self.missing_why = f"{', '.join(gone)} (served version {last}) {GONE}"
-            give_up_at = deadline
-            if short and self.missing_since is not None:  # the rollouts are gone: not worth timeout_s
-                give_up_at = min(deadline, max(self.missing_since + self.liveness_s, started + LIVENESS_POLL_S))
-            if now >= say_at and now < give_up_at:  # a long wait says whom it waits for, long before it ends
-                say_at = now + WAITING_LOG_EVERY_S
+            await self._ask(rnd, now)
+            waiting = [i for i in self.control.peers if i not in rnd.ready and (only is None or i in only)]
+            if len(rnd.ready) >= rnd.min_receivers and not waiting:
+                return self._gathered(rnd)
+            if only is not None and now - rnd.started > self.ready_timeout_s:
+                await self._give_up(rnd, self._unreachable(rnd))
+            give_up_at = self._give_up_at(rnd, now, waiting)
+            if now >= rnd.say_at and now < give_up_at:  # a long wait says whom it waits for, long before it ends
+                rnd.say_at = now + WAITING_LOG_EVERY_S
                 logger.warning(
                     "version %d: waiting %.0fs for trainer.min_receivers=%d ready receivers at %s: %d ready, "
                     "registered %s; gives up in %.0fs (transport.timeout_s); is a rollout daemon pointing at this "
                     "address (and using the same transport.auth_token)?",
-                    version, now - started, min_receivers, control.address, len(ready), sorted(control.peers),
-                    give_up_at - now,
+                    version, now - rnd.started, rnd.min_receivers, self.control.address, len(rnd.ready),
+                    sorted(self.control.peers), give_up_at - now,
                 )  # fmt: skip
             if now >= give_up_at:
-                if give_up_at < deadline:
-                    reason = (
-                        f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready at "
-                        f"{control.address} (registered: {sorted(control.peers)}): {self.missing_why}; not waiting "
-                        f"for it longer than transport.liveness_s={self.liveness_s}s (a rollout that registers again "
-                        "is served from the next version)"
-                    )
-                else:
-                    reason = (
-                        f"version {version}: {len(ready)} of trainer.min_receivers={min_receivers} receivers ready "
-                        f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
-                        f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
-                        "trainer.min_receivers"
-                    )
-                    if self.missing_since is None:  # from now on, a version without receivers fails at once
-                        self.missing_since = now
-                        self.missing_why = f"no receivers since version {version} waited transport.timeout_s"
-                for identity in asked:
-                    with contextlib.suppress(PeerError):
-                        await control.send(identity, Abort(version, reason[:1000]))
-                raise WeightSyncTimeout(reason)
-            got = await control.recv(min(0.05 if waiting else LIVENESS_POLL_S, max(give_up_at - now, 0.001)))
-            if got is None:
+                await self._give_up(rnd, self._too_few(rnd, now, give_up_at))
+            await self._take_ready(rnd, min(0.05 if waiting else LIVENESS_POLL_S, max(give_up_at - now, 0.001)))
+
+    async def _ask(self, rnd: _Round, now: float) -> None:
+        """Prepare to every registered receiver not asked yet; one asked that has not answered within
+        `ready_timeout_s` is presumed dead and forgotten (it re-registers if alive)."""
+        control = self.control
+        for identity in list(control.peers):
+            if rnd.only is not None and identity not in rnd.only:
                 continue
-            identity, msg = got
-            if isinstance(msg, Ready) and msg.version == version and identity in control.peers and identity in asked:
-                ready[identity] = control.peers[identity]
-                ready[identity].group_generation = msg.generation
-                ready[identity].delta_base = msg.delta_base
+            if identity not in rnd.asked:
+                try:
+                    await control.send(identity, Prepare(rnd.version, self.session, control.peers[identity].nonce))
+                    rnd.asked[identity] = now
+                except PeerError:  # its connection is gone: not "unreachable", just not there any more
+                    control.forget(identity)
+            elif identity not in rnd.ready and now - rnd.asked[identity] > self.ready_timeout_s:
+                logger.warning(
+                    "receiver %s did not answer within transport.ready_timeout_s=%ss; dropping it",
+                    identity,
+                    self.ready_timeout_s,
+                )
+                control.forget(identity)
+                del rnd.asked[identity]
+
+    def _gathered(self, rnd: _Round) -> list[Peer]:
+        """Enough receivers ready and none left waiting: they are the version's members."""
+        members = sorted(rnd.ready.values(), key=lambda p: p.identity)
+        self.members = [p.identity for p in members]
+        if self.missing_since is not None and self.served:
+            logger.info("version %d: %d receivers ready again (%s)", rnd.version, len(members), self.members)
+        self.served = dict.fromkeys(self.members, rnd.version)
+        self.missing_since = None
+        return members
+
+    def _unreachable(self, rnd: _Round) -> str:
+        """A sharded part's reason: the coordinating sender gathered these receivers, so they are alive; one
+        that has not reached this rank by now cannot (the address it was given is not this rank's, as the
+        rollouts see it)."""
+        missing = sorted((rnd.only or frozenset()) - set(rnd.ready))
+        return (
+            f"version {rnd.version}: receivers {missing} did not reach this sender at {self.control.address} within "
+            f"transport.ready_timeout_s={self.ready_timeout_s}s; transport.sender_host (or "
+            "LIGHTNING_WEIGHTSYNC_SENDER_HOST) must be this rank's address as the rollouts see it"
+        )
+
+    def _give_up_at(self, rnd: _Round, now: float, waiting: list[str]) -> float:
+        """`timeout_s` after the start, or `liveness_s` after the receivers served last were found gone (when
+        too few are left even if every registered one answers: the rollouts are gone, not worth timeout_s)."""
+        gone = sorted(i for i in self.served if i not in self.control.peers)
+        short = len(rnd.ready) + len(waiting) < rnd.min_receivers  # even if every registered one answers
+        if short and gone and self.missing_since is None:
+            self.missing_since = now
+            last = max(self.served[i] for i in gone)
+            self.missing_why = f"{', '.join(gone)} (served version {last}) {GONE}"
+        if short and self.missing_since is not None:
+            return min(rnd.deadline, max(self.missing_since + self.liveness_s, rnd.started + LIVENESS_POLL_S))
+        return rnd.deadline
+
+    def _too_few(self, rnd: _Round, now: float, give_up_at: float) -> str:
+        """Why the version gives up with too few receivers ready (and, after `timeout_s` with none missing
+        before, every later version fails at once until enough gather)."""
+        control, ready, version = self.control, len(rnd.ready), rnd.version
+        if give_up_at < rnd.deadline:
+            return (
+                f"version {version}: {ready} of trainer.min_receivers={rnd.min_receivers} receivers ready at "
+                f"{control.address} (registered: {sorted(control.peers)}): {self.missing_why}; not waiting "
+                f"for it longer than transport.liveness_s={self.liveness_s}s (a rollout that registers again "
+                "is served from the next version)"
+            )
+        if self.missing_since is None:  # from now on, a version without receivers fails at once
+            self.missing_since = now
+            self.missing_why = f"no receivers since version {version} waited transport.timeout_s"
+        return (
+            f"version {version}: {ready} of trainer.min_receivers={rnd.min_receivers} receivers ready "
+            f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
+            f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
+            "trainer.min_receivers"
+        )
+
+    async def _give_up(self, rnd: _Round, reason: str) -> NoReturn:
+        """Every receiver asked gets an `Abort`, so none waits for a plan; then the version fails."""
+        for identity in rnd.asked:
+            with contextlib.suppress(PeerError):
+                await self.control.send(identity, Abort(rnd.version, reason[:1000]))
+        raise WeightSyncTimeout(reason)
+
+    async def _take_ready(self, rnd: _Round, wait_s: float) -> None:
+        """One control message (at most `wait_s`): a Ready for this version from a receiver asked."""
+        got = await self.control.recv(wait_s)
+        if got is None:
+            return
+        identity, msg = got
+        peers = self.control.peers
+        if isinstance(msg, Ready) and msg.version == rnd.version and identity in peers and identity in rnd.asked:
+            rnd.ready[identity] = peers[identity]
+            rnd.ready[identity].group_generation = msg.generation
+            rnd.ready[identity].delta_base = msg.delta_base
 
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(

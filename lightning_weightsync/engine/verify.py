@@ -1,6 +1,7 @@
 """Verify: the rollout holds exactly the trainer's weights, tensor by tensor, or the version fails.
 
-    sender:   SenderFingerprints.take(name, tensor) as each tensor is pulled (the bytes are in hand)
+    sender:   SenderFingerprints.stamp, a transform on the planned stream: take(name, tensor) as each
+              tensor is pulled (the bytes are in hand)
               -> one fingerprint per entry in the bucket metadata (`BucketMeta.fingerprints`)
     receiver: Verifier.expect(bucket metadata) -> Verifier.check(name, merged tensor) before the
               consumer sees it: a mismatch raises `VerifyError` naming the tensor, so the receive
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..errors import VerifyError
 from ..protocol.chunks import TensorShard
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint, sampled
 from ..protocol.messages import BucketMeta
+from .planner import Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,13 @@ class SenderFingerprints:
 
     def of(self, name: str) -> int:
         return self.by_name.get(name, NO_FINGERPRINT)
+
+    def stamp(self, item: Outgoing) -> Outgoing:
+        """The planner's transform (`engine.planner.Transform`): fingerprint the tensor as it is pulled, before
+        any delta replaces its bytes, and note the fingerprint for every entry of it."""
+        self.take(item.name, item.tensor)
+        value = self.of(item.name)
+        return item if value == NO_FINGERPRINT else replace(item, fingerprint=value)
 
     @property
     def checksums(self) -> dict[str, str]:

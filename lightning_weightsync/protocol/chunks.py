@@ -119,7 +119,7 @@ async def split_weight_chunks(
     """
     if bucket_size < 1:
         raise ConfigError(f"bucket_size={bucket_size} must be >= 1 byte (transport.bucket_size_mb)")
-    plan = _BucketPlan(bucket_size, alone_from)
+    plan = BucketLayout(bucket_size, alone_from)
     # Two loops instead of `aiter_any`: one async-generator layer less per tensor on the hot path.
     if isinstance(weights, AsyncIterable):
         async for name, tensor in weights:
@@ -146,8 +146,11 @@ def chunk_goes_alone(meta: TensorMeta, bucket_size: int, alone_from: int | None)
     )
 
 
-class _BucketPlan:
-    """Assigns chunks their bucket offsets; `filled` (and `count`) carry over from one tensor to the next."""
+class BucketLayout:
+    """Assigns chunks their bucket offsets; `filled` (and `count`) carry over from one tensor to the next.
+
+    The synchronous core of `split_weight_chunks`, one tensor at a time (`chunks`): the sender's bucket
+    planner (`engine/planner.py`) drives it directly, so the layout is decided here and only here."""
 
     __slots__ = ("alone_from", "bucket_size", "count", "filled")
 

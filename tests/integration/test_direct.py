@@ -180,3 +180,22 @@ def test_which_iterables_hold_their_tensors() -> None:
     mine = [(n, t) for n, t in items]
     assert not holds_its_tensors(x for x in mine)  # a generator may refill one buffer: the safe path
     assert not holds_its_tensors(map(tuple, mine))
+
+
+async def test_a_tensor_whose_head_fills_a_bucket_and_whose_tail_is_packed_arrives_after_the_open_bucket() -> None:
+    """`transport.direct_min_mb=0`: a chunk that fills a whole bucket goes direct; a tensor just over a bucket
+    then sends its head direct and its tail packed. The packed bucket open before it goes out first: sent after
+    the head, its tensors came between the tensor's chunks and the receiver refused the version."""
+    weights = [("s1", _tensor(32 * KIB, 1)), ("s2", _tensor(32 * KIB, 2)), ("t", _tensor(64 * KIB + 4, 3))]
+    sender, receiver = await _pair(transport__direct_min_mb=0)
+    try:
+
+        async def consume() -> dict[str, torch.Tensor]:
+            return {name: tensor.clone() async for name, tensor in receiver.receive_weights()}
+
+        got, stats = await with_timeout(asyncio.gather(consume(), sender.send_weights(weights, version=1)))
+    finally:
+        await receiver.close()
+        await sender.close()
+    assert_bitwise(got, weights)
+    assert (stats.num_buckets, stats.direct_buckets) == (3, 1)  # [s1 s2] [t head, direct] [t tail]

@@ -54,7 +54,8 @@ def expected_layout(
     arithmetic (not by running the splitter it checks): small tensors are packed back to back and cut
     at bucket boundaries, across the large ones; a tensor of at least `alone_from` bytes gets whole
     buckets of its own; a chunk that starts below the previous packed chunk's end starts a new bucket;
-    a packed bucket holding part of a tensor goes out before the next chunk sent alone.
+    a packed bucket holding part of a tensor goes out before the next chunk sent alone, and so does any
+    packed bucket before a chunk sent alone whose tensor's tail is packed.
     `direct_ok` (default: `alone_from` is given): a chunk that fills a whole bucket is sent alone too."""
     direct_ok = alone_from is not None if direct_ok is None else direct_ok
     buckets, chunked = 0, 0
@@ -79,9 +80,13 @@ def expected_layout(
             if left <= 0:
                 break
         chunked += len(chunks) > 1
+        left = n
         for offset, size in chunks:
+            left -= size
             full_alone = direct_ok and offset == 0 and size == bucket_size  # fills a bucket: sent direct, alone
-            if open_chunks and (not open_whole if full_alone else offset < open_end):
+            # ... and when the tensor's tail after it is packed, the open bucket goes out before it
+            tail_packed = full_alone and left % bucket_size != 0
+            if open_chunks and (not open_whole or tail_packed if full_alone else offset < open_end):
                 buckets, open_chunks, open_end = buckets + 1, 0, 0
             if full_alone:
                 buckets += 1

@@ -56,3 +56,13 @@ def test_engine_benchmark_reports_every_case_with_what_is_left(monkeypatch, caps
     err = capsys.readouterr().err
     assert f"[engine {len(ran)}/{len(ran)}] done" in err and "left" in err, err
     assert err.count("done in") == len(ran) > 5
+
+
+def test_engine_benchmark_reports_the_senders_cpu_per_bucket() -> None:
+    from lightning_weightsync.bench.engine import _throughput_row
+
+    sender = {"nbytes": 2**30, "buckets": 8, "direct_buckets": 2, "engine_s": 1.0, "engine_cpu_s": 0.4,
+              "baseline_s": 1.0, "peak_extra_bytes": 0}  # fmt: skip
+    row = _throughput_row({"bucket_mb": 128}, sender, [{"peak_extra_bytes": 0, "engine_cpu_s": 0.1}])
+    assert row["engine_sender_cpu_ms_per_bucket"] == 50.0  # 0.4 s over 8 buckets
+    assert row["engine_sender_cpu_s_per_GiB"] == 0.4
