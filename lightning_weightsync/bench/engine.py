@@ -38,6 +38,8 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # its stub home: mypy sees no public torch.distributed.X
+from torch.distributed.distributed_c10d import PrefixStore
 
 from ..transport.process import free_port
 from . import CaseProgress
@@ -111,8 +113,8 @@ def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | Non
 
 
 def _raw_group(rank: int, world: int, store_port: int) -> Any:
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=rank == 0, timeout=timedelta(seconds=120))
-    return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, timedelta(seconds=120))
+    store = TCPStore("127.0.0.1", store_port, is_master=rank == 0, timeout=timedelta(seconds=120))
+    return dist.ProcessGroupGloo(PrefixStore("raw", store), rank, world, timedelta(seconds=120))
 
 
 class _Best:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # its stub home: mypy sees no public torch.distributed.X
+from torch.distributed.distributed_c10d import PrefixStore
 
 from .netem import EmulatedLink, NamespacesUnavailable
 
@@ -78,8 +80,8 @@ def role_main(role: str, host: str, ports: tuple[int, int, int], scale: int, run
     rank = 0 if role == "sender" else 1
     store_port, control_port, data_store_port = ports
     stream = _stream(scale)
-    store = dist.TCPStore(host, store_port, is_master=rank == 0, timeout=timedelta(seconds=60))
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timedelta(seconds=60))
+    store = TCPStore(host, store_port, is_master=rank == 0, timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(PrefixStore("raw", store), rank, 2, timedelta(seconds=60))
     cfg = load_config(
         overrides=[
             f"transport.host={host}",

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..transport.backends import Backend, build_backend, groups_draining
 from ..transport.executor import SerialExecutor
+
+if TYPE_CHECKING:
+    from ..transport.control import ReceiverControl, SenderControl
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +21,7 @@ logger = logging.getLogger(__name__)
 class Endpoint(ABC):
     _backend: Backend | None
     _executor: SerialExecutor | None
-    _control: Any  # SenderControl | ReceiverControl
+    _control: SenderControl | ReceiverControl  # each subclass declares its own
     device: torch.device
     timeout_s: float
     _key: bytes | None

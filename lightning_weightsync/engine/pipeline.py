@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 import torch
@@ -195,7 +195,7 @@ class BucketPipeline:
             self.free[slot].set()
         self.ahead.release()
 
-    async def chunks(self, stats: ReceiveStats) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
+    async def chunks(self, stats: ReceiveStats) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor]]:
         while not self.finished:
             meta, slot, target = self.current = await self._next()
             bucket = self.backend.view(slot, meta.nbytes) if target is None else target

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -55,6 +55,8 @@ class WeightReceiver(Endpoint):
         cfg: the weightsync config; uses `transport.*` and `rollout.identity` / `rollout.device`
             (where merged tensors are allocated when no `into` destination is given).
     """
+
+    _control: ReceiverControl
 
     def __init__(
         self, cfg: DictConfig | None = None, *, identity: str | None = None, preallocate: bool = False
@@ -234,7 +236,7 @@ class WeightReceiver(Endpoint):
         auto_ack: bool = True,
         wait_s: float | None = None,
         base: Into | None = None,
-    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    ) -> AsyncGenerator[tuple[str, torch.Tensor]]:
         """Yield every `(name, tensor)` of the next version, then (by default) ack it.
 
         `base(meta)`: the tensor of version `self.delta_base` the consumer holds under that name, onto which
@@ -265,7 +267,7 @@ class WeightReceiver(Endpoint):
 
     async def _receive_whole(
         self, plan: Plan, into: Into | None, auto_ack: bool, base: Into | None
-    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    ) -> AsyncGenerator[tuple[str, torch.Tensor]]:
         """A version from one sender (the usual case): its buckets merged into whole tensors."""
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
@@ -335,7 +337,7 @@ class WeightReceiver(Endpoint):
 
     async def _receive_sharded(
         self, plan: Plan, into: Into | None, auto_ack: bool
-    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    ) -> AsyncGenerator[tuple[str, torch.Tensor]]:
         """A version several senders send parts of (`engine/sharded.py`): their streams at once, tiled."""
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()

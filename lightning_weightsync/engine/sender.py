@@ -27,9 +27,9 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig
@@ -61,10 +61,12 @@ from .stats import SendStats, human_bytes
 from .verify import SenderFingerprints
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 _HOLDING_TYPES: tuple[type, ...] = (list, tuple, type({}.items()), type({}.values()))
-_HOLDING_TYPES += tuple({type(iter(c)) for c in ([], (), {}.items(), {}.values())})
+_HELD: tuple[Iterable[object], ...] = ([], (), {}.items(), {}.values())
+_HOLDING_TYPES += tuple({type(iter(c)) for c in _HELD})
 _MODULE_WALKS = torch.nn.Module.named_parameters.__code__.co_filename  # named_parameters(), state_dict walks, ...
 
 
@@ -270,6 +272,8 @@ class WeightSender(Endpoint):
     Args:
         cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.min_receivers`.
     """
+
+    _control: SenderControl
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else load_config()
@@ -691,7 +695,7 @@ class BlockingWeightSender:
         self._interrupted: str | None = None
         self._lock = threading.Lock()  # `interrupt` comes from another thread; it cancels a send once
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         if self._loop.is_closed():
             coro.close()
             raise WeightSyncError("BlockingWeightSender is closed; create a new one to send again")

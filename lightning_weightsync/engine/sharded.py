@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
@@ -60,6 +60,7 @@ class OtherSenders:
         for host, port in wanted:
             if (host, port) not in self.subs:
                 cfg = OmegaConf.merge(self.owner.cfg, {"transport": {"host": host, "port": port}})
+                assert isinstance(cfg, DictConfig)  # a DictConfig merged with a dict
                 sub = WeightReceiver(cfg, identity=self.owner.identity)
                 await sub.start()
                 self.subs[(host, port)] = sub

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -134,7 +134,14 @@ class Verifier:
         self.report.checksums[name] = checksum_hex(got)
 
 
-def compare_checksums(checksums: Mapping[str, str], baseline: Mapping[str, str]) -> dict[str, object]:
+class ChecksumComparison(TypedDict):
+    """What `compare_checksums` answers, shaped like vLLM's weight checker."""
+
+    match: bool
+    mismatches: list[str]
+
+
+def compare_checksums(checksums: Mapping[str, str], baseline: Mapping[str, str]) -> ChecksumComparison:
     """`{"match", "mismatches"}` as vLLM's POST /weight_checker `action=compare` answers (vllm 0.33.0,
     entrypoints/rl/online/api_router.py:259-266): a name in either map whose value differs or is missing."""
     mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
@@ -182,6 +189,7 @@ __all__ = [
     "Verifier",
     "VerifyError",
     "VerifyReport",
+    "ChecksumComparison",
     "compare_checksums",
     "held_checksums",
     "weight_problems",

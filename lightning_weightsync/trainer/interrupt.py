@@ -37,6 +37,7 @@ from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ WATCH_POLL_S = 0.1  # how often the sending rank's watcher reads the store for a
 STORE_KEY = "lightning_weightsync/stop/{sync}"
 
 
-def default_store() -> dist.Store | None:
+def default_store() -> Store | None:
     """The default process group's store (the rendezvous every rank shares), or None without one."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
@@ -86,7 +87,7 @@ class SyncStopWatch:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
-        self._store: dist.Store | None = None
+        self._store: Store | None = None
 
     # -- life cycle -------------------------------------------------------------------------------------
     def __enter__(self) -> SyncStopWatch:

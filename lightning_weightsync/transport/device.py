@@ -16,7 +16,7 @@ from ..errors import BackendUnavailable, ConfigError
 
 def import_torch_npu() -> Any:
     try:
-        import torch_npu  # type: ignore[import-not-found]
+        import torch_npu
     except ImportError as exc:
         raise BackendUnavailable(
             "transport.backend=hccl needs torch_npu: pip install 'lightning_weightsync[npu]' on an Ascend host"
@@ -59,7 +59,7 @@ def record_event(device: torch.device) -> Any | None:
     with `transport.device=cuda:1` the copies to fence are on cuda:1), or None on CPU (copies there
     are synchronous)."""
     if device.type == "cuda":
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
         event.record(torch.cuda.current_stream(device))
         return event
     if device.type == "npu":

@@ -27,7 +27,7 @@ from ...protocol.messages import GroupSpec
 from ..device import empty_bucket, record_event
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Rendezvous(Protocol):
     host: str
     port: int
 
-    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store: ...
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> Store: ...
 
 
 class Backend(ABC):

@@ -40,7 +40,7 @@ class CudaIpcBackend(SharedBucketBackend):
 
 
 def _encode_ipc(tensor: torch.Tensor) -> str:
-    fields = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+    fields = tensor.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]  # unannotated in torch
     parts = []
     for f in fields:
         if isinstance(f, bytes):
@@ -68,7 +68,7 @@ def _decode_ipc(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
         except ValueError:
             raise ProtocolError(f"malformed CUDA IPC handle field {part[:16]!r}") from None
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(*fields)  # type: ignore[attr-defined]
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)
     except TypeError as exc:  # a well-formed field list of the wrong shape
         raise ProtocolError(f"malformed CUDA IPC handle ({len(fields)} fields): {exc}") from None
     if storage.nbytes() < nbytes:

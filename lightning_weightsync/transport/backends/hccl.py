@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from ..device import import_torch_npu, synchronize
 from .base import Backend
@@ -31,8 +31,8 @@ class HcclBackend(TorchProcessGroupBackend):
         self._torch_npu = import_torch_npu()
         super().__init__(**kwargs)
 
-    def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+    def _new_group(self, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout

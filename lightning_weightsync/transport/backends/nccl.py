@@ -21,8 +21,8 @@ from .base import NO_SLOT, Backend
 
 def _import_cupy_nccl() -> tuple[Any, Any]:
     try:
-        import cupy  # type: ignore[import-not-found]
-        from cupy.cuda import nccl  # type: ignore[import-not-found]
+        import cupy
+        from cupy.cuda import nccl
     except ImportError as exc:
         raise BackendUnavailable(
             "transport.backend=nccl needs cupy: pip install 'lightning_weightsync[nccl]' (cupy-cuda13x, for torch "
@@ -48,7 +48,7 @@ class NcclBackend(Backend):
         self._cupy, self._nccl = _import_cupy_nccl()
         super().__init__(**kwargs)
         self._comm: Any = None
-        self._stream = torch.cuda.Stream(device=self.device)
+        self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._unique_id: tuple[int, ...] | None = None
         self._unique_id_generation = -1
 

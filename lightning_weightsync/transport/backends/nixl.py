@@ -483,7 +483,7 @@ class NixlBackend(Backend):
     def _on_release_message(self, socket: zmq.Socket[Any], version: int) -> None:
         frames = socket.recv_multipart(copy=False)
         try:
-            msg = decode([bytes(f) for f in frames], self.auth_key)
+            msg = decode([f.bytes for f in frames], self.auth_key)
         except ProtocolError as exc:
             self._drops.note("a release connection", exc)
             return

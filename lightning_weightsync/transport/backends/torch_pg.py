@@ -17,7 +17,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # its stub home: mypy sees no public torch.distributed.X
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from ...errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from ...protocol.joins.store import StoreJoin
@@ -33,7 +34,7 @@ class TorchProcessGroupBackend(Backend):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._store: dist.TCPStore | None = None
+        self._store: TCPStore | None = None
         self._store_addr: tuple[str, int] | None = None
         self._pg: Any = None
 
@@ -50,7 +51,7 @@ class TorchProcessGroupBackend(Backend):
             logger.debug("%s rendezvous through the control plane at %s:%d", self.name, *self._store_addr)
             return
         try:
-            self._store = dist.TCPStore(
+            self._store = TCPStore(
                 host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
             )
         except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
@@ -66,12 +67,12 @@ class TorchProcessGroupBackend(Backend):
             raise WeightSyncError(f"{self.name}: join_spec() before setup() (the sender sets up at start())")
         return StoreJoin(*self._store_addr)
 
-    def _store_for(self, join: StoreJoin) -> dist.TCPStore:
+    def _store_for(self, join: StoreJoin) -> TCPStore:
         """The sender's own store, or (receivers) a client of the sender's, reconnected when it moved."""
         addr = (join.host, join.port)
         if self._store is None or (not self.is_sender and self._store_addr != addr):
             try:
-                self._store = dist.TCPStore(
+                self._store = TCPStore(
                     join.host, join.port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
                 )
             except RuntimeError as exc:
@@ -90,7 +91,7 @@ class TorchProcessGroupBackend(Backend):
         if rendezvous is not None:
             prefix = rendezvous.rendezvous_store(namespace, self.timeout_s)
         else:
-            prefix = dist.PrefixStore(namespace, self._store_for(join))
+            prefix = PrefixStore(namespace, self._store_for(join))
         try:
             self._pg = self._new_group(prefix, rank, group.world_size, timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
@@ -100,7 +101,7 @@ class TorchProcessGroupBackend(Backend):
             ) from exc
 
     @abstractmethod
-    def _new_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any: ...
+    def _new_group(self, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any: ...
 
     def _drop_group(self) -> None:
         self._pg = None

@@ -18,9 +18,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import torch.distributed as dist
 import zmq
 import zmq.asyncio
+from torch.distributed.distributed_c10d import Store
 from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ProtocolError, VersionAborted, WeightSyncTimeout
@@ -275,8 +275,8 @@ class ReceiverControl:
                 )
             await asyncio.sleep(STORE_POLL_S)
 
-    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store:
-        """A `dist.Store` for a process group built on another thread (the executor): each call
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> Store:
+        """A `torch.distributed.Store` for a process group built on another thread (the executor): each call
         runs `store_call` / `store_get` on this control plane's event loop."""
         assert self._loop is not None, "call start() first"
         return ControlPlaneStore(self, self._loop, prefix, timeout_s)

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -168,7 +168,8 @@ class RouterThread:
     def _read(self, limit: int) -> bool:
         """Under the lock: read up to `limit` messages into the inbox; True when more may be pending."""
         got = 0
-        while got < limit and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # pyzmq's stub types getsockopt as int | bytes | str for every option; EVENTS is an int
+        while got < limit and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = [self.sock.recv(zmq.NOBLOCK)]
             except zmq.Again:  # EVENTS said a message was ready; believe the socket, not the flag

@@ -43,8 +43,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 import zmq
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from ...errors import ConfigError, PeerError, ProtocolError
 from ...protocol.messages import (
@@ -490,9 +490,9 @@ class SenderControl:
             await self._pump()
 
     # -- the data-plane rendezvous store (replaces an open TCPStore) ----------------------------------
-    def rendezvous_store(self, prefix: str, timeout_s: float) -> dist.Store:
+    def rendezvous_store(self, prefix: str, timeout_s: float) -> Store:
         """The sender's view of the rendezvous store: local; receivers reach it via `StoreRequest`."""
-        return dist.PrefixStore(prefix, self._store.store)
+        return PrefixStore(prefix, self._store.store)
 
     async def serve_until(self, work: asyncio.Future[Any], timeout_s: float) -> Any:
         """Await `work` (a transfer on the data-plane thread) for at most `timeout_s`, reading the socket

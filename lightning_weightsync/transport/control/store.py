@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore  # its stub home: mypy sees no public torch.distributed.X
+from torch.distributed.distributed_c10d import Store
 
 from ...errors import ProtocolError, WeightSyncTimeout
 from ...protocol.messages import StoreReply, StoreRequest
@@ -30,12 +31,12 @@ class StoreServer:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self._store: dist.HashStore | None = None
+        self._store: HashStore | None = None
 
     @property
-    def store(self) -> dist.HashStore:
+    def store(self) -> HashStore:
         if self._store is None:
-            self._store = dist.HashStore()
+            self._store = HashStore()
         return self._store
 
     def serve(self, msg: StoreRequest) -> StoreReply:
@@ -47,7 +48,7 @@ class StoreServer:
         if msg.op == "set":
             if store.num_keys() >= MAX_STORE_KEYS:
                 raise ProtocolError(f"store set refused: {MAX_STORE_KEYS} keys already")
-            store.set(msg.key, msg.value)
+            store.set(msg.key, msg.value)  # type: ignore[arg-type]  # torch's stub says str; the binding takes bytes
             return StoreReply(msg.request_id, True, b"")
         if msg.op == "add":  # counters (barriers) of process groups other than gloo
             try:
@@ -73,7 +74,7 @@ class StoreClient(Protocol):
 _HOP_SLACK_S = 5.0  # beyond the store timeout, for the thread -> event loop hop itself
 
 
-class ControlPlaneStore(dist.Store):
+class ControlPlaneStore(Store):
     """Receiver side: every call runs on the control plane's event loop and blocks this (executor)
     thread until the sender answered. Keys are namespaced under `prefix` (PrefixStore cannot wrap a
     Python store in this torch)."""
