@@ -185,11 +185,11 @@ def weight_problems(
 
 __all__ = [
     "SAMPLE_EVERY",
+    "ChecksumComparison",
     "SenderFingerprints",
     "Verifier",
     "VerifyError",
     "VerifyReport",
-    "ChecksumComparison",
     "compare_checksums",
     "held_checksums",
     "weight_problems",
