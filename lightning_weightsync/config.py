@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -45,7 +45,21 @@ class Choice(str, enum.Enum):
 # The names are defined once, by the backend table `BACKENDS` (`transport/backends/__init__.py`, one line a
 # backend, no backend imported); the config field is an Enum built from it, so OmegaConf rejects any other
 # name at load time.
-BackendName = Choice("BackendName", {name: name for name in BACKENDS})
+if TYPE_CHECKING:
+    # mypy reads `Choice(name, members)` as str's constructor, not Enum's functional API, and takes no
+    # variable for a type: to it each of these is a Choice subclass whose members it does not know (the
+    # code looks them up by name, `BackendName["gloo"]`).
+    class BackendName(Choice): ...
+
+    class SinkType(Choice): ...
+
+    class RolloutEngineName(Choice): ...
+
+    class FailurePolicy(Choice):
+        warn = "warn"  # and "raise", a keyword
+
+else:
+    BackendName = Choice("BackendName", {name: name for name in BACKENDS})
 BackendName.__doc__ = """`transport.backend`: the data-plane backends that are registered."""
 
 
@@ -64,13 +78,15 @@ SINKS.add("module", "lightning_weightsync.rollout.sinks.module:ModuleSink")
 SINKS.add("safetensors", "lightning_weightsync.rollout.sinks.safetensors:SafetensorsSink")
 SINKS.add("callable", "lightning_weightsync.rollout.sinks.callable:CallableSink")
 
-SinkType = Choice("SinkType", {name: name for name in SINKS})
+if not TYPE_CHECKING:
+    SinkType = Choice("SinkType", {name: name for name in SINKS})
 SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each version (the names in `SINKS`).
 A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
 
 
 # Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines.py).
-RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
+if not TYPE_CHECKING:
+    RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
 RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
 
 
@@ -129,7 +145,8 @@ class LoraApply(Choice):
     merge = "merge"
 
 
-FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
+if not TYPE_CHECKING:
+    FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
 
 
@@ -311,7 +328,7 @@ class TrainerConfig:
 class SinkConfig:
     """Where a rollout puts each version."""
 
-    type: SinkType = SinkType["module"]  # type: ignore[valid-type]
+    type: SinkType = SinkType["module"]
     """The sink kind."""
     factory: str | None = None
     """`package.module:function` returning the torch module to load into (module sink)."""
@@ -338,7 +355,7 @@ class SinkConfig:
 class RolloutConfig:
     """The rollout daemon."""
 
-    engine: RolloutEngineName = RolloutEngineName["none"]  # type: ignore[valid-type]
+    engine: RolloutEngineName = RolloutEngineName["none"]
     """none: the daemon receives into rollout.sink; vllm | sglang: `lightning-weightsync rollout` starts that
     engine's server, whose workers receive by themselves (configured in the engine's section)."""
     apply: ApplyMode = ApplyMode.atomic
@@ -425,7 +442,8 @@ class WeightSyncConfig:
 
 
 def default_config() -> DictConfig:
-    return OmegaConf.structured(WeightSyncConfig)
+    # OmegaConf types structured() as Any; a dataclass gives a DictConfig
+    return cast(DictConfig, OmegaConf.structured(WeightSyncConfig))
 
 
 def load_config(
@@ -513,16 +531,18 @@ def _load(
     except TypeError as exc:  # from a base or a file: name the first key whose type is wrong
         raise ConfigError(f"{_wrong_type_key(cfg, base, path)}: wrong type ({exc})") from None
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        if key in SECRET_KEYS:  # OmegaConf's message quotes the value
-            raise ConfigError(f"{key} must be one string (quote it in YAML); its value is not shown") from None
+        bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        if bad_key in SECRET_KEYS:  # OmegaConf's message quotes the value
+            raise ConfigError(f"{bad_key} must be one string (quote it in YAML); its value is not shown") from None
         unknown = _unknown_keys(base, path, overrides)
         if len(unknown) > 1:  # every unknown key at once, not one per attempt
             raise ConfigError(f"invalid config keys {', '.join(unknown)}: not fields of the config") from None
         choice = _BAD_CHOICE.match(_first_line(exc))
         if choice:  # an Enum field: say it the way every other bad value is said
-            raise ConfigError(f"{key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}") from None
-        raise ConfigError(f"invalid config key {key!r}: {_first_line(exc)}") from None
+            raise ConfigError(
+                f"{bad_key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}"
+            ) from None
+        raise ConfigError(f"invalid config key {bad_key!r}: {_first_line(exc)}") from None
     assert isinstance(cfg, DictConfig)
     return cfg
 
@@ -583,8 +603,8 @@ def _walk_keys(node: Any, prefix: str = "") -> list[str]:
     out: list[str] = []
     if isinstance(node, DictConfig):
         for k in node:
-            out.append(f"{prefix}{k}")
-            out += _walk_keys(node[k], f"{prefix}{k}.")
+            out.append(f"{prefix}{k!s}")
+            out += _walk_keys(node[k], f"{prefix}{k!s}.")
     return out
 
 
@@ -703,7 +723,7 @@ def _walk(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(node, DictConfig):
         out: list[tuple[str, Any]] = []
         for k in node:
-            out += _walk(node[k], f"{prefix}{k}.")
+            out += _walk(node[k], f"{prefix}{k!s}.")
         return out
     return [(prefix[:-1], node)]
 
@@ -723,7 +743,7 @@ def _check_bounds(cfg: DictConfig) -> None:
     for old, new in (rename or {}).items():  # type: ignore[union-attr]
         if not isinstance(new, str) or not new:
             raise ConfigError(
-                f"trainer.names.rename.{old}={new!r} must be a non-empty string (the rollout's name for {old!r})"
+                f"trainer.names.rename.{old!s}={new!r} must be a non-empty string (the rollout's name for {old!r})"
             )
 
 
