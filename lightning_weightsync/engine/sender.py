@@ -725,7 +725,7 @@ class BlockingWeightSender:
 
     def send_weights(
         self,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: NamedTensors,
         *,
         version: int,
         stable_tensors: bool | None = None,

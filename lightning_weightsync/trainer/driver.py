@@ -47,7 +47,8 @@ from .lora import LoraSync
 from .names import tied_names
 
 if TYPE_CHECKING:
-    from ..engine.sender import BlockingWeightSender, SendStats
+    from ..engine.sender import BlockingWeightSender
+    from ..engine.stats import SendStats
     from .overlap import OverlapSync
     from .rollout_control import RolloutControl
 
@@ -301,9 +302,9 @@ class SyncDriver:
                 "set transport.delta=off to silence this, or use trainer.send_mode=gather for deltas", t.delta,
             )  # fmt: skip
 
-    def finish(self, module: nn.Module, version: int) -> bool:
+    def finish(self, module: nn.Module, version: int | None) -> bool:
         """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight
-        (and send `version` when the last sync skipped it) and apply `trainer.on_failure` to it; True when
+        (and send `version` when the last sync skipped it; None: no final version) and apply `trainer.on_failure` to it; True when
         the last version was delivered. Nothing to do for blocking syncs (True)."""
         return self.overlap.finish(module, version) if self.overlap is not None else True
 

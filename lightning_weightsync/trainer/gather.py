@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]  # torch 2.4's home; not public in newer stubs
 
 try:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -69,7 +69,9 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return dtype
     if dtype not in CAST_DTYPES:
         raise ConfigError(f"trainer.dtype={dtype!r} is not allowed; choose one of: {', '.join(CAST_DTYPES)}")
-    return getattr(torch, dtype)
+    resolved = getattr(torch, dtype)
+    assert isinstance(resolved, torch.dtype)  # every CAST_DTYPES name is one
+    return resolved
 
 
 def cast_floating(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
@@ -154,7 +156,7 @@ def iter_full_parameters(
     cast = resolve_dtype(dtype)
     keep = keep_on_rank is None or _global_rank() == keep_on_rank
 
-    def emit(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[NamedTensor]:
+    def emit(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | PendingGather]]:
         for raw, tensor in tensors:
             if select is not None and not select(raw):
                 continue
@@ -163,7 +165,9 @@ def iter_full_parameters(
                 continue
             if isinstance(tensor, DTensor) and defer_gather:
                 sent_as = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-                yield name, PendingGather(tensor.detach(), sent_as)
+                detached = tensor.detach()
+                assert isinstance(detached, DTensor)  # torch types detach() as a Tensor; a DTensor's is a DTensor
+                yield name, PendingGather(detached, sent_as)
                 continue
             if isinstance(tensor, DTensor):
                 with torch.no_grad():
@@ -225,6 +229,7 @@ def named_full_state_dict(module: nn.Module, **kwargs: Any) -> dict[str, torch.T
 
 
 __all__: Sequence[str] = (
+    "DTensor",  # this torch's DTensor class (torch 2.4 keeps it in a private module)
     "NameMapper",
     "PendingGather",
     "drain",

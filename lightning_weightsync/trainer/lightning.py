@@ -160,8 +160,9 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
             self.sync(trainer, trainer.global_step)
         # trainer.overlap: the last version is sent (or its failure raised) before fit returns
         final = trainer.global_step if self.cfg.trainer.sync_on_train_end else None
-        overlapping = self._driver is not None and self._driver.overlap is not None  # blocking: nothing in flight
-        if overlapping and self._driver.finish(self._module(trainer), final):
+        driver = self._driver
+        # blocking syncs: nothing in flight
+        if driver is not None and driver.overlap is not None and driver.finish(self._module(trainer), final):
             self._log_metrics(trainer)
 
     def on_train_batch_end(

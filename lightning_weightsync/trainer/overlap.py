@@ -50,13 +50,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OverlapGather, OverlapPolicy, OverlapStaging
+from ..config import FailurePolicy, OverlapGather, OverlapPolicy, OverlapStaging
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
 from .gather import PendingGather, drain, fsdp1_units, is_sharded
@@ -64,7 +64,8 @@ from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .side_gather import MirrorMeshes, StagedShard
 
 if TYPE_CHECKING:
-    from ..engine.sender import BlockingWeightSender, SendStats
+    from ..engine.sender import BlockingWeightSender
+    from ..engine.stats import SendStats
     from .driver import SyncDriver
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,12 @@ class Snapshot:
     gathers: bool = False  # gather mode, background gather: items hold `StagedShard`s every rank gathers
     lora: Any = None  # gather mode, a PEFT model: the version's `LoraSpec` (rollout engines load adapter versions)
     ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
+
+    def sendable(self) -> Iterator[tuple[str, torch.Tensor | TensorShard]]:
+        """`iter(items)` as the sender takes it: only background gather stages `StagedShard`s, and it sends
+        `_gathered` instead. A list's own iterator, so the sender knows the list holds its tensors."""
+        assert not self.gathers
+        return cast("Iterator[tuple[str, torch.Tensor | TensorShard]]", iter(self.items))
 
 
 def _code(error: BaseException | None) -> int:
@@ -206,7 +213,7 @@ class OverlapSync:
     def sync(self, module: nn.Module, version: int, *, policy: OverlapPolicy | None = None) -> bool:
         """Steps 1-4 of the module docstring, on every rank. True when the previous version was
         delivered (settled here); this sync's version is only handed off."""
-        from .driver import OK, RECOVERABLE, FailurePolicy, SyncFailed, all_ranks_max_each
+        from .driver import OK, RECOVERABLE, SyncFailed, all_ranks_max_each
 
         d = self.driver
         policy = policy or self.policy
@@ -372,7 +379,7 @@ class OverlapSync:
         elif not sharded:
             snap.lora = d.lora.spec  # set by the LoRA stream just consumed (as the blocking sync passes it)
         if self.staging.uses_cuda:
-            snap.ready = torch.cuda.Event()
+            snap.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             snap.ready.record()
         if not self._reported and keeps and error is None:
             self._reported = True
@@ -395,13 +402,16 @@ class OverlapSync:
 
     def _stage_shards(self, snap: Snapshot, pending: list[tuple[int, PendingGather]]) -> None:
         """Give each staged local shard the mirror of its mesh (made here the first time: collective)."""
-        staged = {i: snap.items[i][1] for i, _ in pending}
+        staged: dict[int, torch.Tensor] = {}
+        for i, _ in pending:
+            local = snap.items[i][1]
+            assert isinstance(local, torch.Tensor)  # the local shard `_snapshot` copied, not staged yet
+            staged[i] = local
         device_type = next((t.device.type for t in staged.values()), "cpu")
         meshes = {id(p.tensor.device_mesh): p.tensor.device_mesh for _, p in pending}
         self._mirrors.ensure(meshes.values(), device_type)
         for i, p in pending:
             dt, local = p.tensor, staged[i]
-            assert isinstance(local, torch.Tensor)
             mesh = self._mirrors.mirror(dt.device_mesh, device_type)
             snap.items[i] = (snap.items[i][0], StagedShard(local, mesh, tuple(dt.placements), dt.shape, dt.stride()))
 
@@ -415,8 +425,10 @@ class OverlapSync:
             sender.clear_interrupt()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-overlap")
-        work = self._send if sender is not None else self._gather_only
-        self._future = self._pool.submit(work, snapshot, sender)
+        if sender is not None:
+            self._future = self._pool.submit(self._send, snapshot, sender)
+        else:
+            self._future = self._pool.submit(self._gather_only, snapshot, None)
 
     def _interrupt(self, reason: str) -> None:
         sender = self.driver.sender
@@ -431,7 +443,7 @@ class OverlapSync:
         d = self.driver
         if snap.sharded:
             return self._send_sharded(snap, sender)
-        stream = self._gathered(snap) if snap.gathers else iter(snap.items)
+        stream = self._gathered(snap) if snap.gathers else snap.sendable()
 
         def send() -> SendStats:  # gathered tensors are fresh allocations: stable
             return sender.send_weights(
@@ -474,7 +486,7 @@ class OverlapSync:
             sharding = Sharding(0, others=others, on_members=relay)
 
             def send() -> SendStats:
-                return sender.send_weights(iter(snap.items), version=snap.version, tied=snap.tied, sharding=sharding)
+                return sender.send_weights(snap.sendable(), version=snap.version, tied=snap.tied, sharding=sharding)
 
             try:
                 return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
@@ -482,7 +494,7 @@ class OverlapSync:
                 relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
         members = relay.receive()
         return sender.send_weights(
-            iter(snap.items), version=snap.version, sharding=Sharding(d.rank, members=tuple(members))
+            snap.sendable(), version=snap.version, sharding=Sharding(d.rank, members=tuple(members))
         )
 
 
