@@ -45,7 +45,7 @@ class Registry(Mapping[str, T], Generic[T]):
     def __init__(self, knob: str, what: str, *, load: Callable[[str, str], T] | None = None) -> None:
         self.knob = knob
         self.what = what
-        self._load: Callable[[str, str], T] = load or (lambda _name, path: import_object(path))  # type: ignore[no-any-return]
+        self._load: Callable[[str, str], T] = load or (lambda _name, path: import_object(path))
         self._paths: dict[str, str] = {}
         self._built: dict[str, T] = {}
         self._frozen_by = ""
@@ -81,7 +81,7 @@ class Registry(Mapping[str, T], Generic[T]):
             self._built[key] = self._load(key, self.path(key))
         return self._built[key]
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         """`registry[name]` for a registered name (importing it), else `default` (no ConfigError)."""
         return self[name] if name in self else default  # noqa: SIM401 - this is `get`
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -45,8 +45,8 @@ def validate_recipe(section: Any, schema: type[R]) -> R:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         raise ConfigError(f"invalid recipe key 'recipe.{key}': {str(exc).strip().splitlines()[0]}") from None
     assert isinstance(values, dict)
-    recipe = schema(**values)
-    for f in fields(schema):  # type: ignore[arg-type]
+    recipe = schema(**cast(dict[str, Any], values))  # a dataclass's fields: string keys (OmegaConf types any key)
+    for f in fields(schema):
         if f.name in POSITIVE_FIELDS and getattr(recipe, f.name) < 1:
             raise ConfigError(f"recipe.{f.name}={getattr(recipe, f.name)} must be >= 1")
     return recipe

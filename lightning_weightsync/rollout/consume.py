@@ -91,6 +91,7 @@ async def consume_version(
     def begin() -> None:
         if v.began:
             return
+        assert receiver.version is not None  # the stream set it (wait_version) before a tensor or its end
         v.version = int(receiver.version)
         v.began = True
         try:

@@ -59,7 +59,7 @@ class AdapterDirectory:
             cfg = OmegaConf.create(
                 {"rollout": {"apply": "atomic", "sink": {"dir": self.lora_dir, "keep_last": KEEP_LAST}}}
             )
-            self._sink = SafetensorsSink(cfg)  # type: ignore[arg-type]
+            self._sink = SafetensorsSink(cfg)
         return self._sink
 
 

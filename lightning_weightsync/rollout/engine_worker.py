@@ -183,7 +183,8 @@ class ModelLoadSink:
     def accept(self, name: str, tensor: torch.Tensor) -> None:
         self.touched = True
         try:
-            self.model.load_weights([(name, tensor)])
+            # a vLLM / SGLang model's own method; torch types a Module's attributes as Tensor | Module
+            self.model.load_weights([(name, tensor)])  # type: ignore[operator]
         except Exception as exc:
             raise SinkError(f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}") from exc
 

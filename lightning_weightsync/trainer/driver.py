@@ -304,8 +304,9 @@ class SyncDriver:
 
     def finish(self, module: nn.Module, version: int | None) -> bool:
         """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight
-        (and send `version` when the last sync skipped it; None: no final version) and apply `trainer.on_failure` to it; True when
-        the last version was delivered. Nothing to do for blocking syncs (True)."""
+        (and send `version` when the last sync skipped it; None: no final version) and apply
+        `trainer.on_failure` to it; True when the last version was delivered. Nothing to do for blocking
+        syncs (True)."""
         return self.overlap.finish(module, version) if self.overlap is not None else True
 
     def close(self) -> None:

@@ -44,8 +44,11 @@ def clients(cfg: DictConfig) -> list[SGLangClient]:
     """One client per `sglang.urls` (the registry's entry point for the trainer side)."""
     s = cfg.sglang
     mode, flush, timeout_s = SGLangPauseMode(s.pause_mode), bool(s.flush_cache), float(s.request_timeout_s)
-    lora = {"lora_name": str(s.lora_name), "lora_dir": None if s.lora_dir is None else str(s.lora_dir)}
-    return [SGLangClient(str(u), timeout_s, pause_mode=mode, flush_cache=flush, **lora) for u in s.urls]
+    lora_name, lora_dir = str(s.lora_name), None if s.lora_dir is None else str(s.lora_dir)
+    return [
+        SGLangClient(str(u), timeout_s, pause_mode=mode, flush_cache=flush, lora_name=lora_name, lora_dir=lora_dir)
+        for u in s.urls
+    ]
 
 
 class SGLangClient:

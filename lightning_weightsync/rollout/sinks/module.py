@@ -28,6 +28,7 @@ from __future__ import annotations
 import difflib
 import logging
 import threading
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -58,8 +59,10 @@ class ModuleSink(Sink):
             factory = load_callable(factory_path, "rollout.sink.factory")
             options = OmegaConf.to_container(cfg.rollout.sink.options, resolve=True) or {}
             assert isinstance(options, dict)
+            # OmegaConf types keys as any DictKeyType; a non-string key fails in the call, as a ConfigError
+            kwargs = cast(dict[str, Any], options)
             try:
-                module = factory(**options)
+                module = factory(**kwargs)
             except Exception as exc:
                 raise ConfigError(f"rollout.sink.factory={factory_path!r} failed: {explain(exc)}") from exc
             if not isinstance(module, torch.nn.Module):

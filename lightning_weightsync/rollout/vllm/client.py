@@ -57,8 +57,13 @@ def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
     """One client per `vllm.urls` (the registry's entry point for the trainer side)."""
     v = cfg.vllm
     mode, reset, timeout_s = PauseMode(v.pause_mode), bool(v.reset_prefix_cache), float(v.request_timeout_s)
-    lora = {"lora_name": str(v.lora_name), "lora_dir": None if v.lora_dir is None else str(v.lora_dir)}
-    return [HTTPRolloutClient(str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset, **lora) for u in v.urls]
+    lora_name, lora_dir = str(v.lora_name), None if v.lora_dir is None else str(v.lora_dir)
+    return [
+        HTTPRolloutClient(
+            str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset, lora_name=lora_name, lora_dir=lora_dir
+        )
+        for u in v.urls
+    ]
 
 
 class _PrefixCacheReset:
@@ -296,7 +301,7 @@ class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
         try:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest as request_cls
         except ImportError:
-            request_cls = _UpdateRequest  # type: ignore[misc,assignment]
+            request_cls = _UpdateRequest
         info: dict[str, Any] = {"version": version}
         if receive_timeout_s is not None:
             info["timeout_s"] = receive_timeout_s

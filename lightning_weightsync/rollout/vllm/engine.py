@@ -41,14 +41,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class LightningWeightSyncInitInfo(WeightTransferInitInfo):
+class LightningWeightSyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM absent where mypy runs: Any
     """`init_info` (POST /init_weight_transfer_engine): see `worker.InitInfo`."""
 
     overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
-class LightningWeightSyncUpdateInfo(WeightTransferUpdateInfo):
+class LightningWeightSyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]  # vLLM's, as above
     """`update_info` (POST /update_weights): see `worker.UpdateInfo`."""
 
     version: int | None = None
@@ -60,7 +60,8 @@ assert [f for f in UpdateInfo.__dataclass_fields__] == list(LightningWeightSyncU
 
 
 class LightningWeightSyncEngine(
-    WeightSyncEngineBody, WeightTransferEngine[LightningWeightSyncInitInfo, LightningWeightSyncUpdateInfo]
+    WeightSyncEngineBody,
+    WeightTransferEngine[LightningWeightSyncInitInfo, LightningWeightSyncUpdateInfo],  # type: ignore[misc]  # vLLM's
 ):
     """One per vLLM GPU worker, built by `WeightTransferEngineFactory.create_engine` after the model
     loaded; `receive_weights` runs one version of our `WeightReceiver` into `model.load_weights`."""
@@ -158,7 +159,8 @@ class LightningWeightSyncEngine(
         dtype = getattr(self.model_config, "dtype", None)
         for layer in self.model.modules():
             if is_deferred_attention_layer(layer):
-                layer.process_weights_after_loading(dtype)
+                # vLLM's layer method; torch types a Module's attributes as Tensor | Module
+                layer.process_weights_after_loading(dtype)  # type: ignore[operator]
 
     def _load_context(self) -> Any:
         # As vLLM's NCCL engine: a checkpoint stream may omit MTP layers the target does not load.
