@@ -293,7 +293,7 @@ async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_
     model = build_model(model_options(recipe)).eval()
     held = held_tensors(model)
     groups = recipe.prompts_per_step // recipe.rollouts
-    push = zmq.Context.instance().socket(zmq.PUSH)
+    push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(samples_address)
     timeout_s = float(cfg.transport.timeout_s)
     version: int | None = None
@@ -305,6 +305,7 @@ async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_
             poll = version is not None and batches <= recipe.max_staleness
             try:
                 names = await receive_into(receiver, held, 0.02 if poll else timeout_s)
+                assert receiver.version is not None  # receive_into returned: a version landed
                 version, batches = int(receiver.version), 0
                 digest = fingerprint((n, held[n]) for n in names)
                 logger.debug("rollout %d: version %d received, fingerprint %s", index, version, digest)
@@ -662,7 +663,11 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
         use_distributed_sampler=False,  # the step indices below are a clock, not data to shard
         default_root_dir=str(output_dir),
     )
-    steps = torch.utils.data.DataLoader(range(recipe.steps), batch_size=None)  # the samples come from the channel
+    # the samples come from the channel; torch's stub wants a Dataset, and any indexable sequence serves
+    steps: torch.utils.data.DataLoader[int] = torch.utils.data.DataLoader(
+        range(recipe.steps),  # type: ignore[arg-type]
+        batch_size=None,
+    )
     try:
         trainer.fit(_lightning_module(recipe, channel), train_dataloaders=steps)
     finally:

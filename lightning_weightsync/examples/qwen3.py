@@ -66,7 +66,10 @@ def build_empty_qwen3(model_dir: str) -> nn.Module:
 
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model: nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # unannotated in HF
+            config, torch_dtype=torch.float32
+        )
+        return model
 
 
 def shard_qwen3(model: nn.Module, mesh: Any, *, activation_checkpointing: bool) -> nn.Module:
@@ -74,7 +77,8 @@ def shard_qwen3(model: nn.Module, mesh: Any, *, activation_checkpointing: bool) 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = model.model.layers
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)  # a HF decoder's layer stack
     for i, layer in enumerate(layers):
         if activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -90,7 +94,7 @@ def materialize_and_load(model: nn.Module, model_dir: str, device: torch.device)
     """Allocate the shards on `device`, keep the real buffers, load HF weights from rank 0."""
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, ValueType, set_model_state_dict
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -98,7 +102,7 @@ def materialize_and_load(model: nn.Module, model_dir: str, device: torch.device)
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
-    full: dict[str, torch.Tensor] = {}
+    full: dict[str, ValueType] = {}
     if dist.get_rank() == 0:
         for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
             full.update(load_file(path))
@@ -135,9 +139,9 @@ def lightning_module(recipe: Qwen3Recipe) -> Any:
                 return
             model_dir = resolve_weights_dir(recipe.model_path)
             model = build_empty_qwen3(model_dir)
-            shard_qwen3(
-                model, self.device_mesh["data_parallel"], activation_checkpointing=recipe.activation_checkpointing
-            )
+            mesh = self.device_mesh
+            assert mesh is not None  # ModelParallelStrategy sets it before configure_model
+            shard_qwen3(model, mesh["data_parallel"], activation_checkpointing=recipe.activation_checkpointing)
             materialize_and_load(model, model_dir, self.device)
             self.model = model
 

@@ -73,10 +73,14 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.mlp_norm(x))))  # a Module call is Any to mypy
+        return out
 
 
 class TinyLM(nn.Module):
+    steps_seen: torch.Tensor  # buffers (register_buffer), typed for the checker
+    causal_mask: torch.Tensor
+
     def __init__(self, c: TinyLMConfig) -> None:
         super().__init__()
         if c.dim % c.n_heads:
@@ -101,7 +105,8 @@ class TinyLM(nn.Module):
         mask = self.causal_mask[:t, :t]
         for layer in self.layers:
             x = layer(x, mask)
-        return self.lm_head(self.norm(x))
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits
 
 
 def build_model(cfg: Mapping[str, Any] | None = None, **options: Any) -> TinyLM:
