@@ -115,6 +115,7 @@ def bench_one_size(
     async def _split_pack() -> None:
         async for meta, data in split_weight_chunks(named, bucket_size):
             if meta.chunk_size:
+                assert meta.offset is not None  # the split places every chunk it yields
                 send_bucket[meta.offset : meta.offset + meta.chunk_size].copy_(data)
 
     def split_pack() -> None:
@@ -154,6 +155,7 @@ def bench_one_size(
     # the benchmark is only meaningful if the subjects did the work: spot-check the bytes
     split_pack()
     last = metas[-1]
+    assert last.offset is not None
     assert torch.equal(send_bucket[last.offset : last.offset + last.chunk_size], pack_pairs[-1][1])
     merge_into()
     assert bool((dest_bytes[last.name][last.chunk_offset : last.chunk_offset + last.chunk_size] == 1).all())

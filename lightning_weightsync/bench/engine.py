@@ -291,6 +291,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     if wall < engine.seconds:
                         engine.seconds, engine.cpu_s = wall, cpu
+            assert rss is not None  # the last version ran under _RssPeak
             result["peak_extra_bytes"] = rss.extra
             result["engine_s"] = engine.seconds
             result["engine_cpu_s"] = engine.cpu_s
@@ -316,6 +317,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
                     wall = receiver.last_stats.seconds
                     if wall < engine.seconds:
                         engine.seconds, engine.cpu_s = wall, cpu
+            assert rss is not None  # the last version ran under _RssPeak
             result["peak_extra_bytes"] = rss.extra
         result["engine_cpu_s"] = engine.cpu_s
         if into:  # the benchmark also checks what it moved, bitwise
@@ -372,7 +374,7 @@ def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: lis
     largest = sender.get("largest_bytes", 0)
     budget_receiver = 2 * bucket + (0 if case.get("into", True) else largest) + SLACK_BYTES
     engine_s = sender["engine_s"]
-    row = {
+    row: dict[str, Any] = {
         **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction", "direct_min_mb") if k in case},
         "auth": bool(case.get("auth", False)),
         "receivers": len(receivers),

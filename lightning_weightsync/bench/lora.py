@@ -100,7 +100,9 @@ async def _mode(mode: str, model: torch.nn.Module, versions: int) -> dict[str, A
     }
 
 
-def run(json_out: bool = False, *, hidden: int = 1024, layers: int = 4, versions: int = 3, rank: int = 16) -> dict:
+def run(
+    json_out: bool = False, *, hidden: int = 1024, layers: int = 4, versions: int = 3, rank: int = 16
+) -> dict[str, Any]:
     try:
         model = _model(hidden, layers, rank)
     except ImportError as exc:

@@ -166,6 +166,7 @@ def forward(
 ) -> None:
     fds = [_open_tun(n, d) for n, d in zip(ns, dev, strict=True)]
     peer = {fds[0]: fds[1], fds[1]: fds[0]}
+    ctrl_fd = ctrl.fileno()  # select watches its descriptor; the loop reads lines from `ctrl` itself
     rng = random.Random(seed)
     delay, loss, cut = delay_us / 1e6, loss_pct / 100, False
     pending: list[tuple[float, int, int, bytes]] = []  # (due, seq, destination fd, packet)
@@ -174,10 +175,10 @@ def forward(
     while True:
         now = time.monotonic()
         timeout = max(0.0, pending[0][0] - now) if pending else 1.0
-        readable, _, _ = select.select([*fds, ctrl], [], [], timeout)
+        readable, _, _ = select.select([*fds, ctrl_fd], [], [], timeout)
         now = time.monotonic()
         for fd in readable:
-            if fd is ctrl:
+            if fd == ctrl_fd:
                 line = ctrl.readline()
                 if not line:
                     return  # the parent went away

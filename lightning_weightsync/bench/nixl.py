@@ -159,6 +159,7 @@ def _engine(role: int, backend: str, port: int, scale: int, bucket_mb: float, ve
                 async for _name, _t in r.receive_weights(into=lambda meta: dest[meta.name]):
                     pass
                 cpu = time.process_time() - cpu0
+                assert r.version is not None and r.last_stats is not None  # a version was received
                 expected = _stream(scale, r.version)
                 bitwise = all(torch.equal(as_bytes(dest[n]), as_bytes(t)) for n, t in expected)
                 b = r._backend

@@ -126,7 +126,7 @@ def run(
     sharded = [float(r["weightsync/stall_seconds"]) for r in sharded_rows]
     raw = raw_broadcast_seconds(nbytes, int(bucket_mb * MiB))
     steady = stalls[1:] or stalls  # version 0 forms the group
-    report = {
+    report: dict[str, Any] = {
         "model_mb": nbytes / MiB,
         "versions": len(stalls),
         "stall_s": stalls,
@@ -171,6 +171,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
     from datetime import timedelta
 
     import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore  # its stub home: mypy sees no public torch.distributed.X
     from torch.distributed.fsdp import fully_shard
 
     from ..config import load_config
@@ -178,7 +179,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
     from ..trainer.driver import SyncDriver
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    store = TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     net = build_model(model)
     for layer in net.layers:
@@ -209,7 +210,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
             t0 = time.perf_counter()
             logits = net(batch[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             opt.step()
             opt.zero_grad()
             t1 = time.perf_counter()
