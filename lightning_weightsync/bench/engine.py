@@ -112,7 +112,9 @@ def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | Non
     )
 
 
-def _raw_group(rank: int, world: int, store_port: int) -> Any:
+def raw_group(rank: int, world: int, store_port: int) -> Any:
+    """A bare gloo group over its own store: the raw broadcast every engine number is measured against
+    (here and in `stall.py`)."""
     store = TCPStore("127.0.0.1", store_port, is_master=rank == 0, timeout=timedelta(seconds=120))
     return dist.ProcessGroupGloo(PrefixStore("raw", store), rank, world, timedelta(seconds=120))
 
@@ -251,7 +253,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     stream = _model_stream(case["scale"], case.get("model", "qwen3-8b"), case.get("fraction", 1.0))
     bucket = int(case["bucket_mb"] * MiB)
     repeats = case["repeats"]
-    pg = _raw_group(role, world, ports["store"])
+    pg = raw_group(role, world, ports["store"])
     cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"), case.get("auth", False))
     into = case.get("into", True)
     expected = dict(stream)

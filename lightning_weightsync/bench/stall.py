@@ -46,10 +46,10 @@ ESTIMATE_S = {"small": 32.0, "default": 38.0}
 
 
 def _raw_worker(rank: int, store_port: int, nbytes: int, bucket: int, repeats: int, out: Any) -> None:
-    from .engine import _raw_group, raw_bytes_seconds
+    from .engine import raw_bytes_seconds, raw_group
 
     torch.set_num_threads(1)
-    seconds = raw_bytes_seconds(_raw_group(rank, 2, store_port), nbytes, bucket, repeats)
+    seconds = raw_bytes_seconds(raw_group(rank, 2, store_port), nbytes, bucket, repeats)
     if rank == 0:
         out.put(seconds)
 

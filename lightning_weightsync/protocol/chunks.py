@@ -131,7 +131,7 @@ async def split_weight_chunks(
                 yield chunk
 
 
-def _place(dest: torch.Tensor, data: torch.Tensor) -> None:
+def place_chunk(dest: torch.Tensor, data: torch.Tensor) -> None:
     """Copy a chunk into its destination, unless the transport already received it there (a
     receiver may broadcast a full-bucket chunk straight into the destination tensor)."""
     if dest.data_ptr() != data.data_ptr() or dest.device != data.device:
@@ -226,7 +226,9 @@ class _Assembly:
         self.next_offset = next_offset
 
 
-def _check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
+def check_destination(meta: TensorMeta, dest: torch.Tensor) -> None:
+    """Refuse a destination `into()` returned that cannot hold `meta`'s tensor, before a byte lands in it
+    (the merger here and the tiler in `tiling.py` take destinations alike)."""
     if not isinstance(dest, torch.Tensor):
         raise ProtocolError(f"into() returned {type(dest).__name__} for {meta.name!r}, not a Tensor")
     if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
@@ -286,7 +288,7 @@ class _Merger:
             )
         end = offset + size
         if size:
-            _place(current.dest_bytes[offset:end], data)
+            place_chunk(current.dest_bytes[offset:end], data)
         current.next_offset = end
         if end == nbytes:
             self.current = None
@@ -305,15 +307,15 @@ class _Merger:
         if dest is None:
             dest = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         else:
-            _check_destination(meta, dest)
+            check_destination(meta, dest)
         self.seen.add(name)
         dest_bytes = as_bytes(dest)
         if size == dest_bytes.numel():  # the whole tensor in one chunk (the common case)
             if size:
-                _place(dest_bytes, data)
+                place_chunk(dest_bytes, data)
             return name, dest
         if size:
-            _place(dest_bytes[:size], data)
+            place_chunk(dest_bytes[:size], data)
         self.current = _Assembly(meta, dest, dest_bytes, size)
         return None
 

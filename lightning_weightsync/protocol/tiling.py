@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import ProtocolError
-from .chunks import TensorMeta, _check_destination, _place, as_bytes
+from .chunks import TensorMeta, as_bytes, check_destination, place_chunk
 
 
 class _Tile:
@@ -100,7 +100,7 @@ class TilingMerger:
                 )
         ranges.insert(at, (start, end, sender))
         if size:
-            _place(tile.dest_bytes[start:end], data)
+            place_chunk(tile.dest_bytes[start:end], data)
         tile.covered += size
         if tile.covered == nbytes:
             del self.open[name]
@@ -112,7 +112,7 @@ class TilingMerger:
         dest = self.into(meta) if self.into is not None else None
         if dest is None:
             return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-        _check_destination(meta, dest)
+        check_destination(meta, dest)
         return dest
 
     def gaps(self, name: str) -> list[tuple[int, int]]:

@@ -136,6 +136,48 @@ def test_the_checker_catches_what_it_should(tmp_path: Path, source: str, expect_
     assert is_bad is expect_bad, target
 
 
+def _private_imports(path: Path, module: str) -> list[str]:
+    """`from <a package module> import _name` in the file: a name with one leading underscore is its module's
+    own, and a second module that needs it should get it public (third-party privates are not ours to judge)."""
+    is_pkg = path.name == "__init__.py"
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if target != PKG and not target.startswith(PKG + "."):
+            continue
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                bad.append(f"{path.name}:{node.lineno} imports {alias.name} from {target}")
+    return bad
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    bad = [line for path, module in _modules() for line in _private_imports(path, module)]
+    assert not bad, "private names imported across modules (make them public):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "expect_bad"),
+    [
+        ("from .chunks import TensorMeta, _place\n", True),  # relative
+        ("from lightning_weightsync.bench.engine import _raw_group\n", True),  # absolute
+        ("from torch.distributed.tensor.placement_types import _StridedShard\n", False),  # third-party
+        ("from .chunks import __all__\n", False),  # a dunder is no private name
+    ],
+)
+def test_the_private_import_check_catches_what_it_should(tmp_path: Path, source: str, expect_bad: bool) -> None:
+    here = tmp_path / "mod.py"
+    here.write_text(source)
+    assert bool(_private_imports(here, f"{PKG}.protocol.mod")) is expect_bad
+
+
 BACKENDS_PKG = f"{PKG}.transport.backends"
 JOINS_PKG = f"{PKG}.protocol.joins"
 SHARED_BY_BACKENDS = {f"{BACKENDS_PKG}.base"}  # the interface every part may name
