@@ -78,14 +78,14 @@ SINKS.add("module", "lightning_weightsync.rollout.sinks.module:ModuleSink")
 SINKS.add("safetensors", "lightning_weightsync.rollout.sinks.safetensors:SafetensorsSink")
 SINKS.add("callable", "lightning_weightsync.rollout.sinks.callable:CallableSink")
 
-if not TYPE_CHECKING:
+if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     SinkType = Choice("SinkType", {name: name for name in SINKS})
 SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each version (the names in `SINKS`).
 A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
 
 
 # Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines.py).
-if not TYPE_CHECKING:
+if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
 RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
 
@@ -145,7 +145,7 @@ class LoraApply(Choice):
     merge = "merge"
 
 
-if not TYPE_CHECKING:
+if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
 
