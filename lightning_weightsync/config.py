@@ -678,7 +678,7 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
     out: Any = value
     for part in reversed(key.split(".")):
         out = {part: out}
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 _BAD_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<allowed>.*)\]")

@@ -97,7 +97,7 @@ class RolloutEngine:
     package: str
 
     def _load(self, module: str, attr: str) -> Callable[..., Any]:
-        return getattr(importlib.import_module(f"{self.package}.{module}"), attr)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(f"{self.package}.{module}"), attr)
 
     def clients(self, cfg: Any) -> list[RolloutClient]:
         """The trainer-side clients for `cfg.<name>.urls` ([] when none)."""

@@ -222,7 +222,7 @@ def _train_lm(lr: float, dim: int, steps: int) -> list[Weights]:
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             opt.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+            loss.backward()
             opt.step()
             snaps.append({n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()
                           if t.is_floating_point()})  # fmt: skip

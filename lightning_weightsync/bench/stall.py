@@ -210,7 +210,7 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
             t0 = time.perf_counter()
             logits = net(batch[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+            loss.backward()
             opt.step()
             opt.zero_grad()
             t1 = time.perf_counter()

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]  # torch 2.4's home; not public in newer stubs
+    from torch.distributed._tensor import DTensor
 
 try:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

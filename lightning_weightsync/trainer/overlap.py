@@ -379,7 +379,7 @@ class OverlapSync:
         elif not sharded:
             snap.lora = d.lora.spec  # set by the LoRA stream just consumed (as the blocking sync passes it)
         if self.staging.uses_cuda:
-            snap.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+            snap.ready = torch.cuda.Event()
             snap.ready.record()
         if not self._reported and keeps and error is None:
             self._reported = True

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]  # torch 2.4's home; not public in newer stubs
+    from torch.distributed._tensor import DTensor
 
 logger = logging.getLogger(__name__)
 

@@ -41,14 +41,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class LightningWeightSyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM absent where mypy runs: Any
+class LightningWeightSyncInitInfo(WeightTransferInitInfo):
     """`init_info` (POST /init_weight_transfer_engine): see `worker.InitInfo`."""
 
     overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
-class LightningWeightSyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]  # vLLM's, as above
+class LightningWeightSyncUpdateInfo(WeightTransferUpdateInfo):
     """`update_info` (POST /update_weights): see `worker.UpdateInfo`."""
 
     version: int | None = None
@@ -61,7 +61,7 @@ assert [f for f in UpdateInfo.__dataclass_fields__] == list(LightningWeightSyncU
 
 class LightningWeightSyncEngine(
     WeightSyncEngineBody,
-    WeightTransferEngine[LightningWeightSyncInitInfo, LightningWeightSyncUpdateInfo],  # type: ignore[misc]  # vLLM's
+    WeightTransferEngine[LightningWeightSyncInitInfo, LightningWeightSyncUpdateInfo],
 ):
     """One per vLLM GPU worker, built by `WeightTransferEngineFactory.create_engine` after the model
     loaded; `receive_weights` runs one version of our `WeightReceiver` into `model.load_weights`."""
