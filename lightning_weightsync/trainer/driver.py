@@ -408,19 +408,23 @@ class SyncDriver:
         if signum:
             if agreed == OK:  # it came too late to stop the send: the version is delivered
                 self.record.delivered(version, self.last_stats)
-            fate = ""
-            if agreed != OK:  # the sender aborted it: each rollout dropped what it had of it and serves what it held
-                held = self.record.last_synced_version
-                kept = "the version they held" if held is None else f"version {held}, the last delivered"
-                fate = f": the rollouts were told to abort it and keep {kept}; none applies part of it"
             logger.warning(
                 "weight sync of version %d %s by %s on global rank %d%s",
                 version, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
-                signal_name(signum), signalled - 1, fate,
+                signal_name(signum), signalled - 1, self.stopped_fate(agreed),
             )  # fmt: skip
             self.deliver_signal(signum)
             return agreed == OK
         return self.settle(version, error, agreed)
+
+    def stopped_fate(self, agreed: int) -> str:
+        """What became of a version a signal stopped, for its log line ("" when it was delivered anyway)."""
+        if agreed == OK:
+            return ""
+        # the sender aborted it: each rollout dropped what it had of it and serves what it held
+        held = self.record.last_synced_version
+        kept = "the version they held" if held is None else f"version {held}, the last delivered"
+        return f": the rollouts were told to abort it and keep {kept}; none applies part of it"
 
     def settle(self, version: int, error: Exception | None, agreed: int) -> bool:
         """Apply the agreed outcome of `version` (OK / RECOVERABLE / FATAL over every rank) and

@@ -72,10 +72,16 @@ class SyncStopWatch:
         sync_id: the same on every rank for the same sync (the driver counts its syncs).
         on_stop: on the sending rank, called once, from any thread, with a reason, when any rank was
             signalled (`BlockingWeightSender.interrupt`); None elsewhere.
+        escalate: a second signal of a kind already recorded goes on to the handler it would have met, at
+            once (for a watch held across training, `trainer/overlap.py`: a step that never ends must not
+            hold a user's second Ctrl-C back for ever).
     """
 
-    def __init__(self, *, rank: int, sync_id: int, on_stop: Callable[[str], None] | None) -> None:
-        self.rank, self.on_stop = rank, on_stop
+    def __init__(
+        self, *, rank: int, sync_id: int | str, on_stop: Callable[[str], None] | None, escalate: bool = False
+    ) -> None:
+        self.rank, self.on_stop, self.escalate = rank, on_stop, escalate
+        self._recorded: dict[int, int] = {}  # how often the Python-level handler ran, per signal
         self.key = STORE_KEY.format(sync=sync_id)
         self.signum = 0  # this rank's first signal
         self.signals: list[int] = []  # every distinct stop signal this rank received, in order
@@ -125,9 +131,24 @@ class SyncStopWatch:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         """The Python-level handler (main thread, between bytecodes): the watcher thread sees the same
         signal through the wakeup socket; whichever comes first notes it."""
-        self._note(signum)
+        self._recorded[signum] = self._recorded.get(signum, 0) + 1
+        if self.escalate and self._recorded[signum] > 1:
+            self._hand_on(signum, frame)
+            return
+        self.note(signum)
 
-    def _note(self, signum: int) -> None:
+    def _hand_on(self, signum: int, frame: FrameType | None) -> None:
+        """`signum` to the handler it would have met without this watch, now."""
+        previous = self._previous.get(signum)
+        logger.warning("global rank %d: %s again: handled now", self.rank, signal_name(signum))
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def note(self, signum: int) -> None:
+        """Record `signum` as this rank's (also: a signal a watch held across training carried into a sync)."""
         with self._lock:
             if signum in self.signals:
                 return
@@ -163,7 +184,7 @@ class SyncStopWatch:
                 with contextlib.suppress(BlockingIOError, OSError):
                     for signum in reader.recv(64):
                         if signum in STOP_SIGNALS:
-                            self._note(signum)
+                            self.note(signum)
             if self.on_stop is not None and not self._stopped and self._store is not None:
                 self._poll_store()
 

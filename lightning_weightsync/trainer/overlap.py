@@ -176,6 +176,8 @@ class OverlapSync:
         self._future: Future[SendStats | None] | None = None  # this rank's background send of it
         self._skipped_last: int | None = None  # the newest skipped version, when nothing was handed off since
         self._group: Any = None  # sharded mode: the background's own gloo group
+        self._flight: SyncStopWatch | None = None  # SIGTERM / SIGINT held while a version is in flight
+        self._flight_stops = False  # this rank's flight watch interrupts its own background send
         self._reported = False
         driver.record.overlap_skipped = 0
 
@@ -193,6 +195,7 @@ class OverlapSync:
 
     def close(self) -> None:
         """End a background send still in flight (interrupted: the receivers abort it), within CLOSE_JOIN_S."""
+        self._end_flight()
         future = self._future
         if future is not None and not future.done():
             logger.warning("version %s still sending while the trainer closes: interrupting it", self._version)
@@ -213,6 +216,13 @@ class OverlapSync:
     def sync(self, module: nn.Module, version: int, *, policy: OverlapPolicy | None = None) -> bool:
         """Steps 1-4 of the module docstring, on every rank. True when the previous version was
         delivered (settled here); this sync's version is only handed off."""
+        carried = self._end_flight()
+        try:
+            return self._sync(module, version, policy, carried)
+        finally:
+            self._arm_flight()
+
+    def _sync(self, module: nn.Module, version: int, policy: OverlapPolicy | None, carried: list[int]) -> bool:
         from .driver import OK, RECOVERABLE, SyncFailed, all_ranks_max_each
 
         d = self.driver
@@ -234,6 +244,8 @@ class OverlapSync:
         snap_code = OK
         watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if sender is not None else None)
         with watch:
+            for signum in carried:  # came while the previous version was in flight (`_arm_flight`)
+                watch.note(signum)
             # 1. the previous version
             if policy is OverlapPolicy.wait and self._future is not None:
                 wait([self._future])  # bounded by the sender's own timeouts; a signal interrupts it (watch)
@@ -280,10 +292,13 @@ class OverlapSync:
             self.skipped -= 1  # sent after all: not a skipped version
             d.record.overlap_skipped = self.skipped
             self.sync(module, version, policy=OverlapPolicy.wait)
+        carried = self._end_flight()
         d._syncs += 1
         error: BaseException | None = None
         watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if d.sender is not None else None)
         with watch:
+            for signum in carried:
+                watch.note(signum)
             if self._future is not None:
                 wait([self._future])
                 error = self._future.exception()
@@ -319,9 +334,9 @@ class OverlapSync:
             if agreed == OK:
                 d.record.delivered(previous, stats)
             logger.warning(
-                "background weight sync of version %d %s by %s on global rank %d",
+                "background weight sync of version %d %s by %s on global rank %d%s",
                 previous, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
-                signal_name(signum), signalled - 1,
+                signal_name(signum), signalled - 1, d.stopped_fate(agreed),
             )  # fmt: skip
             d.deliver_signal(signum)
             return agreed == OK
@@ -419,6 +434,7 @@ class OverlapSync:
         """Every rank records the version in flight; a rank that sends (or, background gather, gathers)
         starts its background work."""
         self._version, self._future, self._skipped_last = snapshot.version, None, None
+        self._flight_stops = sender is not None
         if sender is None and not snapshot.gathers:
             return
         if sender is not None:
@@ -429,6 +445,34 @@ class OverlapSync:
             self._future = self._pool.submit(self._send, snapshot, sender)
         else:
             self._future = self._pool.submit(self._gather_only, snapshot, None)
+
+    # -- a signal while a version is in flight --------------------------------------------------------
+    def _arm_flight(self) -> None:
+        """From a hand-off to the next sync, training runs while the version sends; a SIGTERM / SIGINT then
+        would meet Lightning's handler (a collective, mid-step) or end the process with the send still out,
+        and the next step boundary would wait for a send that nobody ends. Instead it is recorded, ends the
+        background send on every rank at once (the store relays it, as within a sync), and is carried into
+        the next sync (`sync`/`finish`), whose agreement stops every rank alike. A second one of the same
+        kind is handled at once (a step that never ends must not hold it back)."""
+        if self._flight is not None or self._version is None:
+            return
+        d = self.driver
+        watch = SyncStopWatch(
+            rank=d.rank, sync_id=f"flight-{d._syncs}", on_stop=self._interrupt if self._flight_stops else None,
+            escalate=True,
+        )  # fmt: skip
+        self._flight = watch.__enter__()
+
+    def _end_flight(self) -> list[int]:
+        """Stop holding signals back; the ones this rank received meanwhile, to carry into the sync."""
+        watch, self._flight = self._flight, None
+        if watch is None:
+            return []
+        try:
+            watch.__exit__(None, None, None)
+        except ValueError:  # not the main thread: signal handlers cannot be restored from here
+            logger.debug("the in-flight signal watch ended off the main thread")
+        return list(watch.signals)
 
     def _interrupt(self, reason: str) -> None:
         sender = self.driver.sender

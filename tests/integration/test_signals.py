@@ -36,10 +36,11 @@ TIMEOUT_S = 60  # transport.timeout_s: a sync that is not ended by the signal la
 COMMON = [f"transport.timeout_s={TIMEOUT_S}", "transport.liveness_s=1", "trainer.min_receivers=1", "recipe.steps=2"]
 
 
-def _lightning(strategy: str, port: int, tmp: Path) -> list[str]:
+def _lightning(strategy: str, port: int, tmp: Path, *extra: str) -> list[str]:
     return [
         PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(REPO / "recipes" / "tiny_lm_cpu.yaml"),
         f"transport.port={port}", f"recipe.strategy={strategy}", f"recipe.output_dir={tmp / 'runs'}", *COMMON,
+        *extra,
     ]  # fmt: skip
 
 
@@ -107,6 +108,19 @@ def test_sigterm_mid_sync_under_lightning_stops_every_rank(tmp_path: Path, strat
     # Lightning's own stop (SIGTERMException on every rank at the next batch), not a crash or a hang
     assert code == 0 and "Traceback" not in out and "Connection closed" not in out, out[-4000:]
     assert elapsed < TIMEOUT_S / 2, elapsed  # the sync ended at once: it did not wait out transport.timeout_s
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_version_stops_every_rank(tmp_path: Path) -> None:
+    """`trainer.overlap`: version 0 sends in the background (it waits for a rollout that never comes) while
+    training goes on, and the next step boundary waits for it (`overlap_policy=wait`); a SIGTERM to rank 1
+    then ends the background send on every rank within seconds, not at transport.timeout_s."""
+    cmd = _lightning("model_parallel", free_port(), tmp_path, "trainer.overlap=true")
+    out, elapsed, code = _signal_mid_sync(cmd, 1, signal.SIGTERM, tmp_path)
+    _stopped_on_both_ranks(out, "SIGTERM", 1)
+    assert "background weight sync of version 0" in out, out[-4000:]
+    assert code == 0 and "Traceback" not in out and "Connection closed" not in out, out[-4000:]
+    assert elapsed < TIMEOUT_S / 2, elapsed
 
 
 @pytest.mark.slow
