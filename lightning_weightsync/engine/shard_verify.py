@@ -17,7 +17,6 @@ tensors, so a tensor may be partly checked: that is reported, not counted as ver
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -27,9 +26,7 @@ from ..errors import ProtocolError, VerifyError
 from ..protocol.chunks import as_bytes
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint
 from ..protocol.messages import BucketMeta
-from .verify import VerifyReport
-
-logger = logging.getLogger(__name__)
+from .verify import Verifier
 
 
 class _Part:
@@ -48,9 +45,9 @@ class ShardVerifier:
     def __init__(self, mode: VerifyMode, version: int, senders: Sequence[str]) -> None:
         self.mode = mode
         self.senders = list(senders)
-        self.report = VerifyReport(version, str(mode))
+        self.whole = Verifier(mode, version)  # the report, and the one "not fingerprinted" line, as gather mode's
+        self.report = self.whole.report
         self.expected: dict[str, dict[int, list[int]]] = {}  # name -> sender -> [fingerprint, start, end]
-        self._warned = False
 
     def part(self, sender: int) -> _Part:
         return _Part(self, sender)
@@ -82,13 +79,7 @@ class ShardVerifier:
         self.report.tensors += 1
         shards = self.expected.pop(name, None)
         if not shards:
-            if self.mode is VerifyMode.full and not self._warned:
-                self._warned = True
-                logger.info(
-                    "version %d: %r arrived without fingerprints (the senders' transport.verify is not full); "
-                    "such tensors are not checked",
-                    self.report.version, name,
-                )  # fmt: skip
+            self.whole.unchecked(name)
             return
         data = as_bytes(tensor)
         covered = 0

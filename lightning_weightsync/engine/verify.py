@@ -110,18 +110,22 @@ class Verifier:
             if value != NO_FINGERPRINT:
                 self.expected[entry.name] = value
 
+    def unchecked(self, name: str) -> None:
+        """`name` arrived without a fingerprint: said once a version, where every tensor was to be checked."""
+        if self.mode is VerifyMode.full and not self._warned:
+            self._warned = True
+            logger.info(
+                "version %d: %r arrived without a fingerprint (the sender's transport.verify is not full); "
+                "such tensors are not checked",
+                self.report.version, name,
+            )  # fmt: skip
+
     def check(self, name: str, tensor: torch.Tensor) -> None:
         """Raise `VerifyError` when `tensor` is not what the sender fingerprinted."""
         self.report.tensors += 1
         want = self.expected.pop(name, None)
         if want is None:
-            if self.mode is VerifyMode.full and not self._warned:
-                self._warned = True
-                logger.info(
-                    "version %d: %r arrived without a fingerprint (the sender's transport.verify is not full); "
-                    "such tensors are not checked",
-                    self.report.version, name,
-                )  # fmt: skip
+            self.unchecked(name)
             return
         got = fingerprint(tensor)
         if got != want:
