@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..config import VerifyMode, auth_token, bucket_size_bytes, load_config
 from ..errors import (
@@ -30,7 +30,7 @@ from ..errors import (
     explain,
 )
 from ..protocol.chunks import TensorMeta, merge_weight_chunks
-from ..protocol.messages import BucketMeta, LoraSpec, Plan, Prepare
+from ..protocol.messages import BucketMeta, LoraSpec, Plan
 from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
@@ -38,7 +38,7 @@ from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor
 from .delta import apply_delta
 from .endpoint import Endpoint
-from .pipeline import BucketPipeline, Destinations, Into
+from .pipeline import BucketPipeline, Destinations, FingerprintNotes, Into
 from .session import ReceiverSession
 from .shard_verify import ShardVerifier
 from .sharded import OtherSenders, tile
@@ -74,21 +74,16 @@ class WeightReceiver(Endpoint):
         self._steps = ReceiverSession(self._control, self.identity)
         self._backend: Backend | None = None
         self._executor: SerialExecutor | None = None
-        self._session: str | None = None
-        self.version: int | None = None  # version of the stream received last (or in flight)
-        self.last_complete_version: int | None = None
         self.last_stats: ReceiveStats | None = None
         self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
-        self._acked = True
         self._pipeline: BucketPipeline | None = None
         self.preallocate = preallocate
         self.preallocated_bytes = 0
-        self._others = OtherSenders(self)  # sharded versions: the other senders' streams
+        # sharded versions: a receiver of each other sender
+        self._others: OtherSenders[WeightReceiver] = OtherSenders(
+            self.address, self._other_sender, float(t.ready_timeout_s)
+        )
         self.verify = VerifyMode(t.verify)
-        # the version the consumer holds whole and can apply a delta to (`receive_weights(base=...)`), said in
-        # every Ready; None: it cannot (no held version, or a sink that holds no tensors) and gets whole tensors
-        self.delta_base: int | None = None
-        self._keeps = False  # this version's consumer keeps what it receives (it passed `base`)
         self.last_verify: VerifyReport | None = None  # what was checked of the last complete version
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -130,18 +125,69 @@ class WeightReceiver(Endpoint):
     @property
     def in_flight(self) -> int | None:
         """The version this receiver took part in and has not acked yet (it owes the sender one ack)."""
-        return None if self._acked else self.version
+        return self._steps.in_flight
+
+    @property
+    def version(self) -> int | None:
+        """The version in flight, or the last one seen."""
+        return self._steps.version
+
+    @property
+    def last_complete_version(self) -> int | None:
+        return self._steps.last_complete
+
+    @property
+    def delta_base(self) -> int | None:
+        """The version the consumer holds whole and can apply a delta to, said in every Ready; None: it cannot
+        (no held version, or a sink that holds no tensors) and gets whole tensors. `receive_weights(base=...)`
+        keeps it for the caller; a sink that tracks its own held version sets it."""
+        return self._steps.held
+
+    @delta_base.setter
+    def delta_base(self, version: int | None) -> None:
+        self._steps.held = version
+
+    @property
+    def address(self) -> str:
+        """The sender's control address this receiver talks to."""
+        return self._control.address
 
     async def register(self) -> None:
         """Announce this receiver to the sender now; `wait_version` does it every heartbeat while it
         waits, an engine worker between versions too (`rollout/engine_worker.py WorkerReceiver`)."""
         if self._executor is None:
             raise WeightSyncError("WeightReceiver.register() before start()")
-        await self._control.register()
+        await self._steps.register()
 
     def sender_link(self) -> tuple[bool, float]:
         """(a trainer connected, seconds since that last changed): `ReceiverControl.sender_link`."""
         return self._control.sender_link()
+
+    def _other_sender(self, host: str, port: int) -> WeightReceiver:
+        """This receiver, for another sender of a sharded version (same identity, same token)."""
+        cfg = OmegaConf.merge(self.cfg, {"transport": {"host": host, "port": port}})
+        assert isinstance(cfg, DictConfig)  # a DictConfig merged with a dict
+        return WeightReceiver(cfg, identity=self.identity)
+
+    def give_up_group(self) -> None:
+        """Another part of the version failed: leave the group now, so its sender's broadcast ends at once."""
+        self._fail_group()
+
+    def pipeline(
+        self,
+        plan: Plan,
+        destinations: Destinations | None,
+        *,
+        on_bucket: Callable[[BucketMeta], None] | None = None,
+        sender: int = 0,
+        verifier: FingerprintNotes | None = None,
+    ) -> BucketPipeline:
+        """The buckets of `plan` (joined by `wait_version`) over this receiver's group, steps and thread."""
+        assert self._backend is not None and self._executor is not None  # wait_version joined the group
+        return BucketPipeline(
+            plan, steps=self._steps, backend=self._backend, executor=self._executor, timeout_s=self.timeout_s,
+            destinations=destinations, on_bucket=on_bucket, sender=sender, verifier=verifier,
+        )  # fmt: skip
 
     # -- one version ------------------------------------------------------------------------------
     async def wait_version(self, wait_s: float | None = None) -> Plan:
@@ -151,20 +197,16 @@ class WeightReceiver(Endpoint):
         await self._finish_abandoned()
         t = self.cfg.transport
         while True:
-            prepare = await self._steps.wait_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
-            if not self._is_new(prepare):
-                logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
-                continue
+            prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             generation = self._backend.generation if self._backend is not None else -1
-            await self._steps.ready(prepare, generation, -1 if self.delta_base is None else self.delta_base)  # 2
+            await self._steps.ready(prepare, generation)  # 2
             try:
                 plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
             except VersionAborted as exc:
                 logger.info("%s", exc)
                 continue
             break
-        self._session, self.version = plan.session, plan.version
-        self._acked = False  # this version gets exactly one ack from here on; the failures below send theirs
+        self._steps.begin(plan)  # this version gets exactly one ack from here on; the failures below send theirs
         try:
             backend = self._backend_for(plan)
         except WeightSyncError as exc:
@@ -226,9 +268,6 @@ class WeightReceiver(Endpoint):
             await pipeline.drain()
         await self._send_ack(pipeline.plan.version, False, "consumer stopped before the version was complete")
 
-    def _is_new(self, prepare: Prepare) -> bool:
-        return prepare.session != self._session or self.version is None or prepare.version > self.version
-
     async def receive_weights(
         self,
         *,
@@ -251,7 +290,7 @@ class WeightReceiver(Endpoint):
         when a wait expires; in both cases nothing of the version may be applied.
         """
         plan = await self.wait_version(wait_s)
-        self._keeps = base is not None
+        self._steps.keeps = base is not None
         if plan.senders:
             parts = self._receive_sharded(plan, into, auto_ack)
         else:
@@ -260,8 +299,7 @@ class WeightReceiver(Endpoint):
             async for item in parts:
                 yield item
         except BaseException:
-            if self._keeps:  # whatever landed in the consumer's tensors, they are no version to apply a delta to
-                self.delta_base = None
+            self._steps.torn()
             await parts.aclose()  # the part's own GeneratorExit handling (drain, ack) runs when the consumer stops
             raise
 
@@ -280,19 +318,8 @@ class WeightReceiver(Endpoint):
                 return None
             return destinations(meta) if destinations is not None else None
 
-        assert self._backend is not None and self._executor is not None  # wait_version joined the group
-        pipeline = self._pipeline = BucketPipeline(
-            plan,
-            steps=self._steps,
-            backend=self._backend,
-            executor=self._executor,
-            timeout_s=self.timeout_s,
-            destinations=destinations,
-            on_bucket=self.on_bucket,
-            verifier=verifier,
-        )
-        self._acked = False  # failure paths below ack themselves; the final ok ack is ours or the caller's
-        try:
+        pipeline = self._pipeline = self.pipeline(plan, destinations, on_bucket=self.on_bucket, verifier=verifier)
+        try:  # failure paths below ack themselves; the final ok ack is ours or the caller's
             async for name, tensor in merge_weight_chunks(
                 pipeline.chunks(stats), plan.group.bucket_size, into=merge_into, device=self.output_device
             ):
@@ -324,16 +351,7 @@ class WeightReceiver(Endpoint):
             await self._send_ack(plan.version, False, explain(exc))
             await self._finish_abandoned()
             raise
-        self._pipeline = None
-        stats.seconds = time.perf_counter() - start
-        stats.verified = verifier.report.verified
-        self.last_stats = stats
-        self.last_verify = verifier.report
-        self.last_complete_version = plan.version
-        self._control.last_version = plan.version
-        logger.debug("version %d received: %d tensors, %.3fs", plan.version, stats.num_tensors, stats.seconds)
-        if auto_ack:
-            await self._send_ack(plan.version, True, None)
+        await self._complete(plan.version, stats, verifier.report, start, auto_ack)
 
     async def _receive_sharded(
         self, plan: Plan, into: Into | None, auto_ack: bool
@@ -342,23 +360,18 @@ class WeightReceiver(Endpoint):
         stats = ReceiveStats(version=plan.version)
         start = time.perf_counter()
         destinations = Destinations(into) if into is not None else None
-        assert self._backend is not None and self._executor is not None
         pipelines: list[BucketPipeline] = []
         try:
-            others = await self._others.join(plan)
-            parts = [(self, plan), *others]
-            addresses = [part._control.address for part, _ in parts]
+            parts = [(self, plan), *await self._others.join(plan)]
+            addresses = [part.address for part, _ in parts]
             verifier = ShardVerifier(self.verify, plan.version, addresses)
             for index, (part, part_plan) in enumerate(parts):
-                assert part._backend is not None and part._executor is not None
+                on_bucket = self.on_bucket if index == 0 else None
                 pipelines.append(
-                    BucketPipeline(
-                        part_plan, steps=part._steps, backend=part._backend, executor=part._executor,
-                        timeout_s=self.timeout_s, destinations=destinations,
-                        on_bucket=self.on_bucket if index == 0 else None, sender=index,
-                        verifier=verifier.part(index),
+                    part.pipeline(
+                        part_plan, destinations, on_bucket=on_bucket, sender=index, verifier=verifier.part(index)
                     )
-                )  # fmt: skip
+                )
             self._pipeline = pipelines[0]
             merger = TilingMerger(plan.group.bucket_size, destinations, self.output_device, addresses)
             async for name, tensor in tile(pipelines, merger, stats):
@@ -378,15 +391,20 @@ class WeightReceiver(Endpoint):
             if not isinstance(exc, asyncio.CancelledError):
                 await self._send_ack(plan.version, False, reason)
             raise
+        await self._complete(plan.version, stats, verifier.report, start, auto_ack)
+
+    async def _complete(
+        self, version: int, stats: ReceiveStats, report: VerifyReport, start: float, auto_ack: bool
+    ) -> None:
+        """Every tensor of `version` arrived and was checked: record it, and ack unless the caller will."""
         self._pipeline = None
         stats.seconds = time.perf_counter() - start
-        stats.verified = verifier.report.verified
-        self.last_stats = stats
-        self.last_verify = verifier.report
-        self.last_complete_version = plan.version
-        self._control.last_version = plan.version
+        stats.verified = report.verified
+        self.last_stats, self.last_verify = stats, report
+        self._steps.complete(version)
+        logger.debug("version %d received: %d tensors, %.3fs", version, stats.num_tensors, stats.seconds)
         if auto_ack:
-            await self._send_ack(plan.version, True, None)
+            await self._send_ack(version, True, None)
 
     def _apply_delta(
         self,
@@ -415,11 +433,8 @@ class WeightReceiver(Endpoint):
         await self._send_ack(self.version, ok, error)
 
     async def _send_ack(self, version: int, ok: bool, error: str | None) -> None:
-        if self._acked:
+        if not self._steps.settle(version, ok):
             return
-        self._acked = True
-        if self._keeps:  # `receive_weights(base=...)`: the consumer holds what it acked whole, nothing it nacked
-            self.delta_base = version if ok and self.last_complete_version == version else None
         await self._others.ack(version, ok, error)  # a sharded version: every sender hears the same
         await self._steps.ack(version, ok, error)  # 5
 

@@ -359,7 +359,7 @@ class WeightSender(Endpoint):
         mode = DeltaMode(self.cfg.transport.delta)
         base = self._delta_base
         usable = base.version is not None and not base.full_requested and bool(peers)
-        usable = usable and all(p.delta_base == base.version for p in peers)
+        usable = usable and all(self._steps.readies[p.identity].delta_base == base.version for p in peers)
         base.full_requested = False
         if usable and mode is DeltaMode.auto and base.prefer_whole():  # measured: deltas lose on this link
             usable = False
@@ -528,7 +528,7 @@ class WeightSender(Endpoint):
         """Tell every receiver its rank, then build (or reuse) the data-plane group."""
         assert self._backend is not None and self._executor is not None
         members = tuple(p.key for p in peers)
-        lost = any(p.group_generation != self._generation for p in peers)
+        lost = any(self._steps.readies[p.identity].generation != self._generation for p in peers)
         if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
             self._generation += 1
             self._group = members

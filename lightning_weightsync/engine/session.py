@@ -85,6 +85,8 @@ class SenderSession:
         self.members: list[str] = []  # receivers of the version being sent
         self.version: int | None = None  # the version being sent
         self.early: dict[str, Ack] = {}  # its acks that came before step 5 (a receiver that failed or stopped)
+        # its members' Ready: the group each still holds (`generation`), the version each can apply a delta to
+        self.readies: dict[str, Ready] = {}
         self.served: dict[str, int] = {}  # receivers of the last version that gathered enough -> that version
         self.missing_since: float | None = None  # too few receivers since then (see the class docstring)
         self.missing_why = ""
@@ -102,7 +104,7 @@ class SenderSession:
         every receiver asked gets an `Abort`, so none waits for a plan.
         """
         asked: dict[str, float] = {}
-        self.version, self.early, self.members = version, {}, []
+        self.version, self.early, self.members, self.readies = version, {}, [], {}
         try:
             return await self._gather_ready(version, asked, only)
         except asyncio.CancelledError as exc:  # the trainer is stopping: nobody who answered waits for a plan
@@ -144,7 +146,7 @@ class SenderSession:
                 continue
             if identity not in rnd.asked:
                 try:
-                    await control.send(identity, Prepare(rnd.version, self.session, control.peers[identity].nonce))
+                    await control.send(identity, Prepare(rnd.version, self.session))
                     rnd.asked[identity] = now
                 except PeerError:  # its connection is gone: not "unreachable", just not there any more
                     control.forget(identity)
@@ -228,8 +230,7 @@ class SenderSession:
         peers = self.control.peers
         if isinstance(msg, Ready) and msg.version == rnd.version and identity in peers and identity in rnd.asked:
             rnd.ready[identity] = peers[identity]
-            rnd.ready[identity].group_generation = msg.generation
-            rnd.ready[identity].delta_base = msg.delta_base
+            self.readies[identity] = msg
 
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(
@@ -376,13 +377,63 @@ class SenderSession:
 
 
 class ReceiverSession:
-    """A receiver's steps of every version, over its control plane."""
+    """A receiver's steps of every version, over its control plane, and the receiver's versions as one state
+    machine, so that the rules live here and nowhere else:
+
+        idle --Prepare (new)--> joining --Plan--> in flight --ack (once)--> idle
+                 a stale Prepare (this sender session, not above the version in flight or last seen): ignored
+                 a newer Prepare or an Abort while joining or in flight: that version is superseded / aborted
+                 ack ok of a version received whole: it is `last_complete`; and, when its consumer keeps what it
+                 received (`keeps`), the version it holds whole (`held`: the base a delta may be applied to);
+                 any other ack, or a consumer stopped mid-version with `keeps`: nothing is held
+
+    The control plane knows none of this: it adopts a sender session through its envelope, and is told the
+    last version in each registration."""
 
     def __init__(self, control: ReceiverControl, identity: str) -> None:
         self.control, self.identity = control, identity
         control.ends_join = (Abort, Prepare)  # the sender gave the group up: the rendezvous wait ends
+        self.session: str | None = None  # the sender session of the version in flight or last seen
+        self.version: int | None = None  # the version in flight, or the last one seen
+        self.last_complete: int | None = None  # the last version received whole
+        self.held: int | None = None  # the version the consumer holds whole (the delta base); None: none
+        self.keeps = False  # the version in flight's consumer keeps what it receives (`receive_weights(base=)`)
+        self.acked = True  # the version in flight got its one ack
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version taken part in and not acked yet (one ack is owed for it)."""
+        return None if self.acked else self.version
+
+    def is_new(self, prepare: Prepare) -> bool:
+        """A Prepare starts a version unless it repeats or precedes this sender session's latest one."""
+        return prepare.session != self.session or self.version is None or prepare.version > self.version
+
+    def begin(self, plan: Plan) -> None:
+        """The version of `plan` is in flight: it gets exactly one ack from here on."""
+        self.session, self.version, self.acked = plan.session, plan.version, False
+
+    def complete(self, version: int) -> None:
+        """Every tensor of `version` arrived (and was checked); its ack follows."""
+        self.last_complete = version
+
+    def torn(self) -> None:
+        """The consumer stopped mid-version: whatever landed in the tensors it keeps is no version to build on."""
+        if self.keeps:
+            self.held = None
+
+    async def register(self) -> None:
+        await self.control.register(-1 if self.last_complete is None else self.last_complete)
 
     # 1-2 -------------------------------------------------------------------------------------
+    async def next_prepare(self, heartbeat_interval_s: float, wait_s: float | None) -> Prepare:
+        """The next Prepare that starts a version (stale ones are logged and ignored)."""
+        while True:
+            prepare = await self.wait_prepare(heartbeat_interval_s, wait_s)
+            if self.is_new(prepare):
+                return prepare
+            logger.warning("ignoring stale Prepare for version %d (have %s)", prepare.version, self.version)
+
     async def wait_prepare(self, heartbeat_interval_s: float, wait_s: float | None) -> Prepare:
         """Block until the sender starts a version; re-register every heartbeat meanwhile."""
         control = self.control
@@ -401,15 +452,17 @@ class ReceiverSession:
                 )
             msg = await control.recv(left)
             if msg is None:
-                await control.register()
+                await self.register()
             elif isinstance(msg, Prepare):
                 control.refused = None  # the sender took us in
                 return msg
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
-    async def ready(self, prepare: Prepare, generation: int, delta_base: int = -1) -> None:
-        await self.control.send(Ready(self.identity, prepare.version, generation, delta_base))
+    async def ready(self, prepare: Prepare, generation: int) -> None:
+        """Answer `prepare`: the group this receiver still holds, and the version it can apply a delta to."""
+        held = -1 if self.held is None else self.held
+        await self.control.send(Ready(self.identity, prepare.version, generation, held))
 
     # 3 ---------------------------------------------------------------------------------------
     async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:
@@ -474,7 +527,18 @@ class ReceiverSession:
                 raise VersionAborted(f"version {version} abandoned: the sender started version {msg.version}")
 
     # 5 ---------------------------------------------------------------------------------------
+    def settle(self, version: int, ok: bool) -> bool:
+        """The version in flight gets its one ack now (False: it had it already; send nothing). A consumer that
+        keeps what it receives holds what it acked whole, and nothing it nacked (its tensors may be torn)."""
+        if self.acked:
+            return False
+        self.acked = True
+        if self.keeps:
+            self.held = version if ok and self.last_complete == version else None
+        return True
+
     async def ack(self, version: int, ok: bool, error: str | None) -> None:
+        """Step 5, once `settle` said so."""
         await self.control.send(Ack(self.identity, version, ok, None if error is None else error[:1000]))
 
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import Generic, Protocol, TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
@@ -36,32 +35,48 @@ from ..protocol.tiling import TilingMerger
 from .pipeline import BucketPipeline
 from .stats import ReceiveStats
 
-if TYPE_CHECKING:
-    from .receiver import WeightReceiver
-
 logger = logging.getLogger(__name__)
 
 
-class OtherSenders:
-    """The sub-receivers of one receiver, one per other sender of a sharded version, by address."""
+class SenderPart(Protocol):
+    """What a sharded version needs of the receiver of one other sender (a `WeightReceiver`: its public face)."""
 
-    def __init__(self, owner: WeightReceiver) -> None:
-        self.owner = owner
-        self.subs: dict[tuple[str, int], WeightReceiver] = {}
-        self.joined: list[tuple[WeightReceiver, Plan]] = []  # the version in flight: each sub and its plan
+    @property
+    def address(self) -> str: ...
 
-    async def join(self, plan: Plan) -> list[tuple[WeightReceiver, Plan]]:
+    async def start(self) -> None: ...
+
+    async def wait_version(self, wait_s: float | None = None) -> Plan: ...
+
+    def sender_link(self) -> tuple[bool, float]: ...
+
+    def give_up_group(self) -> None: ...
+
+    async def ack(self, ok: bool = True, error: str | None = None) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=SenderPart)
+
+
+class OtherSenders(Generic[P]):
+    """The receivers of one receiver's other senders of a sharded version, one per sender address, kept from
+    version to version. `new(host, port)` builds one (same identity, same token, that sender's address)."""
+
+    def __init__(self, coordinator: str, new: Callable[[str, int], P], ready_timeout_s: float) -> None:
+        self.coordinator, self.new, self.ready_timeout_s = coordinator, new, ready_timeout_s
+        self.subs: dict[tuple[str, int], P] = {}
+        self.joined: list[tuple[P, Plan]] = []  # the version in flight: each sub and its plan
+
+    async def join(self, plan: Plan) -> list[tuple[P, Plan]]:
         """Join every other sender's part of `plan.version` (their Prepare / Ready / Plan / group, at once)."""
-        from .receiver import WeightReceiver
-
         wanted = [(a.host, a.port) for a in plan.senders]
         for key in [k for k in self.subs if k not in wanted]:  # a sender no longer in the version
             await self.subs.pop(key).close()
         for host, port in wanted:
             if (host, port) not in self.subs:
-                cfg = OmegaConf.merge(self.owner.cfg, {"transport": {"host": host, "port": port}})
-                assert isinstance(cfg, DictConfig)  # a DictConfig merged with a dict
-                sub = WeightReceiver(cfg, identity=self.owner.identity)
+                sub = self.new(host, port)
                 await sub.start()
                 self.subs[(host, port)] = sub
         subs = [self.subs[key] for key in wanted]
@@ -70,29 +85,27 @@ class OtherSenders:
         failed = [(sub, got) for sub, got in zip(subs, results, strict=True) if isinstance(got, BaseException)]
         if failed:
             sub, exc = failed[0]
-            raise WeightSyncError(
-                f"version {plan.version}: joining sender {sub._control.address} failed: {explain(exc)}"
-            )
+            raise WeightSyncError(f"version {plan.version}: joining sender {sub.address} failed: {explain(exc)}")
         return self.joined
 
-    async def _version(self, sub: WeightReceiver, version: int) -> Plan:
+    async def _version(self, sub: P, version: int) -> Plan:
         """`sub`'s sender's plan for exactly `version` (it is told which receivers to wait for)."""
-        wait_s = float(self.owner.cfg.transport.ready_timeout_s)
+        wait_s = self.ready_timeout_s
         try:  # the coordinator already started the version: this sender is there now, or unreachable
             got = await sub.wait_version(wait_s=wait_s)
         except WeightSyncTimeout as exc:
             linked, _ = sub.sender_link()
             why = "its version did not start" if linked else "no connection to it"
             raise WeightSyncTimeout(
-                f"version {version}: the sender at {sub._control.address} that the coordinator listed: {why} within "
-                f"transport.ready_timeout_s={wait_s}s (is transport.sender_host that rank's address as this rollout "
-                f"sees it?): {exc}"
+                f"version {version}: the sender at {sub.address} that the coordinator ({self.coordinator}) listed: "
+                f"{why} within transport.ready_timeout_s={wait_s}s (is transport.sender_host that rank's address as "
+                f"this rollout sees it?): {exc}"
             ) from None
         if got.version != version or got.senders:
-            sub._fail_group()  # it joined that sender's group: give it up, so its broadcast ends now, not at timeout_s
-            await sub._send_ack(got.version, False, f"expected version {version} of a sharded version")
+            sub.give_up_group()  # it joined that sender's group: leave it, so its broadcast ends now, not at timeout_s
+            await sub.ack(False, f"expected version {version} of a sharded version")
             raise ProtocolError(
-                f"sender {sub._control.address} started version {got.version}"
+                f"sender {sub.address} started version {got.version}"
                 f"{' listing other senders' if got.senders else ''} while version {version} was expected"
             )
         return got
@@ -100,11 +113,11 @@ class OtherSenders:
     async def ack(self, version: int, ok: bool, error: str | None) -> None:
         for sub, plan in self.joined:
             if plan.version == version:
-                await sub._send_ack(version, ok, error)
+                await sub.ack(ok, error)
 
     def fail(self) -> None:
         for sub, _ in self.joined:
-            sub._fail_group()
+            sub.give_up_group()
 
     async def close(self) -> None:
         for sub in self.subs.values():
@@ -151,4 +164,4 @@ async def tile(
                 await stream.aclose()
 
 
-__all__ = ["OtherSenders", "tile"]
+__all__ = ["OtherSenders", "SenderPart", "tile"]

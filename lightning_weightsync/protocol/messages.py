@@ -75,7 +75,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     last_version: int = -1
     protocol: int = PROTOCOL_VERSION
     instance: str = ""  # random per receiver process: a reconnect of the same process keeps its identity
-    nonce: str = ""  # fresh per Register; the sender echoes it in `Prepare` (proves that Prepare is not a replay)
+    nonce: str = ""  # fresh per Register; the sender's answers carry it in their seal (`Seal.answers`: not a replay)
 
 
 class Prepare(msgspec.Struct, tag="prepare", frozen=True):
@@ -87,7 +87,6 @@ class Prepare(msgspec.Struct, tag="prepare", frozen=True):
 
     version: int
     session: str
-    nonce: str = ""  # the nonce of the receiver's latest `Register` the sender saw
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -242,11 +241,10 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
 
 class Refuse(msgspec.Struct, tag="refuse", frozen=True):
     """Sender -> a registering receiver: not admitted (its identity is held by another receiver that
-    is still connected). Echoes the refused `Register`'s nonce so it cannot be replayed later."""
+    is still connected). Its seal answers the refused `Register`'s nonce, so it cannot be replayed later."""
 
     identity: str
     reason: str
-    nonce: str = ""
 
 
 class StoreRequest(msgspec.Struct, tag="store_req", frozen=True):
@@ -337,13 +335,16 @@ class Seal(msgspec.Struct, array_like=True, frozen=True):
     before it has seen any); `origin` is who sealed it (the sender: its session; a receiver: its
     random per-process instance id); `seq` counts that origin's messages, strictly increasing, so a
     copy of a message (same origin, an old seq) is a replay; `to_sender` is the direction, so a
-    message cannot be reflected back at the side that sealed it.
+    message cannot be reflected back at the side that sealed it. `answers` (sender -> receiver): the nonce of
+    that receiver's latest `Register` the sender saw; a receiver adopts a new sender session only through a
+    message whose seal answers one of its recent registrations (so no recorded message of another run is).
     """
 
     session: str
     origin: str
     seq: int
     to_sender: bool
+    answers: str = ""
 
 
 _seal_decoder = msgspec.msgpack.Decoder(Seal)
@@ -381,6 +382,7 @@ def unseal(
         envelope = _seal_decoder.decode(header)
         _check_text("seal session", envelope.session)
         _check_text("seal origin", envelope.origin, 256)
+        _check_text("seal answers", envelope.answers, 256)
         if not envelope.origin or not (0 <= envelope.seq < 1 << 63):
             raise ProtocolError(f"seal has an empty origin or a bad seq {envelope.seq}")
         if envelope.to_sender != to_sender:
@@ -413,8 +415,6 @@ def _validate_control(msg: Message) -> None:
     elif isinstance(msg, Register):
         _check_nonneg("pid", msg.pid)
         _check_text("instance", msg.instance, 256)
-        _check_text("nonce", msg.nonce, 256)
-    elif isinstance(msg, (Prepare, Refuse)):
         _check_text("nonce", msg.nonce, 256)
     elif isinstance(msg, Ready) and msg.delta_base < -1:
         raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
@@ -654,7 +654,7 @@ def _to_sender_bytes() -> int:
     return max(register, ack, store) + _STRUCT_BYTES
 
 
-_SEAL_BYTES = 5 + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256) + _INT_BYTES + 1
+_SEAL_BYTES = 5 + _text_bytes(MAX_TEXT_LEN) + 2 * _text_bytes(256) + _INT_BYTES + 1
 MAX_FRAME_TO_SENDER = max(MAC_LEN, _SEAL_BYTES, _to_sender_bytes())
 """The largest frame a sender (and a shm / nixl release socket) receives from a legal peer."""
 MAX_FRAME_TO_RECEIVER = max(MAC_LEN, _SEAL_BYTES, _to_receiver_bytes())

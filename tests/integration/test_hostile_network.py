@@ -69,7 +69,7 @@ def _busy_sender(port: int, token: str | None, ready: Any) -> dict[str, Any]:
             while time.monotonic() - started < SERVE_S:
                 await sender.recv(0.05)
             held = sender.peers["victim"].instance == victim.instance
-            await sender.send("victim", Prepare(1, sender.session, sender.peers["victim"].nonce))
+            await sender.send("victim", Prepare(1, sender.session))
             prepare = await victim.recv(5)
             await victim.send(Ready("victim", 1))
             answer = await sender.recv(5)

@@ -93,7 +93,7 @@ async def test_a_receiver_that_hit_a_protocol_error_rebuilds_its_group() -> None
     sender, receiver = await _pair(transport__timeout_s=4)
     try:
         await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1)))
-        assert sender._control.peers["r"].group_generation == -1  # its first Ready: no group yet
+        assert sender._steps.readies["r"].generation == -1  # its first Ready: no group yet
         publish = sender._steps.publish
 
         async def out_of_order(peers, meta):  # bucket 1's metadata where bucket 0's is due
@@ -111,7 +111,7 @@ async def test_a_receiver_that_hit_a_protocol_error_rebuilds_its_group() -> None
         got, _ = await with_timeout(asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=3)))
         assert_bitwise(got, weights)
         # its Ready for version 3 said it has no group (a group that may be out of step is never reused)
-        assert sender._control.peers["r"].group_generation == -1
+        assert sender._steps.readies["r"].generation == -1
     finally:
         await _close(sender, receiver)
 
@@ -174,8 +174,12 @@ async def test_a_tensor_of_exactly_direct_min_bytes_goes_direct(nbytes: int, dir
 
 # -- layering: the transport moves messages and bytes; the version policy is the engine's -------------
 
-VERSION_STEPS = {"gather_ready", "collect_acks", "laggards", "wait_prepare", "wait_plan", "next_bucket"}
-VERSION_MESSAGES = {"Ack", "Abort", "BucketMeta", "Plan", "Ready"}
+VERSION_STEPS = {
+    "gather_ready", "collect_acks", "laggards", "wait_prepare", "next_prepare", "wait_plan", "next_bucket",
+    "is_new", "begin", "complete", "settle",
+}  # fmt: skip
+VERSION_MESSAGES = {"Ack", "Abort", "BucketMeta", "Plan", "Prepare", "Ready"}
+VERSION_STATE = {"last_version", "group_generation", "delta_base", "version", "last_complete"}
 
 
 def test_the_control_plane_knows_no_version_policy() -> None:
@@ -187,6 +191,13 @@ def test_the_control_plane_knows_no_version_policy() -> None:
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert not defined & VERSION_STEPS, (path.name, defined & VERSION_STEPS)
         assert not (names | imported) & VERSION_MESSAGES, (path.name, (names | imported) & VERSION_MESSAGES)
+        # no version state either: nothing the control plane keeps (an attribute or a field) is a version's
+        assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)]
+        kept = {t.attr for n in assigns for t in n.targets if isinstance(t, ast.Attribute)}
+        annotated = [n.target for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
+        fields = {t.id for t in annotated if isinstance(t, ast.Name)}
+        fields |= {t.attr for t in annotated if isinstance(t, ast.Attribute)}
+        assert not (kept | fields) & VERSION_STATE, (path.name, (kept | fields) & VERSION_STATE)
     # ... and each step lives in the engine's session, both sides
     session = ast.parse((control.parents[1] / "engine" / "session.py").read_text())
     steps = {n.name for n in ast.walk(session) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

@@ -42,7 +42,7 @@ async def registered(sender: SenderControl, identity: str, key: bytes | None = K
 
 
 async def prepare(sender: SenderControl, receiver: ReceiverControl, version: int) -> Prepare:
-    await sender.send(receiver.identity, Prepare(version, sender.session, sender.peers[receiver.identity].nonce))
+    await sender.send(receiver.identity, Prepare(version, sender.session))
     msg = await receiver.recv(5)
     assert isinstance(msg, Prepare) and msg.version == version, msg
     return msg

@@ -183,8 +183,8 @@ async def test_duplicate_registrations_are_answered_at_a_bounded_rate() -> None:
 async def _with_session() -> tuple:
     sender = await started_sender()
     receiver = await registered(sender, "r")
-    admitted = await prepare(sender, receiver, 1)  # the receiver now follows this session
-    return sender, receiver, admitted
+    await prepare(sender, receiver, 1)  # the receiver now follows this session
+    return sender, receiver, sender.peers["r"].nonce  # the nonce whose answer admitted it
 
 
 async def test_a_sender_message_whose_seal_origin_is_not_its_session_is_dropped() -> None:
@@ -210,12 +210,12 @@ async def test_a_sender_message_naming_another_session_than_its_seal_is_dropped(
 
 
 async def test_a_new_session_must_answer_a_registration_after_the_one_that_admitted_the_current() -> None:
-    """The nonce floor: a Prepare of another session echoing the very nonce that admitted the current
+    """The nonce floor: a Prepare of another session whose seal answers the very nonce that admitted the current
     session (a copy of an answer to that registration) must not switch the receiver over."""
     sender, receiver, admitted = await _with_session()
     try:
         other = "another-sender-session"
-        frames = seal(Prepare(1, other, admitted.nonce), KEY, Seal(other, other, 1, False))
+        frames = seal(Prepare(1, other), KEY, Seal(other, other, 1, False, admitted))
         await sender.inject(sender.route_of("r"), frames)
         assert await receiver.recv(1) is None and receiver.replayed_messages == 1
         assert receiver.sender_session == sender.session

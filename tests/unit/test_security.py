@@ -132,8 +132,9 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
     old_prepare: list[bytes] = []
     try:
         await prepare(first_run, receiver, 1)
-        old_prepare = seal(Prepare(1, first_run.session, first_run.peers["rollout-0"].nonce), KEY,
-                           Seal(first_run.session, first_run.session, 99, False))  # fmt: skip
+        nonce = first_run.peers["rollout-0"].nonce
+        session = first_run.session
+        old_prepare = seal(Prepare(1, session), KEY, Seal(session, session, 99, False, nonce))
         await receiver.send(Ready("rollout-0", 1))
         await receiver.send(Ack("rollout-0", 1, True))
         got = [await first_run.recv(5), await first_run.recv(5)]

@@ -14,7 +14,7 @@ The budget, and why these numbers. An honest receiver sends a handful of message
 version runs, so only the idle `Register`s pile up: 256 of them is 8.5 minutes of training step at the
 default 2 s, about 125 KiB (a sealed `Register` is ~250 B, counted with its Python objects as ~500).
 Past a budget the OLDEST message of that connection goes: for an honest peer that is a superseded
-`Register` (the newest one carries the nonce its `Prepare` must echo, and the receiver remembers only its
+`Register` (the newest one carries the nonce the seal of its `Prepare` must answer, and the receiver remembers only its
 last 256), for a flooder its own backlog; a flood never costs another connection its messages. The total
 cap bounds many connections together: past it, the largest queues are cut (oldest first) to a common
 level, 7/8 of the cap, so a trim is rare and honest (small) queues are the last to lose anything.

@@ -3,7 +3,8 @@ idle), reads and checks what the sender says, and reaches the sender's rendezvou
 
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges, and in sealed
 mode: the sender session and its sequence); bad messages are counted and dropped, never acted upon.
-A new sender session is accepted only through a `Prepare` answering one of our recent `Register`s.
+A new sender session is adopted only through a message whose seal answers one of our recent `Register`s
+(`Seal.answers`); what a message means for a version is the engine's business (`engine/session.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from ...errors import ProtocolError, VersionAborted, WeightSyncTimeout
 from ...protocol.messages import (
     Bye,
     Message,
-    Prepare,
     Refuse,
     Register,
     Seal,
@@ -63,7 +63,6 @@ class ReceiverControl:
         self.instance = secrets.token_hex(8)  # this process; a reconnect keeps it, a restart does not
         self.dropped_messages = 0
         self.replayed_messages = 0
-        self.last_version = -1
         self.bucket_size: int | None = None
         self.refused: str | None = None  # the sender's reason, while it refuses our registration
         self.ends_join: tuple[type[Message], ...] = ()  # kinds that end a rendezvous wait (set by the engine)
@@ -139,14 +138,15 @@ class ReceiverControl:
             self._ctx.term()
             self._ctx = None
 
-    async def register(self) -> None:
+    async def register(self, last_version: int = -1) -> None:
+        """Announce this receiver (`last_version`: the last version it received whole, as the engine says)."""
         nonce = secrets.token_hex(8)
         self._nonces[nonce] = self._nonce_count
         self._nonce_count += 1
         while len(self._nonces) > 256:
             self._nonces.popitem(last=False)
         msg = Register(
-            self.identity, socket.gethostname(), os.getpid(), self.device, self.last_version,
+            self.identity, socket.gethostname(), os.getpid(), self.device, last_version,
             instance=self.instance, nonce=nonce,
         )  # fmt: skip
         await self.send(msg)
@@ -218,15 +218,15 @@ class ReceiverControl:
                 raise Replay(f"{type(msg).__name__} with seq {envelope.seq} <= {self._sender_seq} (a replay)")
             self._sender_seq = envelope.seq
             return msg
-        # another session: only a Prepare (or Refuse) answering one of our recent Registers counts
-        nonce = msg.nonce if isinstance(msg, (Prepare, Refuse)) else ""
+        # another session: only a message whose seal answers one of our recent Registers counts
+        nonce = envelope.answers
         index = self._nonces.get(nonce, -1) if nonce else -1
         if index <= self._nonce_floor:
             raise Replay(
                 f"{type(msg).__name__} from sender session {envelope.session[:32]!r}, not the current one, and "
                 "not answering a recent registration (a replay from another run?)"
             )
-        if isinstance(msg, Prepare):
+        if not isinstance(msg, Refuse):  # a refusal answers a registration but starts no conversation
             self.sender_session, self._sender_seq, self._nonce_floor = envelope.session, envelope.seq, index
         return msg
 

@@ -87,13 +87,10 @@ class Peer:
     host: str
     pid: int
     device: str
-    last_version: int
     last_seen: float
-    group_generation: int = -1  # as reported in the peer's last `Ready`
     route: bytes = b""  # the ROUTER's id of the connection that registered this identity
     instance: str = ""  # the receiver process's random id (a reconnect keeps it)
-    nonce: str = ""  # from its latest `Register`, echoed in `Prepare`
-    delta_base: int = -1  # as reported in the peer's last `Ready`: the version it can apply a delta to
+    nonce: str = ""  # from its latest `Register`, answered in the seal of what is sent to it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -237,11 +234,12 @@ class SenderControl:
             self._sync_ctx = None
 
     # -- transport ----------------------------------------------------------------------------
-    def _frames(self, msg: Message) -> list[bytes]:
+    def _frames(self, msg: Message, answers: str = "") -> list[bytes]:
+        """`answers`: the nonce of the addressee's latest `Register` (its proof that this session is live)."""
         if not self.key:
             return encode(msg)
         self._seq += 1
-        return seal(msg, self.key, Seal(self.session, self.session, self._seq, False))
+        return seal(msg, self.key, Seal(self.session, self.session, self._seq, False, answers))
 
     async def _send_route(self, route: bytes, msg: Message, who: str) -> None:
         await self._sent(self._started().submit([route, *self._frames(msg)]), who)
@@ -271,7 +269,11 @@ class SenderControl:
         await self._started().send_multipart([route, *frames])
 
     async def send(self, identity: str, msg: Message) -> None:
-        await self._send_route(self._route_to(identity), msg, identity)
+        """`msg` to one receiver, sealed as an answer to its latest registration (a receiver adopts this
+        session, at its first version, only through such a message)."""
+        peer = self.peers.get(identity)
+        frames = self._frames(msg, peer.nonce if peer is not None else "")
+        await self._sent(self._started().submit([self._route_to(identity), *frames]), identity)
 
     def _route_to(self, identity: str) -> bytes:
         peer = self.peers.get(identity)
@@ -429,7 +431,7 @@ class SenderControl:
         if current is None or current.pid != msg.pid:
             logger.info("receiver %s registered (host %s, pid %d, %s)", msg.identity, msg.host, msg.pid, msg.device)
         self.peers[msg.identity] = Peer(
-            msg.identity, msg.host, msg.pid, msg.device, msg.last_version, time.monotonic(),
+            msg.identity, msg.host, msg.pid, msg.device, time.monotonic(),
             route=route, instance=instance, nonce=msg.nonce,
         )  # fmt: skip
         self._routes[route] = self._former_set(msg.identity, route)
@@ -466,7 +468,7 @@ class SenderControl:
         self._refusals.note(f"{msg.host[:256]!r} pid {msg.pid}", reason)
         # never wait on the refused connection: a flooder that does not read would stall the sender
         with contextlib.suppress(zmq.ZMQError):
-            frames = self._frames(Refuse(msg.identity, reason, msg.nonce))
+            frames = self._frames(Refuse(msg.identity, reason), msg.nonce)
             await self._started().send_multipart([route, *frames], zmq.NOBLOCK)
 
     def forget(self, identity: str) -> None:
