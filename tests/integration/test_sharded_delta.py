@@ -84,9 +84,7 @@ def _sender(rank: int, trainer_port: int, port: int) -> list[tuple[int, int]]:
 
 def _receiver(port: int) -> list[tuple[int, int, int, list[str]]]:
     """Per version: (delta shards applied, tensors verified, base it held before, tensors not bitwise)."""
-    cfg = load_config(
-        overrides=[*_common(port), "transport.heartbeat_interval_s=0.2", "rollout.identity=rollout-0"]
-    )
+    cfg = load_config(overrides=[*_common(port), "transport.heartbeat_interval_s=0.2", "rollout.identity=rollout-0"])
     mine = {n: torch.zeros_like(t) for n, t in _weights(0).items()}
 
     async def main() -> list[tuple[int, int, int, list[str]]]:
