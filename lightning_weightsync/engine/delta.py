@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import DeltaError, ProtocolError
-from ..protocol.chunks import TensorMeta
+from ..protocol.chunks import TensorMeta, TensorShard
 from .planner import Outgoing
 
 logger = logging.getLogger(__name__)
@@ -169,12 +169,29 @@ def apply_delta(
     return target
 
 
+def apply_range_delta(
+    payload: torch.Tensor, meta: TensorMeta, start: int, size: int, held: torch.Tensor, target: torch.Tensor
+) -> None:
+    """Sharded send mode: write bytes [start, start + size) of `meta`'s tensor into `target` (those bytes of the
+    destination, uint8): the held version's bytes of that range with the payload's elements over them. The
+    range is whole elements (validated with the bucket: `protocol.messages.validate_deltas`)."""
+    if tuple(held.shape) != meta.shape or held.dtype != meta.dtype:
+        raise DeltaError(
+            f"delta of {meta.name!r}: the held tensor is {held.dtype}{list(held.shape)}, not "
+            f"{meta.dtype}{list(meta.shape)}"
+        )
+    part = TensorMeta(meta.name, (size // meta.dtype.itemsize,), meta.dtype, 0, size)
+    held_range = held.detach().reshape(-1).view(torch.uint8)[start : start + size].view(meta.dtype)
+    apply_delta(payload, part, held_range, target.view(meta.dtype), target.device)
+
+
 class DeltaBase:
     """The sender's host copy of the last version every receiver acknowledged: what a delta is taken against."""
 
     def __init__(self) -> None:
         self.version: int | None = None  # None: the copy is not whole (nothing sent yet, or a version failed)
-        self.tensors: dict[str, torch.Tensor] = {}
+        # by name, or by (name, byte start, bytes) for a shard (sharded send mode: only this rank's ranges)
+        self.tensors: dict[str | tuple[str, int, int], torch.Tensor] = {}
         self.full_requested = False
         # `auto` measures both ways on the link it has: seconds per byte of the model of the last whole version
         # and of the last delta version, and how many versions to send whole before trying deltas again
@@ -232,11 +249,11 @@ class VersionDelta:
 
     def __init__(self, base: DeltaBase, policy: DeltaPolicy) -> None:
         self.base, self.policy = base, policy
-        self.sent: set[str] = set()
+        self.sent: set[str | tuple[str, int, int]] = set()
         self.payloads = 0
         self.model_bytes = 0  # bytes of the tensors this version carried (whole or as deltas)
 
-    def encode(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def encode(self, name: str | tuple[str, int, int], tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         if not self.policy.keep:
             return tensor, -1
         self.sent.add(name)
@@ -262,14 +279,28 @@ class VersionDelta:
 
     def transform(self, item: Outgoing) -> Outgoing:
         """The planner's transform (`engine.planner.Transform`): the tensor's delta payload where this version
-        sends one (its entries still describe the tensor it rebuilds), else the tensor as it came."""
-        if not isinstance(item.tensor, torch.Tensor):  # a shard: sharded versions never send deltas
-            return item
+        sends one (its entries still describe the tensor it rebuilds), else the tensor as it came. A shard's
+        payload rebuilds its byte range of the tensor (`Outgoing.delta_range`)."""
+        if isinstance(item.tensor, TensorShard):
+            return self._shard(item, item.tensor)
         shape, dtype = tuple(item.tensor.shape), item.tensor.dtype
         sendable, size = self.encode(item.name, item.tensor)
         if size < 0:
             return item
         return Outgoing(item.name, sendable, item.fingerprint, size, (shape, dtype))
+
+    def _shard(self, item: Outgoing, shard: TensorShard) -> Outgoing:
+        """A shard (sharded send mode): diffed against this rank's copy of exactly that byte range, so no whole
+        tensor is needed anywhere; the payload rebuilds `delta_range` of the tensor's bytes."""
+        data = shard.data
+        nbytes = data.numel() * data.element_size()
+        if data.dtype != shard.dtype or shard.byte_offset % data.element_size():
+            return item  # not whole elements of the tensor's dtype: a delta could not name them; goes as bytes
+        sendable, size = self.encode((item.name, shard.byte_offset, nbytes), data)
+        if size < 0:
+            return item
+        rebuilds = (shard.shape, shard.dtype)
+        return Outgoing(item.name, sendable, item.fingerprint, size, rebuilds, (shard.byte_offset, nbytes))
 
     def finish(self, version: int, ok: bool) -> None:
         """After the version: the copy is of `version` when every receiver took it, else not whole."""
@@ -288,6 +319,7 @@ __all__ = [
     "DeltaPolicy",
     "VersionDelta",
     "apply_delta",
+    "apply_range_delta",
     "encode",
     "payload_size",
 ]

@@ -95,6 +95,7 @@ class BucketPipeline:
         self.verifier = verifier  # notes each bucket's fingerprints before its chunks are merged
         # tensors arriving as a delta payload: name -> (the tensor's own meta, the version the delta is based on)
         self.delta_metas: dict[str, tuple[TensorMeta, int]] = {}
+        self.delta_ranges: dict[str, tuple[int, int]] = {}  # sharded: (byte start, bytes) a shard's payload rebuilds
         self.steps, self.backend, self.executor, self.timeout_s = steps, backend, executor, timeout_s
         self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
         self.ready = asyncio.Queue()
@@ -211,6 +212,8 @@ class BucketPipeline:
                 data = bucket[start : start + entry.chunk_size]
                 if meta.deltas and meta.deltas[i] >= 0:  # a chunk of the payload that rebuilds this tensor
                     self.delta_metas[entry.name] = (entry.to_meta(), meta.delta_base)
+                    if meta.delta_ranges:
+                        self.delta_ranges[entry.name] = meta.delta_ranges[i]
                     payload = (meta.deltas[i],)
                     yield TensorMeta(entry.name, payload, torch.uint8, entry.chunk_offset, entry.chunk_size), data
                 else:

@@ -48,6 +48,7 @@ class Outgoing:
     fingerprint: int = NO_FINGERPRINT  # transport.verify: carried by every entry of the tensor
     delta_size: int = -1  # transport.delta: payload bytes, -1 where the tensor goes whole
     rebuilds: tuple[tuple[int, ...], torch.dtype] | None = None
+    delta_range: tuple[int, int] | None = None  # a shard's delta: (byte start, bytes) of the tensor it rebuilds
 
     def entry(self, meta: TensorMeta) -> Entry:
         """The wire entry of one chunk of this tensor."""
@@ -84,6 +85,7 @@ class Flush:
     deltas: list[int]  # one per entry (payload bytes, -1: whole), or [] where no entry is a delta
     is_last: bool = False
     data: torch.Tensor | None = None
+    delta_ranges: list[tuple[int, int]] = field(default_factory=list)  # per entry where a shard is a delta, else []
 
     @property
     def direct(self) -> bool:
@@ -117,6 +119,7 @@ class _OpenBucket:
     entries: list[Entry] = field(default_factory=list)
     fingerprints: list[int] = field(default_factory=list)
     deltas: list[int] = field(default_factory=list)
+    delta_ranges: list[tuple[int, int]] = field(default_factory=list)
     fill: int = 0  # end of the last chunk packed
     whole: bool = True  # every chunk packed so far is a whole tensor
 
@@ -126,6 +129,7 @@ class _OpenBucket:
         self.entries.append(entry)
         self.fingerprints.append(item.fingerprint)
         self.deltas.append(item.delta_size)
+        self.delta_ranges.append(item.delta_range or (0, 0))
         self.fill = meta.offset + meta.chunk_size
 
     def ends_before(self, meta: TensorMeta, direct: bool, tail_packed: bool = False) -> bool:
@@ -188,7 +192,10 @@ class BucketPlanner:
             self._count(meta)
             entry = item.entry(meta)
             if direct:
-                yield self._bucket(NO_SLOT, meta.chunk_size, [entry], [item.fingerprint], [item.delta_size], data)
+                ranges = [item.delta_range or (0, 0)]
+                yield self._bucket(
+                    NO_SLOT, meta.chunk_size, [entry], [item.fingerprint], [item.delta_size], data, ranges=ranges
+                )
                 self.counts.direct_buckets += 1
                 continue
             if meta.chunk_size:
@@ -227,7 +234,10 @@ class BucketPlanner:
     def _flush(self, is_last: bool) -> Flush:
         """The open packed bucket, out of its slot; the next one is filled in the other slot."""
         bucket, self._open = self._open, _OpenBucket()
-        step = self._bucket(self._slot, bucket.fill, bucket.entries, bucket.fingerprints, bucket.deltas, None, is_last)
+        step = self._bucket(
+            self._slot, bucket.fill, bucket.entries, bucket.fingerprints, bucket.deltas, None, is_last,
+            ranges=bucket.delta_ranges,
+        )  # fmt: skip
         self._slot = next_slot(self._slot)
         return step
 
@@ -240,6 +250,7 @@ class BucketPlanner:
         deltas: list[int],
         data: torch.Tensor | None,
         is_last: bool = False,
+        ranges: list[tuple[int, int]] | None = None,
     ) -> Flush:
         index, self._index = self._index, self._index + 1
         self.counts.buckets += bool(entries)
@@ -252,6 +263,7 @@ class BucketPlanner:
             deltas if any(size >= 0 for size in deltas) else [],
             is_last,
             data,
+            ranges if ranges and any(r != (0, 0) for r in ranges) else [],
         )
 
 

@@ -12,6 +12,7 @@ sender and the other receivers are not stalled, then reports the failure in its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -292,7 +293,7 @@ class WeightReceiver(Endpoint):
         plan = await self.wait_version(wait_s)
         self._steps.keeps = base is not None
         if plan.senders:
-            parts = self._receive_sharded(plan, into, auto_ack)
+            parts = self._receive_sharded(plan, into, auto_ack, base)
         else:
             parts = self._receive_whole(plan, into, auto_ack, base)
         try:
@@ -354,7 +355,7 @@ class WeightReceiver(Endpoint):
         await self._complete(plan.version, stats, verifier.report, start, auto_ack)
 
     async def _receive_sharded(
-        self, plan: Plan, into: Into | None, auto_ack: bool
+        self, plan: Plan, into: Into | None, auto_ack: bool, base: Into | None
     ) -> AsyncGenerator[tuple[str, torch.Tensor]]:
         """A version several senders send parts of (`engine/sharded.py`): their streams at once, tiled."""
         stats = ReceiveStats(version=plan.version)
@@ -362,7 +363,7 @@ class WeightReceiver(Endpoint):
         destinations = Destinations(into) if into is not None else None
         pipelines: list[BucketPipeline] = []
         try:
-            parts = [(self, plan), *await self._others.join(plan)]
+            parts = [(self, plan), *await self._others.join(plan, self.delta_base)]
             addresses = [part.address for part, _ in parts]
             verifier = ShardVerifier(self.verify, plan.version, addresses)
             for index, (part, part_plan) in enumerate(parts):
@@ -374,7 +375,8 @@ class WeightReceiver(Endpoint):
                 )
             self._pipeline = pipelines[0]
             merger = TilingMerger(plan.group.bucket_size, destinations, self.output_device, addresses)
-            async for name, tensor in tile(pipelines, merger, stats):
+            held = functools.partial(self._held, base=base)
+            async for name, tensor in tile(pipelines, merger, stats, held):
                 stats.num_tensors += 1
                 verifier.check(name, tensor)  # each sender's bytes, before the consumer sees them
                 yield name, tensor
@@ -417,14 +419,19 @@ class WeightReceiver(Endpoint):
         """The tensor a delta payload rebuilds, from the held version (`base`); the held version stays as it
         was unless the consumer's destination is that tensor itself (streaming in place)."""
         meta, based_on = delta
+        held = self._held(meta, based_on, base)
+        target = destinations(meta) if destinations is not None else None
+        return apply_delta(payload, meta, held, target, self.output_device)
+
+    def _held(self, meta: TensorMeta, based_on: int, base: Into | None) -> torch.Tensor:
+        """The consumer's tensor of version `based_on`, which a delta of `meta`'s tensor applies to."""
         held = base(meta) if base is not None and self.delta_base == based_on else None
         if held is None:
             raise DeltaError(
-                f"{name!r} arrived as a delta of version {based_on}, but this receiver holds "
+                f"{meta.name!r} arrived as a delta of version {based_on}, but this receiver holds "
                 f"{'no version it can apply one to' if self.delta_base is None else f'version {self.delta_base}'}"
             )
-        target = destinations(meta) if destinations is not None else None
-        return apply_delta(payload, meta, held, target, self.output_device)
+        return held
 
     async def ack(self, ok: bool = True, error: str | None = None) -> None:
         """Acknowledge the version just received (with `receive_weights(auto_ack=False)`)."""

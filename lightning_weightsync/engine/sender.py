@@ -263,6 +263,7 @@ class _Wire:
             self.version, step.index, step.is_last, step.nbytes, step.entries, self.tied if first else {},
             self.sender, fingerprints=step.fingerprints, deltas=step.deltas,
             delta_base=self.delta_base if step.deltas else -1, lora=self.lora if first else None,
+            delta_ranges=step.delta_ranges,
         )  # fmt: skip
 
 
@@ -461,8 +462,8 @@ class WeightSender(Endpoint):
             generation = self._generation
             await self._join(version, peers, options.others)  # 3: Plan, and the data-plane group
             formed = self._generation != generation  # this version's time includes forming the group
-            # a sharded version's parts are shards: no sender has a whole tensor to diff (delta is whole-only)
-            policy = self._delta_policy(peers) if not options.sharded else DeltaPolicy(False, None, False)
+            # sharded: each rank diffs its own shards against its own copy of them (`VersionDelta._shard`)
+            policy = self._delta_policy(peers)
             fingerprints = SenderFingerprints(options.verify, version)
             sent = _Sent(VersionDelta(self._delta_base, policy), fingerprints, formed, options.sharded)
             await self._stream(source, peers, stats, options, sent)  # 4: bucket metadata, each ahead of its bytes

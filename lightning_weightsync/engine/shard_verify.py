@@ -25,8 +25,20 @@ from ..config import VerifyMode
 from ..errors import ProtocolError, VerifyError
 from ..protocol.chunks import as_bytes
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint
-from ..protocol.messages import BucketMeta
+from ..protocol.messages import BucketMeta, check_tensor
 from .verify import Verifier
+
+
+def _range(meta: BucketMeta, i: int) -> tuple[int, int]:
+    """The bytes of its tensor entry `i` fills: its chunk's, or for a delta payload's chunk the range the
+    payload rebuilds (the fingerprint is of those bytes after the delta is applied)."""
+    entry = meta.entries[i]
+    if meta.deltas and meta.deltas[i] >= 0:
+        if meta.delta_ranges:
+            start, size = meta.delta_ranges[i]
+            return start, start + size
+        return 0, check_tensor(entry.name, entry.shape, entry.dtype)
+    return entry.chunk_offset, entry.chunk_offset + entry.chunk_size
 
 
 class _Part:
@@ -55,10 +67,10 @@ class ShardVerifier:
     def expect(self, sender: int, meta: BucketMeta) -> None:
         if self.mode is VerifyMode.off or not meta.fingerprints:
             return
-        for entry, value in zip(meta.entries, meta.fingerprints, strict=True):  # validated: one per entry
+        for i, (entry, value) in enumerate(zip(meta.entries, meta.fingerprints, strict=True)):  # validated
             if value == NO_FINGERPRINT:
                 continue
-            start, end = entry.chunk_offset, entry.chunk_offset + entry.chunk_size
+            start, end = _range(meta, i)
             shard = self.expected.setdefault(entry.name, {}).get(sender)
             if shard is None:
                 self.expected[entry.name][sender] = [value, start, end]

@@ -28,10 +28,11 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from ..errors import ProtocolError, WeightSyncError, WeightSyncTimeout, explain
+from ..errors import DeltaError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import Plan
 from ..protocol.tiling import TilingMerger
+from .delta import apply_range_delta
 from .pipeline import BucketPipeline
 from .stats import ReceiveStats
 
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 class SenderPart(Protocol):
     """What a sharded version needs of the receiver of one other sender (a `WeightReceiver`: its public face)."""
+
+    delta_base: int | None  # the version it says (in its Ready) it can apply a delta to
 
     @property
     def address(self) -> str: ...
@@ -69,8 +72,9 @@ class OtherSenders(Generic[P]):
         self.subs: dict[tuple[str, int], P] = {}
         self.joined: list[tuple[P, Plan]] = []  # the version in flight: each sub and its plan
 
-    async def join(self, plan: Plan) -> list[tuple[P, Plan]]:
-        """Join every other sender's part of `plan.version` (their Prepare / Ready / Plan / group, at once)."""
+    async def join(self, plan: Plan, held: int | None) -> list[tuple[P, Plan]]:
+        """Join every other sender's part of `plan.version` (their Prepare / Ready / Plan / group, at once);
+        `held`: the version this receiver holds whole, which each sender hears (deltas are of it)."""
         wanted = [(a.host, a.port) for a in plan.senders]
         for key in [k for k in self.subs if k not in wanted]:  # a sender no longer in the version
             await self.subs.pop(key).close()
@@ -80,6 +84,8 @@ class OtherSenders(Generic[P]):
                 await sub.start()
                 self.subs[(host, port)] = sub
         subs = [self.subs[key] for key in wanted]
+        for sub in subs:
+            sub.delta_base = held
         results = await asyncio.gather(*(self._version(sub, plan.version) for sub in subs), return_exceptions=True)
         self.joined = [(sub, got) for sub, got in zip(subs, results, strict=True) if isinstance(got, Plan)]
         failed = [(sub, got) for sub, got in zip(subs, results, strict=True) if isinstance(got, BaseException)]
@@ -126,14 +132,63 @@ class OtherSenders(Generic[P]):
         self.subs.clear()
 
 
+Held = Callable[[TensorMeta, int], torch.Tensor]
+"""(the tensor's meta, the version a delta is based on) -> the consumer's tensor of that version; raises
+`DeltaError` where the receiver holds no such version (`WeightReceiver._held`)."""
+
+
+class ShardDeltas:
+    """The delta payloads of a sharded version (`transport.delta`): each sender's payload for a tensor is
+    assembled from its chunks (one sender's chunks of one tensor come in order), then applied onto the held
+    version in the byte range it rebuilds (`BucketMeta.delta_ranges`; a whole tensor where none is given),
+    which the merger checks and counts like any chunk's range."""
+
+    def __init__(self, pipelines: list[BucketPipeline], held: Held | None) -> None:
+        self.pipelines, self.held = pipelines, held
+        self.buffers: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # -> (payload, bytes received)
+        self.applied = 0  # shards rebuilt from a delta (`ReceiveStats.delta_tensors` in sharded mode)
+
+    def takes(self, index: int, meta: TensorMeta) -> bool:
+        return meta.name in self.pipelines[index].delta_metas
+
+    def push(
+        self, index: int, meta: TensorMeta, data: torch.Tensor, merger: TilingMerger
+    ) -> tuple[str, torch.Tensor] | None:
+        key = (index, meta.name)
+        payload, got = self.buffers.pop(key, (None, 0))
+        if payload is None:
+            payload = torch.empty(meta.nbytes, dtype=torch.uint8, device=data.device)
+        if meta.chunk_offset != got or data.numel() != meta.chunk_size:
+            raise ProtocolError(
+                f"delta of {meta.name!r} from sender {index}: chunk at byte {meta.chunk_offset} of its payload, "
+                f"{got} expected"
+            )
+        payload[got : got + meta.chunk_size].copy_(data)
+        got += meta.chunk_size
+        if got < meta.nbytes:
+            self.buffers[key] = (payload, got)
+            return None
+        pipeline = self.pipelines[index]
+        whole, based_on = pipeline.delta_metas.pop(meta.name)
+        start, size = pipeline.delta_ranges.pop(meta.name, (0, whole.nbytes))
+        if self.held is None:
+            raise DeltaError(f"{meta.name!r} arrived as a delta of version {based_on}, but this receiver holds none")
+        held = self.held(whole, based_on)
+        shard = TensorMeta(whole.name, whole.shape, whole.dtype, start, size)
+        self.applied += 1
+        return merger.write(index, shard, lambda dest: apply_range_delta(payload, whole, start, size, held, dest))
+
+
 async def tile(
-    pipelines: list[BucketPipeline], merger: TilingMerger, stats: ReceiveStats
+    pipelines: list[BucketPipeline], merger: TilingMerger, stats: ReceiveStats, held: Held | None = None
 ) -> AsyncIterator[tuple[str, torch.Tensor]]:
     """Every pipeline's chunks, as they complete, into `merger`; yields each tensor once it is whole.
+    A delta payload's chunks go to `ShardDeltas`, which applies it onto `held`'s tensor once complete.
 
     A chunk is a view of its pipeline's slot, valid until that pipeline is asked for its next chunk: it is
     copied into its tensor before its own stream moves on, while the other streams keep receiving."""
     streams = [pipeline.chunks(stats) for pipeline in pipelines]
+    deltas = ShardDeltas(pipelines, held)
 
     def advance(index: int) -> asyncio.Future[tuple[TensorMeta, torch.Tensor]]:
         return asyncio.ensure_future(streams[index].__anext__())
@@ -148,11 +203,15 @@ async def tile(
                     meta, data = future.result()
                 except StopAsyncIteration:
                     continue
-                whole = merger.push(index, meta, data)
+                if deltas.takes(index, meta):
+                    whole = deltas.push(index, meta, data, merger)
+                else:
+                    whole = merger.push(index, meta, data)
                 if whole is not None:
                     yield whole
                 pending[advance(index)] = index
         merger.finish()
+        stats.delta_tensors = deltas.applied
     finally:
         for future in pending:
             future.cancel()
@@ -164,4 +223,4 @@ async def tile(
                 await stream.aclose()
 
 
-__all__ = ["OtherSenders", "SenderPart", "tile"]
+__all__ = ["Held", "OtherSenders", "SenderPart", "ShardDeltas", "tile"]

@@ -194,6 +194,9 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     (`protocol/fingerprint.py`; `NO_FINGERPRINT` = none), checked by a receiver once the tensor is merged.
     `deltas` (optional): empty, or one per entry: -1 when the entry's chunk is of the tensor's bytes, else the
     size of the delta payload it is a chunk of (`engine/delta.py`), which applies to version `delta_base`.
+    `delta_ranges` (optional, sharded send mode): empty (every delta rebuilds its whole tensor), or one per
+    entry: `[byte start, bytes]` of the tensor that entry's delta payload rebuilds (a sender's shard; `[0, 0]`
+    for an entry that is not a delta).
     """
 
     version: int
@@ -207,6 +210,7 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     deltas: list[int] = []
     delta_base: int = -1
     lora: LoraSpec | None = None  # bucket 0 only: the version is of a PEFT LoRA model (`trainer.lora`)
+    delta_ranges: list[tuple[int, int]] = []
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -529,6 +533,7 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         validate_lora(msg.lora)
     validate_fingerprints(msg)
     validate_deltas(msg)
+    validate_delta_ranges(msg)
 
 
 def validate_lora(spec: LoraSpec) -> None:
@@ -573,6 +578,26 @@ def validate_deltas(msg: BucketMeta) -> None:
             )
         if not (0 <= msg.delta_base < msg.version):
             raise ProtocolError(f"delta of version {msg.version} based on version {msg.delta_base}")
+
+
+def validate_delta_ranges(msg: BucketMeta) -> None:
+    """None, or one per entry: `[0, 0]` for a whole entry, else whole elements inside the tensor, more bytes
+    than the delta payload that rebuilds them (a delta is only sent when smaller)."""
+    if not msg.delta_ranges:
+        return
+    if len(msg.delta_ranges) != len(msg.entries) or not msg.deltas:
+        raise ProtocolError(f"bucket has {len(msg.delta_ranges)} delta ranges for {len(msg.entries)} entries")
+    for e, size, (start, length) in zip(msg.entries, msg.deltas, msg.delta_ranges, strict=True):
+        if size == -1:
+            if (start, length) != (0, 0):
+                raise ProtocolError(f"entry {e.name!r} is no delta but names a delta range [{start}, +{length})")
+            continue
+        nbytes, width = check_tensor(e.name, e.shape, e.dtype), itemsize(DTYPES[e.dtype])
+        if start < 0 or length <= size or start + length > nbytes or start % width or length % width:
+            raise ProtocolError(
+                f"delta range [{start}, +{length}) of {e.name!r} ({nbytes} bytes) is out of range, not whole "
+                f"elements, or not larger than its {size}-byte payload"
+            )
 
 
 def validate_fingerprints(msg: BucketMeta) -> None:
@@ -633,6 +658,7 @@ def _to_receiver_bytes() -> int:
     """Sender -> receiver: bucket metadata (entries and tied names bounded) and the plan dominate."""
     tied = 5 + MAX_TIED_NAMES * (_text_bytes(MAX_NAME_LEN) + 5)
     per_entry = 2 * (5 + MAX_BUCKET_ENTRIES * _INT_BYTES) + _INT_BYTES  # fingerprints, deltas, delta_base
+    per_entry += 5 + MAX_BUCKET_ENTRIES * (1 + 2 * _INT_BYTES)  # delta_ranges
     lora = _STRUCT_BYTES + 5 * (_text_bytes(16) + _INT_BYTES) + 4 * 5 + MAX_LORA_NAMES * (_text_bytes(MAX_NAME_LEN) + 9)
     bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry + lora
     joins = [kind.MAX_BYTES for kind in _JOIN_KINDS]  # every kind the union holds

@@ -69,6 +69,25 @@ class TilingMerger:
             )
         if size > self.bucket_size:
             raise ProtocolError(f"chunk of {name!r} from {self._who(sender)} is {size} bytes > bucket_size")
+        tile = self._claim(sender, meta)
+        if size:
+            place_chunk(tile.dest_bytes[start : start + size], data)
+        return self._covered(tile, sender, size)
+
+    def write(
+        self, sender: int, meta: TensorMeta, fill: Callable[[torch.Tensor], None]
+    ) -> tuple[str, torch.Tensor] | None:
+        """Like `push`, for bytes [chunk_offset, +chunk_size) of `meta`'s tensor that `fill` writes into the
+        destination's bytes of that range itself (a shard's delta applied onto the held version, sharded send
+        mode): the range is checked and counted as any chunk's; `fill` runs only once it is claimed."""
+        tile = self._claim(sender, meta)
+        fill(tile.dest_bytes[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
+        return self._covered(tile, sender, meta.chunk_size)
+
+    def _claim(self, sender: int, meta: TensorMeta) -> _Tile:
+        """Record `sender`'s byte range of `meta`'s tensor: raises for a range outside the tensor, or one that
+        overlaps a range already received."""
+        name, start, size = meta.name, meta.chunk_offset, meta.chunk_size
         nbytes = meta.nbytes
         end = start + size
         if start < 0 or end > nbytes:
@@ -99,10 +118,12 @@ class TilingMerger:
                     f"sent [{neighbour[0]}, {neighbour[1]}); two senders claim the same range"
                 )
         ranges.insert(at, (start, end, sender))
-        if size:
-            place_chunk(tile.dest_bytes[start:end], data)
+        return tile
+
+    def _covered(self, tile: _Tile, sender: int, size: int) -> tuple[str, torch.Tensor] | None:
+        name = tile.meta.name
         tile.covered += size
-        if tile.covered == nbytes:
+        if tile.covered == tile.meta.nbytes:
             del self.open[name]
             self.done[name] = sender
             return name, tile.dest

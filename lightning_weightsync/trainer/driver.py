@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import DeltaMode, FailurePolicy, SendMode
+from ..config import FailurePolicy, SendMode
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -287,20 +287,8 @@ class SyncDriver:
             from .sharded import exchange_addresses
 
             self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
-            self._say_sharded_skips()
         if self.overlap is not None:
             self.overlap.start()
-
-    def _say_sharded_skips(self) -> None:
-        """Sharded versions carry no deltas yet (a delta is computed against a whole tensor's held copy): said
-        once, at start, naming the knob, instead of silently sending every version whole. (Verify works in
-        sharded mode: each rank fingerprints its shards, `engine/shard_verify.py`.)"""
-        t = self.cfg.transport
-        if DeltaMode(t.delta) is not DeltaMode.off and self.is_sender:
-            logger.warning(
-                "trainer.send_mode=sharded does not send deltas yet: transport.delta=%s (every version goes whole); "
-                "set transport.delta=off to silence this, or use trainer.send_mode=gather for deltas", t.delta,
-            )  # fmt: skip
 
     def finish(self, module: nn.Module, version: int | None) -> bool:
         """At the end of training, on every rank: with `trainer.overlap`, wait for the version in flight

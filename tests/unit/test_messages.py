@@ -873,6 +873,7 @@ def _largest_to_receiver() -> dict[str, Message]:
         Entry(_wide(MAX_NAME_LEN, f"{i}."), [1 << 20, *[1] * (MAX_NDIM - 2), 1 << 19], dtype, 1 << 38, 1 << 20, 1 << 39)
         for i in range(MAX_BUCKET_ENTRIES)
     ]
+    ranges_end = (1 << 39) * DTYPES[dtype].itemsize  # the entries' tensor bytes
     tied = {_wide(MAX_NAME_LEN, "src."): [_wide(MAX_NAME_LEN, f"{i}.") for i in range(1000, 1000 + MAX_TIED_NAMES - 1)]}
     members = [Member(_wide(MAX_IDENTITY_LEN, f"{i}."), (1 << 63) - 1) for i in range(MAX_MEMBERS)]
     region = NixlRegion((1 << 64) - 1, 1 << 40, 65535)
@@ -891,6 +892,7 @@ def _largest_to_receiver() -> dict[str, Message]:
             [(1 << 39) - 1] * len(entry),
             (1 << 63) - 2,
             _largest_lora(),
+            delta_ranges=[(ranges_end - (1 << 39), 1 << 39)] * len(entry),  # longer than the payload, in range
         ),
         "plan": Plan((1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)]),
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN)),
