@@ -410,6 +410,9 @@ def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: lis
             row[f"{path}_receiver_cpu_s_per_GiB"] = max(r[cpu_key] for r in receivers) / gib
     if "engine_cpu_s" in sender and sender["buckets"]:  # what one bucket costs the sender's CPU (pack, metadata, waits)
         row["engine_sender_cpu_ms_per_bucket"] = sender["engine_cpu_s"] / sender["buckets"] * 1e3
+        if all("engine_cpu_s" in r for r in receivers):  # the same for the busiest receiver (unpack, metadata, waits)
+            busiest = max(r["engine_cpu_s"] for r in receivers)
+            row["engine_receiver_cpu_ms_per_bucket"] = busiest / sender["buckets"] * 1e3
     # the engine against each peer loop, measured in the same processes in the same run
     if "raw_model_s" in sender:  # the same broadcasts over the model's own memory: the limit for real bytes
         row["raw_model_GBps"] = nbytes / sender["raw_model_s"] / 1e9
@@ -496,7 +499,7 @@ def _print(report: dict[str, Any]) -> None:
         f"{'model':>14} {'scale':>5} {'frac':>5} {'bucket':>6} {'into':>4} {'auth':>4} {'recv':>4} {'MiB':>5} "
         f"{'direct':>6} | {'GB/s: engine':>12} {'raw':>5} {'model':>5} {'tensor':>6} {'pack':>5} | {'engine/raw':>10} "
         f"{'/model':>6} {'/best peer':>10} | {'CPU s/GiB send':>14} {'(raw)':>5} {'recv':>5} {'(raw)':>5} "
-        f"{'send ms/bucket':>14} | "
+        f"{'send ms/bucket':>14} {'recv':>6} | "
         f"{'+MiB s/r':>9} {'budget s/r':>10}"
     )
     for section in ("throughput", "receivers", "auth", "direct_min", "growth"):
@@ -521,7 +524,8 @@ def _print(report: dict[str, Any]) -> None:
                 f"{best_peer if best_peer is not None else float('nan'):>10.2f} | "
                 f"{r.get('engine_sender_cpu_s_per_GiB', 0):>14.3f} {r.get('raw_sender_cpu_s_per_GiB', 0):>5.3f} "
                 f"{r.get('engine_receiver_cpu_s_per_GiB', 0):>5.3f} {r.get('raw_receiver_cpu_s_per_GiB', 0):>5.3f} "
-                f"{r.get('engine_sender_cpu_ms_per_bucket', 0):>14.3f} | "
+                f"{r.get('engine_sender_cpu_ms_per_bucket', 0):>14.3f} "
+                f"{r.get('engine_receiver_cpu_ms_per_bucket', 0):>6.3f} | "
                 f"{r['sender_extra_mb']:>4.0f}/{r['receiver_extra_mb']:<4.0f} "
                 f"{r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
                 + (f"  {r['direct_min_mb']:g}" if "direct_min_mb" in r else "")

@@ -124,6 +124,13 @@ class WeightReceiver(Endpoint):
         return self._control.dropped_messages
 
     @property
+    def dropped_connections(self) -> int:
+        """Links to the sender lost after their handshake (trainer gone, link silent, or a frame over the
+        size limit: ZMQ_MAXMSGSIZE drops the connection); each logged, rate-limited, with the causes."""
+        self._control.sender_link()
+        return self._control.dropped_connections
+
+    @property
     def in_flight(self) -> int | None:
         """The version this receiver took part in and has not acked yet (it owes the sender one ack)."""
         return self._steps.in_flight

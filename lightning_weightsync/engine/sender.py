@@ -340,6 +340,12 @@ class WeightSender(Endpoint):
         return self._control.overflowed_messages
 
     @property
+    def dropped_connections(self) -> int:
+        """Receiver connections that went down without a Bye: a receiver killed or cut off, or a frame over
+        the size limit (ZMQ_MAXMSGSIZE drops the connection); each logged, rate-limited, with the causes."""
+        return self._control.poll_connections()
+
+    @property
     def lost_messages(self) -> int:
         """Every control message this sender did not act on, for whatever reason: `dropped_messages` (it was
         bad) + `overflowed_messages` (too many, too fast). The one number to alert on: an honest fleet keeps

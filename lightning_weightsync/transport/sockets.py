@@ -26,7 +26,10 @@ kernel, for the links no ZMTP ping covers.
 
 `ZMQ_MAXMSGSIZE`: the largest legal frame the socket can receive (`protocol.messages.max_frame_bytes`).
 libzmq checks a frame's declared size before it allocates, handshake commands included, so a stranger
-declaring a frame of gigabytes is disconnected at once instead of being buffered.
+declaring a frame of gigabytes is disconnected at once instead of being buffered. libzmq 4.3 says nothing
+else about it (decoder EMSGSIZE -> protocol error -> only ZMQ_EVENT_DISCONNECTED, the same event as a peer
+that exits; checked by experiment with 4.3.5), so the control sockets count every connection lost without a
+Bye (`dropped_connections`) and log it, rate-limited, naming the limit among the causes.
 """
 
 from __future__ import annotations

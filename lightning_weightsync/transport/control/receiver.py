@@ -26,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ProtocolError, VersionAborted, WeightSyncTimeout
 from ...protocol.messages import (
+    MAX_FRAME_TO_RECEIVER,
     Bye,
     Message,
     Refuse,
@@ -43,6 +44,12 @@ from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_h
 from .store import STORE_POLL_S, ControlPlaneStore
 
 logger = logging.getLogger(__name__)
+BYE_LINGER_MS = 100  # on close, our Bye may take this long to leave (so the sender counts a clean close)
+LOST_SENDER_CAUSES = (
+    "the trainer exited or restarted, the link was silent past transport.liveness_s (ZMTP heartbeat), or the "
+    "sender sent a frame over this receiver's {limit}-byte limit (ZMQ_MAXMSGSIZE: a sender of another "
+    "lightning-weightsync version; libzmq drops such a connection with no other sign)"
+)
 
 
 class ReceiverControl:
@@ -83,6 +90,8 @@ class ReceiverControl:
         self._monitor_async: Any = None
         self._linked = False
         self._link_changed = time.monotonic()
+        self.dropped_connections = 0  # links to the sender lost after their handshake (`sender_link`)
+        self._lost_links = DropLog("lost the control connection", log=logger)
 
     @property
     def address(self) -> str:
@@ -118,9 +127,18 @@ class ReceiverControl:
                 while True:
                     event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
                     linked = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    if self._linked and event == zmq.EVENT_DISCONNECTED:
+                        self._lost_link()
                     if linked != self._linked:
                         self._linked, self._link_changed = linked, time.monotonic()
         return self._linked, time.monotonic() - self._link_changed
+
+    def _lost_link(self) -> None:
+        """A link that passed its handshake went down, and not by our `close` (it stops the monitor first).
+        libzmq 4.3 gives an over-size frame no event of its own (decoder EMSGSIZE -> protocol error ->
+        EVENT_DISCONNECTED, as for a sender that exits), so the line names every likely cause."""
+        self.dropped_connections += 1
+        self._lost_links.note(f"the sender at {self.address}", LOST_SENDER_CAUSES.format(limit=MAX_FRAME_TO_RECEIVER))
 
     async def close(self) -> None:
         if self._monitor is not None:
@@ -132,7 +150,7 @@ class ReceiverControl:
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 await self.send(Bye(self.identity))
-            self._sock.close(linger=0)
+            self._sock.close(linger=BYE_LINGER_MS)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
@@ -182,6 +200,7 @@ class ReceiverControl:
         if self._stash:
             return self._stash.pop(0)
         deadline = time.monotonic() + timeout_s
+        self.sender_link()  # reads the link's events: a lost link is counted and logged while we wait
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):

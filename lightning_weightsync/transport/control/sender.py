@@ -45,9 +45,11 @@ from typing import Any
 
 import zmq
 from torch.distributed.distributed_c10d import PrefixStore, Store
+from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ConfigError, PeerError, ProtocolError
 from ...protocol.messages import (
+    MAX_FRAME_TO_SENDER,
     BucketDone,
     Bye,
     Message,
@@ -79,6 +81,15 @@ PUMP_EVERY_S = 0.02  # while a version streams, the sender reads its socket at m
 MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remembers
 MAX_KEPT = 8192  # decoded messages kept for the next `recv` while a version streams (2 for each of 4096 receivers)
 REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
+BYE_GRACE_S = 0.5  # a disconnection is judged this long after it was seen: its connection's Bye may still be queued
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+DROPPED_CONNECTION_CAUSES = (
+    "the peer process exited or was killed without a Bye, the link was silent past transport.liveness_s "
+    "(ZMTP heartbeat), or it sent a frame over the {limit}-byte limit (ZMQ_MAXMSGSIZE; libzmq drops such a "
+    "connection with no other sign)"
+)
 
 
 @dataclass
@@ -122,6 +133,11 @@ class SenderControl:
         self._overflowed_before = 0  # `overflowed_messages` of a closed socket
         self._failed_handshakes = 0
         self._monitor: zmq.Socket[Any] | None = None
+        self.dropped_connections = 0  # see `poll_connections`
+        self._byes = 0  # Byes read whose disconnection is still to come
+        self._explained = 0  # failed handshakes whose disconnection is still to come
+        self._disconnects: list[float] = []  # when each disconnection not judged yet was seen
+        self._lost_connections = DropLog("lost a control connection", log=logger)
         self.replayed_messages = 0
         self.refused_registrations = 0  # duplicate registrations of a live identity (answered or not)
         self.throttled_registrations = 0  # ... of which dropped unanswered (REFUSE_EVERY_S)
@@ -152,12 +168,52 @@ class SenderControl:
     def rejected_handshakes(self) -> int:
         """Connections refused before any message: a CURVE handshake that failed (another token, or
         none) or presented a key other than the token's."""
+        self.poll_connections()
+        return self._failed_handshakes + (self._zap.rejected if self._zap is not None else 0)
+
+    def poll_connections(self) -> int:
+        """Read the ROUTER's connection events; returns `dropped_connections`: connections that passed the
+        handshake and then went without a Bye. libzmq 4.3 gives an over-size frame (`ZMQ_MAXMSGSIZE`) no
+        event of its own (decoder EMSGSIZE -> protocol error -> EVENT_DISCONNECTED, as for a peer that
+        exits), so this counts them all and the WARNING names every likely cause. Called by `recv` and
+        `_pump` too, so the line comes while the sender runs, not only when someone asks."""
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 while True:
-                    self._monitor.recv_multipart(flags=zmq.NOBLOCK)
-                    self._failed_handshakes += 1
-        return self._failed_handshakes + (self._zap.rejected if self._zap is not None else 0)
+                    event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+                    if event & _HANDSHAKE_FAILED:
+                        self._failed_handshakes += 1
+                        self._explained += 1
+                    elif event == zmq.EVENT_DISCONNECTED:
+                        self._disconnects.append(time.monotonic())
+        due = time.monotonic() - BYE_GRACE_S
+        while self._disconnects and self._disconnects[0] <= due:
+            self._disconnects.pop(0)
+            if self._explained:
+                self._explained -= 1
+            elif self._byes:
+                self._byes -= 1
+            else:
+                self._note_lost_connection()
+        return self.dropped_connections
+
+    def _note_lost_connection(self) -> None:
+        """Count one connection lost without a Bye and name who it was where the registry can tell: the
+        registered receivers whose connection is gone now (a liveness probe each)."""
+        self.dropped_connections += 1
+        gone = []
+        if self._router is not None:
+            for identity, peer in list(self.peers.items()):
+                try:  # a NOBLOCK send's outcome is known at once
+                    self._router.submit([peer.route, b""], zmq.NOBLOCK).result()
+                except zmq.Again:
+                    pass  # its pipe is full: there, but slow
+                except zmq.ZMQError:
+                    gone.append(f"receiver {identity!r} (host {peer.host[:256]!r}, pid {peer.pid})")
+                    self._routes.pop(peer.route, None)
+                    del self.peers[identity]
+        who = ", ".join(gone) if gone else "a connection that had not registered (or had already left)"
+        self._lost_connections.note(who, DROPPED_CONNECTION_CAUSES.format(limit=MAX_FRAME_TO_SENDER))
 
     @property
     def overflowed_messages(self) -> int:
@@ -189,8 +245,8 @@ class SenderControl:
             sock.curve_server = True
             sock.curve_secretkey = keys.server_secret
             sock.curve_publickey = keys.server_public
-            failed = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            self._monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        # handshake failures (`rejected_handshakes`) and disconnections (`dropped_connections`)
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         try:
             if self.requested_port == 0:
                 self.port = sock.bind_to_random_port(endpoint(self.host, 0).rsplit(":", 1)[0])
@@ -295,6 +351,7 @@ class SenderControl:
         while True:
             frames = router.take()
             if frames is None:
+                self.poll_connections()  # the queue is read: the Byes before any disconnection are counted
                 left = deadline - time.monotonic()
                 if left <= 0 or not await router.wait(left):
                     return None
@@ -334,6 +391,7 @@ class SenderControl:
         router = self._started()
         for _ in range(1000):
             if len(self._kept) >= MAX_KEPT or (frames := router.take()) is None:
+                self.poll_connections()
                 return
             got = await self._read_one(frames)
             if got is not None:
@@ -396,6 +454,7 @@ class SenderControl:
             return False, await self._register(route, msg, envelope)
         identity = self._routes[route]
         if isinstance(msg, Bye):
+            self._byes += 1  # its disconnection is a clean one (`poll_connections`)
             self._routes.pop(route, None)
             if self.peers.pop(identity, None) is not None:
                 logger.info("receiver %s left", identity)

@@ -1,0 +1,66 @@
+"""Connections that go down without a Bye are counted and logged (`dropped_connections`), on both ends:
+libzmq drops a connection that sends a frame over `ZMQ_MAXMSGSIZE` with no event but EVENT_DISCONNECTED,
+so without this an operator saw nothing at all. Real sockets on loopback: a sender, an honest receiver,
+and a token holder's own CURVE connection (`tests/support/control.py: TokenHolder`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from lightning_weightsync.protocol.messages import MAX_FRAME_TO_RECEIVER, MAX_FRAME_TO_SENDER
+from lightning_weightsync.transport.control.sender import BYE_GRACE_S
+from tests.support.control import TokenHolder, prepare, registered, started_sender, until
+
+
+async def test_an_over_size_frame_from_a_token_holder_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    sender = await started_sender()
+    honest = await registered(sender, "honest")
+    holder = TokenHolder(sender)
+    try:
+        await holder.sock.send_multipart([b"x" * (MAX_FRAME_TO_SENDER + 1)])
+        with caplog.at_level(logging.WARNING, logger="lightning_weightsync.transport.control.sender"):
+            await until(lambda: sender.poll_connections() >= 1, sender)
+        line = next(r.getMessage() for r in caplog.records if "lost a control connection" in r.getMessage())
+        assert f"a frame over the {MAX_FRAME_TO_SENDER}-byte limit (ZMQ_MAXMSGSIZE" in line, line
+        assert "had not registered" in line, line  # the honest receiver's connection is up: not named
+        assert sender.dropped_messages == 0 and "honest" in sender.peers
+        await prepare(sender, honest, 1)  # the sender keeps serving the honest receiver
+        assert sender.poll_connections() == 1
+    finally:
+        holder.close()
+        await honest.close()
+        await sender.close()
+
+
+async def test_a_receiver_that_says_bye_is_not_a_dropped_connection() -> None:
+    sender = await started_sender()
+    try:
+        receiver = await registered(sender, "leaving")
+        await prepare(sender, receiver, 1)  # its Bye is sealed for this session (before a Prepare: for none)
+        await receiver.close()
+        await until(lambda: "leaving" not in sender.peers, sender)
+        await asyncio.sleep(BYE_GRACE_S + 0.2)
+        await sender.recv(0.05)
+        assert sender.poll_connections() == 0
+    finally:
+        await sender.close()
+
+
+async def test_an_over_size_frame_to_a_receiver_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    sender = await started_sender()
+    receiver = await registered(sender, "r")
+    try:
+        await until(lambda: receiver.sender_link()[0])
+        await sender.inject(sender.route_of("r"), [b"x" * (MAX_FRAME_TO_RECEIVER + 1)])
+        with caplog.at_level(logging.WARNING, logger="lightning_weightsync.transport.control.receiver"):
+            await until(lambda: receiver.sender_link() is not None and receiver.dropped_connections >= 1)
+        line = next(r.getMessage() for r in caplog.records if "lost the control connection" in r.getMessage())
+        assert f"the sender at {sender.address}" in line, line
+        assert f"a frame over this receiver's {MAX_FRAME_TO_RECEIVER}-byte limit (ZMQ_MAXMSGSIZE" in line, line
+        assert receiver.dropped_messages == 0
+    finally:
+        await receiver.close()
+        await sender.close()
