@@ -1,6 +1,6 @@
 """The trainer drives each version through its rollout engines: pause, start, update, finish, resume.
 
-A rollout engine (vLLM, SGLang: `rollout_engines.py`) is a server whose workers receive our versions
+A rollout engine (vLLM, SGLang: `rollout_engines/__init__.py`) is a server whose workers receive our versions
 themselves. The sending rank wraps every send in the rollouts' update session, on every rollout at once:
 
     every rollout:  pause()                                     (generation stops stepping)
@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from ..engine.verify import weight_problems
 from ..errors import CannotAsk, ConfigError, PeerError
 from ..protocol.messages import LoraSpec
-from ..rollout_engines import ROLLOUT_ENGINES, RolloutClient
+from . import ROLLOUT_ENGINES, RolloutClient
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ An engine is a server that generates and also receives our versions in its own w
 - `client.py`: the trainer side. `clients(cfg) -> list[RolloutClient]`, one per server in
   `cfg.<name>.urls`, each driving the engine's own HTTP routes (pause, open an update, update while our
   sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer (only
-  errors, config and transport: tests/unit/test_rollout_engines.py checks it), so the trainer loading it
+  errors, config and transport: tests/unit/test_rollout_engines/__init__.py checks it), so the trainer loading it
   by path does not cross into the rollout side.
 - `launch.py`: the rollout side. `launch(cfg) -> int` runs the engine's server configured to receive
   (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigError
-from .registry import Registry
+from ..errors import ConfigError
+from ..registry import Registry
 
 
 @runtime_checkable
@@ -125,8 +125,8 @@ def rollout_engine(name: str) -> RolloutEngine:
     return ROLLOUT_ENGINES[name]
 
 
-register_rollout_engine("vllm", "lightning_weightsync.rollout.vllm")
-register_rollout_engine("sglang", "lightning_weightsync.rollout.sglang")
+register_rollout_engine("vllm", "lightning_weightsync.rollout_engines.vllm")
+register_rollout_engine("sglang", "lightning_weightsync.rollout_engines.sglang")
 
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutClient", "RolloutEngine", "register_rollout_engine", "rollout_engine"]

@@ -25,8 +25,8 @@ from omegaconf import OmegaConf
 from ..errors import SinkError
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
-from .engine_worker import ModelLoadSink
-from .sinks.safetensors import SafetensorsSink
+from ..rollout.sinks.safetensors import SafetensorsSink
+from .worker import ModelLoadSink
 
 KEEP_LAST = 3
 """Adapter versions kept in `lora_dir` (the one served and two before it, for a load still reading one)."""
