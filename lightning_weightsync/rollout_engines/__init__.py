@@ -6,7 +6,7 @@ An engine is a server that generates and also receives our versions in its own w
 - `client.py`: the trainer side. `clients(cfg) -> list[RolloutClient]`, one per server in
   `cfg.<name>.urls`, each driving the engine's own HTTP routes (pause, open an update, update while our
   sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer (only
-  errors, config and transport: tests/unit/test_rollout_engines/__init__.py checks it), so the trainer loading it
+  errors, config and transport: tests/unit/test_rollout_engines.py checks it), so the trainer loading it
   by path does not cross into the rollout side.
 - `launch.py`: the rollout side. `launch(cfg) -> int` runs the engine's server configured to receive
   (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
