@@ -6,8 +6,8 @@ tests that must catch it. For each one this script edits the source in place, ru
 restores the file (always, also on Ctrl-C), and reports CAUGHT or MISSED. Exit status 1 if any plant
 was missed or a file could not be restored.
 
-    .venv/bin/python benchmarks/plant_check.py            # every plant (~4 min on 2 cores)
-    .venv/bin/python benchmarks/plant_check.py decoder    # plants whose name contains "decoder"
+    .venv/bin/python -m lightning_weightsync.bench.plant_check            # every plant (~4 min on 2 cores)
+    .venv/bin/python -m lightning_weightsync.bench.plant_check decoder    # plants whose name contains "decoder"
 
 Not part of the test suite on purpose: it rewrites source files while it runs. Run it on a clean
 checkout (it refuses to start when a file it plants into has uncommitted changes).
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PKG = "lightning_weightsync"
 
 
@@ -288,21 +288,21 @@ PLANTS = [
           "                continue\n",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp2")),
     # -- the GPU kit's nixl step and the cut-down NIXL wheel it carries (issue 21)
-    Plant("nixl wheel: the UCX plug-in left out of the cut", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the UCX plug-in left out of the cut", "lightning_weightsync/bench/nixl_wheel.py",
           '        roots += [f"{meson_libs}plugins/libplugin_{p}.so" for p in KEPT_PLUGINS]\n', "",
           ("tests/unit/test_nixl_wheel.py",)),
-    Plant("nixl wheel: the libraries a kept one links not followed", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the libraries a kept one links not followed", "lightning_weightsync/bench/nixl_wheel.py",
           "                    todo += by_basename[needed]", "                    pass",
           ("tests/unit/test_nixl_wheel.py", "-k", "installs_imports")),
-    Plant("nixl wheel: the cut's own check removed", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the cut's own check removed", "lightning_weightsync/bench/nixl_wheel.py",
           "    if absent:\n        raise WheelStripError", "    if False:\n        raise WheelStripError",
           ("tests/unit/test_nixl_wheel.py", "-k", "refused")),
     Plant("nixl: a bucket released before its READ completed", f"{PKG}/transport/backends/nixl.py",
           "            self._wait_read(read)\n            self._send(done)",
           "            self._send(done)\n            self._wait_read(read)",
           ("tests/integration/test_nixl.py",)),
-    Plant("device check: the raw NIXL READs not made", "benchmarks/device_nixl.py",
-          'times.append(_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
+    Plant("device check: the raw NIXL READs not made", "lightning_weightsync/bench/device_nixl.py",
+          'times.append(nixl_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
           "times.append(1.0)", ("tests/integration/test_device_check.py", "-k", "complete_report")),
     # -- issue 25 item 8: failure paths that passed the whole suite when planted
     Plant("gather: FSDP1's freed views treated as stable", f"{PKG}/trainer/gather.py",
@@ -426,7 +426,8 @@ PLANTS = [
           ("tests/unit/test_sglang_launch.py", "-k", "limits")),
     Plant("sglang: the session left open after a failed update", f"{PKG}/rollout_engines/sglang/client.py",
           "            self._end_quietly()\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_update")),
-    Plant("sglang: a failed version keeps the weight_version SGLang recorded", f"{PKG}/rollout_engines/sglang/client.py",
+    Plant("sglang: a failed version keeps the weight_version SGLang recorded",
+          f"{PKG}/rollout_engines/sglang/client.py",
           "            self.http.request(api.SET_VERSION, marked)\n", "",
           ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
     Plant("sglang: the reported weight_version not checked", f"{PKG}/rollout_engines/sglang/client.py",

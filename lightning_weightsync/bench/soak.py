@@ -12,7 +12,7 @@ and the max time from a fault to the sender noticing it (a failed version or one
 without the victim).
 
 Not part of the default test run. From a source checkout, as root:
-    .venv/bin/python benchmarks/soak.py --versions 300 --seed 1
+    .venv/bin/python -m lightning_weightsync.bench.soak --versions 300 --seed 1
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.support.netlab import Lab, netlab, skip_reason  # noqa: E402
