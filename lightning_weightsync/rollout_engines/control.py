@@ -18,7 +18,8 @@ So generation runs between versions and is paused only for the transfer. A faili
 with its rollout's URL and fails the version (`PeerError`, i.e. `trainer.on_failure` applies); a
 rollout whose update failed is not finished (the engine already closed its session), the others are,
 and every paused rollout is resumed. What each step is on the wire is the engine's client
-(`rollout/<engine>/client.py`), loaded by path through the registry; this module never imports them.
+(`rollout_engines/<engine>/client.py`), loaded by path through the registry; this module never imports them
+(tests/unit/test_layers.py: an engine's modules are named only inside its folder).
 """
 
 from __future__ import annotations
