@@ -3,7 +3,7 @@
 On loopback a delta never wins in seconds (docs/backends.md, "Verify and delta": the codec costs more
 than the bytes it saves take to move); the table derives the link speed below which it should. Here the
 sender runs in its own network namespace behind a `tc tbf` link of `--rate-mbit`, the receiver in
-another (tests/support/netlab.py; needs root), and the same stream of versions (bf16 tensors, each
+another (bench/netlab.py; needs root), and the same stream of versions (bf16 tensors, each
 version moving `--changed` of the elements to a neighbouring value) is sent with `transport.delta: off`,
 `always` and `auto`, each in a fresh pair. The receiver applies each version onto what it holds and
 checks it bitwise. Prints seconds and bytes of the steady versions, with ratios to `off` from the same run.
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 MODULE = "lightning_weightsync.bench.delta_links"  # what the lab's processes import (by name, not __main__)
 
+from lightning_weightsync.bench.netlab import netlab, skip_reason  # noqa: E402
 from lightning_weightsync.bench.sharded_links import await_versions, jsonl_lines, limit_uplink  # noqa: E402
-from tests.support.netlab import netlab, skip_reason  # noqa: E402
 
 PORT = 29713
 

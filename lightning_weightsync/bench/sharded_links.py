@@ -2,7 +2,7 @@
 
 Every trainer rank runs in its own network namespace behind its own veth link, rate-limited with
 `tc qdisc ... tbf` (this kernel has no netem; tbf works), the receiver in another (unlimited) one, all
-joined by a bridge (tests/support/netlab.py; needs root). The ranks form a gloo trainer group over the
+joined by a bridge (bench/netlab.py; needs root). The ranks form a gloo trainer group over the
 lab network and send one synthetic stream per version (tensors of `--tensor-mb`, row-sharded over the
 ranks as FSDP2 cuts them) in sharded mode; the receiver tiles and checks every version bitwise.
 
@@ -26,10 +26,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 MODULE = "lightning_weightsync.bench.sharded_links"  # what the lab's processes import (by name, not __main__)
 
-from tests.support.netlab import Lab, netlab, skip_reason  # noqa: E402
+from lightning_weightsync.bench.netlab import Lab, netlab, skip_reason  # noqa: E402
 
 TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothing else binds there
 
+
+
+def row_shard(tensor: Any, rank: int, world: int) -> Any:
+    """Rank `rank`'s rows of `tensor` split `world` ways (torch.chunk), as the `TensorShard` it sends; None
+    when it holds no rows (as tests/integration/test_sharded.py cuts them)."""
+    import torch
+
+    from lightning_weightsync.protocol.chunks import TensorShard
+
+    parts = torch.chunk(tensor, world, dim=0)
+    if rank >= len(parts) or parts[rank].numel() == 0:
+        return None
+    first = sum(p.shape[0] for p in parts[:rank])
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
 
 def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
     import torch
@@ -78,7 +93,6 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
     from lightning_weightsync.engine.sender import Sharding, WeightSender
     from lightning_weightsync.protocol.messages import SenderAddress
     from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
-    from tests.integration.test_sharded import _rows
 
     store = dist.TCPStore(master, TRAINER_PORT, world, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -94,7 +108,8 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
                 if layout == "hsdp":
                     mine = hsdp_part(version, mb, tensor_mb, world)
                 else:
-                    mine = [(n, s) for n, t in stream(version, mb, tensor_mb).items() if (s := _rows(t, rank, world))]
+                    tensors = stream(version, mb, tensor_mb).items()
+                    mine = [(n, s) for n, t in tensors if (s := row_shard(t, rank, world))]
                 relay = MembersRelay(torch.device("cpu"))
                 dist.barrier()
                 started = time.perf_counter()
