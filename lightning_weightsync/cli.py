@@ -68,7 +68,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(args.log_level)
-    if str(cfg.rollout.engine) != "none":  # an engine's server that generates and receives (rollout/<engine>/)
+    if str(cfg.rollout.engine) != "none":  # an engine's server that generates and receives (rollout_engines/<engine>/)
         return rollout_engine(cfg.rollout.engine).launch(cfg)
     run_daemon(cfg, stats_path=args.stats_jsonl, dump_path=args.dump_on_exit)
     _exit_past_stuck_groups()

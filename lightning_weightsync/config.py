@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import enum
 import logging
 import math
 import os
@@ -22,24 +21,16 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from .choice import Choice
 from .errors import ConfigError
 from .protocol.messages import MAX_IDENTITY_LEN
 from .registry import Registry
 from .rollout_engines import ROLLOUT_ENGINES
+from .rollout_engines.sglang.config import SGLangConfig
+from .rollout_engines.vllm.config import VLLMConfig
 from .transport.backends import BACKENDS
 
 logger = logging.getLogger(__name__)
-
-
-class Choice(str, enum.Enum):
-    """A config choice: OmegaConf rejects any other value at load time, and the code compares
-    members, never strings. Formats as its value, so messages and YAML read `gloo`, not `Backend.gloo`."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
 
 
 # The names are defined once, by the backend table `BACKENDS` (`transport/backends/__init__.py`, one line a
@@ -84,7 +75,7 @@ SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each vers
 A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
 
 
-# Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines.py).
+# Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines/__init__.py).
 if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
 RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
@@ -173,30 +164,6 @@ class DeltaMode(Choice):
     off = "off"
     auto = "auto"  # a delta where it is worth it (engine/delta.py AUTO_MAX_PAYLOAD_FRACTION), else whole
     always = "always"  # a delta whenever it is smaller at all
-
-
-class RollbackMode(Choice):
-    """`vllm.rollback`: what a vLLM server's workers do when a version fails on any of them."""
-
-    host = "host"
-    none = "none"
-
-
-class PauseMode(Choice):
-    """`vllm.pause_mode`: what a vLLM rollout does with in-flight requests while a version loads
-    (vLLM's `pause_generation(mode=...)`)."""
-
-    abort = "abort"
-    wait = "wait"
-    keep = "keep"
-
-
-class SGLangPauseMode(Choice):
-    """`sglang.pause_mode`: SGLang's `/pause_generation` modes (io_struct.py `PauseGenerationReqInput`)."""
-
-    abort = "abort"
-    retract = "retract"
-    in_place = "in_place"
 
 
 CAST_DTYPES = tuple(d.value for d in CastDtype)
@@ -372,61 +339,6 @@ class RolloutConfig:
     """Device tensors are assembled on when the sink gives no destination."""
     progress: bool = True
     """Show a progress bar on a terminal."""
-
-
-@dataclass
-class VLLMConfig:
-    """vLLM rollouts: the servers the trainer drives (trainer side) and the server the launcher starts."""
-
-    urls: list[str] = field(default_factory=list)
-    """Trainer side: base URLs of the vLLM servers driven around every version; [] = none."""
-    pause_mode: PauseMode = PauseMode.keep
-    """What vLLM does with in-flight requests while a version loads: abort | wait | keep."""
-    reset_prefix_cache: bool = True
-    """After each version, drop prefix-cache blocks computed with the old weights."""
-    request_timeout_s: float = 600.0
-    """Seconds: bound on each HTTP call to a vLLM server (update_weights spans the whole transfer)."""
-    model: str | None = None
-    """Rollout side: the model `vllm serve` serves."""
-    serve_args: list[str] = field(default_factory=list)
-    """Rollout side: extra `vllm serve` arguments, e.g. ["--port", "8000", "--tensor-parallel-size", "2"]."""
-    rollback: RollbackMode = RollbackMode.host
-    """Rollout side: host = every worker keeps a host copy of its model shard (taken before each version) and a
-    version that fails on any worker of the server is undone on all; none = no copy (saves host memory the size
-    of the model), and a failed version leaves the server torn until the next one lands."""
-    lora_name: str = "policy"
-    """Adapter versions (trainer.lora=adapter, a server started with --enable-lora): the adapter name the server
-    serves each version under (requests name it as their `model`); replaced in place every version."""
-    lora_dir: str | None = None
-    """Adapter versions: the directory, as the server's machine sees it, where worker 0 writes each version as a
-    PEFT adapter directory (`step_<version>/`) that the trainer then has vLLM load; the same value on both sides.
-    null = adapter versions are refused (set it, or trainer.lora=merged)."""
-
-
-@dataclass
-class SGLangConfig:
-    """SGLang rollouts: the servers the trainer drives (trainer side) and the server the launcher starts."""
-
-    urls: list[str] = field(default_factory=list)
-    """Trainer side: base URLs of the SGLang servers driven around every version; [] = none."""
-    pause_mode: SGLangPauseMode = SGLangPauseMode.retract
-    """What SGLang does with running requests while a version loads: abort | retract | in_place (retract:
-    they re-prefill on the new weights; in_place keeps their old KV, so the cache is not flushed)."""
-    flush_cache: bool = True
-    """After each version, flush the KV/radix cache computed with the old weights (not with in_place)."""
-    request_timeout_s: float = 600.0
-    """Seconds: bound on each HTTP call to an SGLang server (the update itself spans the whole transfer)."""
-    model: str | None = None
-    """Rollout side: the model SGLang serves (its --model-path)."""
-    serve_args: list[str] = field(default_factory=list)
-    """Rollout side: extra `python -m sglang.launch_server` arguments, e.g. ["--port", "30000", "--tp-size", "2"]."""
-    lora_name: str = "policy"
-    """Adapter versions (trainer.lora=adapter, a server started with --enable-lora): the adapter name the server
-    serves each version under (requests name it as their `lora_path`); unloaded and loaded again every version."""
-    lora_dir: str | None = None
-    """Adapter versions: the directory, as the server's machine sees it, where TP rank 0 writes each version as a
-    PEFT adapter directory (`step_<version>/`) that the trainer then has SGLang load; the same value on both sides.
-    null = adapter versions are refused (set it, or trainer.lora=merged)."""
 
 
 @dataclass

@@ -94,7 +94,7 @@ def _best(results: list[tuple[float, int, int]]) -> tuple[float, int, int]:
     return min(results, key=lambda r: r[0])
 
 
-def _changed(weights: Weights, fraction: float, seed: int) -> Weights:
+def changed_weights(weights: Weights, fraction: float, seed: int) -> Weights:
     """`weights` with `fraction` of every floating tensor's elements moved to a neighbouring bf16 value."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -240,9 +240,9 @@ def run(json_out: bool = False, *, scale: int = 4, repeats: int = 2, lm_dim: int
     report["synthetic"] = {}
     for fraction in (0.01, 0.10, 0.50):
         progress(f"full vs delta, {fraction:.0%} of the elements changed")
-        nexts = [_changed(stream, fraction, seed=1)]
+        nexts = [changed_weights(stream, fraction, seed=1)]
         for seed in (2, 3, 4):  # successive versions, each `fraction` away from the one before
-            nexts.append(_changed(nexts[-1], fraction, seed=seed))
+            nexts.append(changed_weights(nexts[-1], fraction, seed=seed))
         row = asyncio.run(_delta_rows(stream, nexts, repeats))
         row["changed"], row["changed_blocks"] = _fraction_changed(stream, nexts[0])
         row["codec"] = _codec(stream, nexts[0])

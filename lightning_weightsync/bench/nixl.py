@@ -46,14 +46,14 @@ def _stream(scale: int, version: int) -> list[tuple[str, torch.Tensor]]:
     return list(model_stream("qwen3-8b", scale=scale, version=version, extras=False))
 
 
-def _agent(name: str) -> Any:
+def make_agent(name: str) -> Any:
     from ..transport.backends import backend_class
 
     agent_cls, config_cls = backend_class("nixl").agent_classes()  # type: ignore[attr-defined]
     return agent_cls(name, config_cls(enable_prog_thread=False, backends=["UCX"]))  # as the backend runs it
 
 
-def _progress_until(agent: Any, q_in: Any, timeout_s: float = 300) -> Any:
+def progress_until(agent: Any, q_in: Any, timeout_s: float = 300) -> Any:
     """The passive side of a transfer drives its UCX worker until the other side says it is done."""
     import queue
 
@@ -74,7 +74,7 @@ def _wait(agent: Any, handle: Any) -> None:
         raise RuntimeError(f"NIXL transfer failed ({state})")
 
 
-def _pieces(agent: Any, op: str, local: list[torch.Tensor], remote: list[tuple[int, int]], peer: str, total: int,
+def nixl_pieces(agent: Any, op: str, local: list[torch.Tensor], remote: list[tuple[int, int]], peer: str, total: int,
             bucket: int, mem_type: str = "DRAM", device_id: int = 0) -> float:  # fmt: skip
     """Seconds to move `total` bytes in `bucket`-byte pieces, alternating the two slots (one request per piece).
     Both sides' slots are `mem_type` on `device_id` (the GPU kit runs this VRAM to VRAM on one GPU)."""
@@ -91,7 +91,7 @@ def _pieces(agent: Any, op: str, local: list[torch.Tensor], remote: list[tuple[i
 
 def _raw(role: int, q_in: Any, q_out: Any, total: int, bucket: int, repeats: int) -> dict[str, Any]:
     """Raw NIXL between the two workers: READ by role 1 from role 0's slots, then WRITE by role 0."""
-    agent = _agent(f"bench-{role}")
+    agent = make_agent(f"bench-{role}")
     slots = [torch.full((bucket,), 17 * (i + 1) + role, dtype=torch.uint8) for i in range(2)]
     agent.register_memory(slots)
     q_out.put((agent.get_agent_metadata(), [(s.data_ptr(), bucket) for s in slots]))
@@ -100,24 +100,24 @@ def _raw(role: int, q_in: Any, q_out: Any, total: int, bucket: int, repeats: int
     peer = peer.decode() if isinstance(peer, bytes) else peer
     out: dict[str, Any] = {}
     if role == 1:
-        _pieces(agent, "READ", slots, remote, peer, min(total, 2 * bucket), bucket)  # connection set-up
-        out["read_s"] = min(_pieces(agent, "READ", slots, remote, peer, total, bucket) for _ in range(repeats))
+        nixl_pieces(agent, "READ", slots, remote, peer, min(total, 2 * bucket), bucket)  # connection set-up
+        out["read_s"] = min(nixl_pieces(agent, "READ", slots, remote, peer, total, bucket) for _ in range(repeats))
         out["read_bitwise"] = all(torch.equal(slots[i], torch.full((bucket,), 17 * (i + 1), dtype=torch.uint8))
                                   for i in range(min(2, -(-total // bucket))))  # fmt: skip
         for slot in slots:
             slot.zero_()
         q_out.put("read done")
-        _progress_until(agent, q_in)  # the WRITE phase ran
+        progress_until(agent, q_in)  # the WRITE phase ran
         out["write_bitwise"] = torch.equal(slots[0], torch.full((bucket,), 17, dtype=torch.uint8))
     else:
-        _progress_until(agent, q_in)  # the READ phase ran
-        out["write_s"] = min(_pieces(agent, "WRITE", slots, remote, peer, total, bucket) for _ in range(repeats))
+        progress_until(agent, q_in)  # the READ phase ran
+        out["write_s"] = min(nixl_pieces(agent, "WRITE", slots, remote, peer, total, bucket) for _ in range(repeats))
         q_out.put("write done")
     return out
 
 
 def _registration_seconds(sizes_mb: list[int]) -> dict[str, float]:
-    agent = _agent("bench-registration")
+    agent = make_agent("bench-registration")
     out = {}
     for size in sizes_mb:
         t = torch.ones(size * MiB, dtype=torch.uint8)  # touched: registration, not page faults, is timed

@@ -162,7 +162,7 @@ class WeightReceiver(Endpoint):
 
     async def register(self) -> None:
         """Announce this receiver to the sender now; `wait_version` does it every heartbeat while it
-        waits, an engine worker between versions too (`rollout/engine_worker.py WorkerReceiver`)."""
+        waits, an engine worker between versions too (`rollout_engines/worker.py WorkerReceiver`)."""
         if self._executor is None:
             raise WeightSyncError("WeightReceiver.register() before start()")
         await self._steps.register()

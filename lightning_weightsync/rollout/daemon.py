@@ -17,7 +17,7 @@ Anything else (a bug) propagates.
 The daemon drives one interface, `Sink` (begin, destination, accept, commit, abort; `snapshot` for a
 dump on exit), whatever the sink, through the receive loop every rollout shares (`consume.py`).
 vLLM is not a daemon sink: vLLM workers receive by themselves through our weight-transfer engine
-(`rollout/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
+(`rollout_engines/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
 log line live in `observability.py`.
 """
 

@@ -49,8 +49,8 @@ from .names import tied_names
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender
     from ..engine.stats import SendStats
+    from ..rollout_engines.control import RolloutControl
     from .overlap import OverlapSync
-    from .rollout_control import RolloutControl
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class SyncDriver:
         # default raised again on this process; the Lightning callback sets Lightning's own flag instead
         self.deliver_signal: Callable[[int], None] = raise_signal
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
-        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])`, rollout/vllm/client.py)
+        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])`, rollout_engines/vllm/client.py)
         self.rollouts: RolloutControl | None = None
         # trainer.send_mode=sharded (trainer/sharded.py): every rank has a sender; their endpoints, by rank
         self.sharded = SendMode(cfg.trainer.send_mode) is SendMode.sharded and _world_size() > 1
@@ -268,7 +268,7 @@ class SyncDriver:
                 self.sender = sender
                 logger.info("weight sender listening on %s:%d", cfg.transport.host, sender.port)
                 if self.rollouts is None and self.is_sender:
-                    from .rollout_control import RolloutControl
+                    from ..rollout_engines.control import RolloutControl
 
                     self.rollouts = RolloutControl.from_config(self.cfg)
             except Exception as exc:

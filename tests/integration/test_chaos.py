@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from lightning_weightsync.bench.netlab import REPO, Lab, netlab, skip_reason
 from lightning_weightsync.transport.process import process_group
-from tests.support.netlab import REPO, Lab, netlab, skip_reason
 
 _SKIP = skip_reason()
 pytestmark = [

@@ -192,22 +192,22 @@ def test_the_delta_benchmark_runs_small_and_checks_what_it_measures(capsys) -> N
 async def test_auto_falls_back_to_whole_versions_by_itself_where_deltas_measure_slower() -> None:
     """On a link where whole versions are cheap (here: one measured as if the link were infinitely fast), a
     delta version measures slower, and `auto` sends the next versions whole, then tries a delta again."""
-    from lightning_weightsync.bench.delta import _changed, _Pair
+    from lightning_weightsync.bench.delta import _Pair, changed_weights
     from lightning_weightsync.engine.delta import PROBE_EVERY
 
     weights = {f"w{i}": torch.randn(4096).to(torch.bfloat16) for i in range(4)}
     async with _Pair(delta="auto") as pair:
         await pair.sync(weights)  # forms the group: not measured
-        weights = _changed(weights, 0.01, seed=1)
+        weights = changed_weights(weights, 0.01, seed=1)
         assert (await pair.sync(weights))[2] == 4, "a delta first, while nothing says it loses"
-        weights = _changed(weights, 0.01, seed=0)
+        weights = changed_weights(weights, 0.01, seed=0)
         assert (await pair.sync(weights))[2] == 0, "then one whole version, to measure that too"
         pair.sender._delta_base.whole_s_per_byte = 1e-15  # whole versions measured as (nearly) free
-        weights = _changed(weights, 0.01, seed=2)
+        weights = changed_weights(weights, 0.01, seed=2)
         assert (await pair.sync(weights))[2] == 4  # measured slower than that: auto decides to go whole
         deltas = []
         for seed in range(3, 3 + PROBE_EVERY + 1):
-            weights = _changed(weights, 0.01, seed=seed)
+            weights = changed_weights(weights, 0.01, seed=seed)
             pair.sender._delta_base.whole_s_per_byte = 1e-15
             deltas.append((await pair.sync(weights))[2])
             assert not differing(pair.held, weights)

@@ -1,4 +1,4 @@
-"""The GPU validation kit (`./dev device-check`, benchmarks/device_check.py) kept from rotting on CPU:
+"""The GPU validation kit (`./dev device-check`, lightning_weightsync/bench/device_check.py) kept from rotting on CPU:
 its `--dry-run` runs every step with tiny sizes and CPU stand-ins (shm for cuda_ipc, gloo for nccl,
 host memory for nixl, a 1-process FSDP2 Lightning run over gloo) and must write a complete report; a broken step is
 recorded with its traceback while the others still run."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
+from lightning_weightsync.bench.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
 from tests.support.engine import NIXL_MISSING
 from tests.support.mp import PYTHON, output_of, popen
 
@@ -22,7 +22,8 @@ DRY_RUN_TIMEOUT_S = 260
 
 
 def _dry_run(out: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, str, dict[str, Any]]:
-    cmd = [PYTHON, "-m", "benchmarks.device_check", "--dry-run", "--out", str(out), "--budget-s", str(DRY_RUN_BUDGET_S)]
+    module = "lightning_weightsync.bench.device_check"
+    cmd = [PYTHON, "-m", module, "--dry-run", "--out", str(out), "--budget-s", str(DRY_RUN_BUDGET_S)]
     cmd += extra
     run_env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out wins anyway; keep $OUT out of it
     with popen(cmd, cwd=str(REPO), env={**run_env, **(env or {})}) as proc:

@@ -1,6 +1,6 @@
 """`SyncDriver`, the one sync both integrations run: every rank gathers, global rank 0 sends, all agree.
 
-Its failure paths, each with a test that fails when the guard is removed (benchmarks/plant_check.py
+Its failure paths, each with a test that fails when the guard is removed (lightning_weightsync/bench/plant_check.py
 plants each one): a send that never started still joins the other ranks' all-gathers, and a bug is not
 a rollout failure (`on_failure: warn` skips a version a rollout lost, never a TypeError).
 """

@@ -91,7 +91,7 @@ def test_cli_config_show_accepts_every_recipe(path: Path) -> None:
 def test_cli_rollout_loads_every_recipe(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`lightning-weightsync rollout --config recipe.yaml`: the config-loading path, up to the daemon."""
     import lightning_weightsync.rollout.daemon as daemon
-    import lightning_weightsync.rollout.vllm.launch as vllm_launch
+    import lightning_weightsync.rollout_engines.vllm.launch as vllm_launch
 
     seen: list[Any] = []
     monkeypatch.setattr(daemon, "run_daemon", lambda cfg, **kwargs: seen.append(cfg))

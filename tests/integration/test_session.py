@@ -1,5 +1,5 @@
 """The version session's failure paths on the receiver, each with a test that fails when its check alone
-is removed (benchmarks/plant_check.py plants each one), and the layering: the transport knows no
+is removed (lightning_weightsync/bench/plant_check.py plants each one), and the layering: the transport knows no
 version policy.
 
 In process: a real sender and receiver on loopback (ZeroMQ, gloo); where a hostile or broken peer is

@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_weightsync.examples.tiny_lm import build_model
-from lightning_weightsync.rollout.engine_worker import CONFIG_ENV
-from lightning_weightsync.rollout.sglang import api
+from lightning_weightsync.rollout_engines.sglang import api
+from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from tests.support.vllm_standin import StandInModel
 
 SNAPSHOT = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_api.json").read_text())
@@ -164,7 +164,7 @@ class StandInSGLang:
     def dump(self) -> None:
         state = {k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}
         save_file(state, str(self.out_dir / "received.safetensors"))
-        from lightning_weightsync.rollout.sglang import loader
+        from lightning_weightsync.rollout_engines.sglang import loader
 
         rank = loader._rank
         (self.out_dir / "state.json").write_text(json.dumps({

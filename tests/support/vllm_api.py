@@ -81,7 +81,7 @@ ROUTES = [
     "/update_weights",
     "/finish_weight_update",
     "/reset_prefix_cache",
-    "/v1/load_lora_adapter",  # trainer.lora=adapter (rollout/vllm/client.py load_adapter)
+    "/v1/load_lora_adapter",  # trainer.lora=adapter (rollout_engines/vllm/client.py load_adapter)
 ]
 CONSTANTS = [("distributed/weight_transfer/factory.py", "WeightTransferEngineFactory._registry")]
 

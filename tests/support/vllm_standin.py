@@ -39,8 +39,8 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_weightsync.examples.tiny_lm import TinyLM, build_model
-from lightning_weightsync.rollout.vllm.extension import WeightSyncWorkerExtension
-from lightning_weightsync.rollout.vllm.worker import WeightSyncEngineBody
+from lightning_weightsync.rollout_engines.vllm.extension import WeightSyncWorkerExtension
+from lightning_weightsync.rollout_engines.vllm.worker import WeightSyncEngineBody
 
 
 class StandInModel(TinyLM):

@@ -1,4 +1,4 @@
-"""rollout/engine_adapter.py: an engine worker's sink writes adapter versions as PEFT adapter directories
+"""rollout_engines/adapter.py: an engine worker's sink writes adapter versions as PEFT adapter directories
 (one worker of the server), drains them on the others, refuses what an engine cannot serve, and sends
 every other version to `model.load_weights` as before."""
 
@@ -15,7 +15,7 @@ from lightning_weightsync.errors import SinkError
 from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.protocol.lora import adapter_path
 from lightning_weightsync.protocol.messages import LoraSpec
-from lightning_weightsync.rollout.engine_adapter import AdapterDirectory, EngineVersionSink
+from lightning_weightsync.rollout_engines.adapter import AdapterDirectory, EngineVersionSink
 from tests.support.vllm_standin import StandInModel
 
 ADAPTER = {

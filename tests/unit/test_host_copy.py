@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_weightsync.rollout.host_copy import HostCopy
+from lightning_weightsync.rollout_engines.host_copy import HostCopy
 
 
 def _model(device: str = "cpu") -> torch.nn.Module:

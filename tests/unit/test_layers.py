@@ -1,14 +1,27 @@
 """The package tree is the architecture: an import only ever points down the layers.
 
-    errors <- registry <- protocol | rollout_engines <- transport <- config <- engine <- trainer | rollout
+    errors, choice <- registry <- protocol | rollout_engines (table, config sections) <- transport <- config
+        <- engine <- rollout_engines (trainer half) <- trainer | rollout <- rollout_engines (receiving half)
         <- examples <- bench <- cli, __init__
 
 `registry` is the one plug-in seam (name -> module path, imported when used) that the backend, join-kind,
-sink and rollout-engine tables are built with; every layer may use it.
+sink and rollout-engine tables are built with; every layer may use it. `choice` is the base of every config
+choice, below `config` so that a config section living with its code can define choices.
 
-`rollout_engines` names the rollout engines by module path; the trainer loads an engine's
-`rollout/<engine>/client.py` through it, and those client modules import nothing of the rollout layer
-(tests/unit/test_rollout_engines.py).
+`rollout_engines/` holds every rollout engine (one folder each) and what they share; its files belong to
+three layers, one rule per group (`_group`):
+- the table and the config sections: `rollout_engines/__init__.py` (names -> module paths, the
+  `RolloutClient` protocol) and `rollout_engines/<engine>/config.py` (+ the engine's empty `__init__.py`),
+  which `config` imports, so they import only `errors`, `choice`, `registry`;
+- the trainer half: `control.py` (drives the servers around a version) and each engine's `client.py` (+
+  `api.py`, its constants): below `trainer`, which imports `control`; they import `config`, `engine` and what
+  is below, never `rollout` nor the receiving half (so the trainer, which loads a client by path, never
+  crosses into the rollout side), and never each other (`control` reaches a client only through the table);
+- the receiving half: everything else (`worker.py`, `launch.py`, `host_copy.py`, `adapter.py`, and each
+  engine's server-side modules): above `rollout`, whose receive loop and sinks they run inside the engine's
+  server; nothing in the package but the table (by path) and the CLI (through the table) reaches them.
+An engine's modules are imported by name only from its own folder (and its `config.py` by `config`): the
+rest of the package goes through the table.
 
 `config` sits above `transport` because validation asks the backend registry which names exist.
 Trainer and rollout never import each other; they meet only through the engine and the wire. Every
@@ -37,22 +50,29 @@ from lightning_weightsync.transport.backends import BACKENDS, Backend
 
 PACKAGE_DIR = Path(lightning_weightsync.__file__).parent
 PKG = "lightning_weightsync"
+ENGINES = "rollout_engines"
+ENGINES_TABLE = "rollout_engines (table, config sections)"
+ENGINES_TRAINER = "rollout_engines (trainer half)"
+ENGINES_RECEIVING = "rollout_engines (receiving half)"
 
 # layer of each top-level name under the package; equal numbers are siblings that must not import each other
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "choice": 0,  # the base of every config choice
     "registry": 1,  # the plug-in seam every table is built with
-    "rollout_engines": 2,  # the engine registry: names and module paths, imported by config and trainer
+    ENGINES_TABLE: 2,  # rollout_engines/__init__.py + <engine>/config.py: imported by config
     "protocol": 2,
     "transport": 3,
     "config": 4,
     "engine": 5,
-    "trainer": 6,
-    "rollout": 6,
-    "examples": 7,
-    "bench": 8,
-    "cli": 9,
-    "__init__": 9,
+    ENGINES_TRAINER: 6,  # control.py, <engine>/client.py + api.py: imported by trainer
+    "trainer": 7,
+    "rollout": 7,
+    ENGINES_RECEIVING: 8,  # the rest of rollout_engines/: runs rollout's receive loop in a server
+    "examples": 9,
+    "bench": 10,
+    "cli": 11,
+    "__init__": 11,
 }
 MAX_ROOT_MODULES = 7
 
@@ -73,6 +93,27 @@ def _top(module: str) -> str:
     return rest.split(".")[0]
 
 
+def _group(module: str) -> str:
+    """The layer group of a module: its top-level name, except in `rollout_engines/`, whose files split into
+    the table + config sections, the trainer half and the receiving half (module docstring)."""
+    top = _top(module)
+    if top != ENGINES:
+        return top
+    inner = module[len(f"{PKG}.{ENGINES}") :].lstrip(".").split(".") if module != f"{PKG}.{ENGINES}" else []
+    if not inner or (len(inner) == 1 and inner[0] in ROLLOUT_ENGINES) or inner[1:] == ["config"]:
+        return ENGINES_TABLE
+    if inner == ["control"] or (len(inner) == 2 and inner[1] in ("client", "api")):
+        return ENGINES_TRAINER
+    return ENGINES_RECEIVING
+
+
+def _submodule(package: str, name: str) -> str:
+    """`from <package> import <name>`: the submodule when there is one, else a name of the package itself."""
+    rel = Path(*package.split(".")[1:], name)
+    is_module = (PACKAGE_DIR / rel).with_suffix(".py").is_file() or (PACKAGE_DIR / rel / "__init__.py").is_file()
+    return f"{package}.{name}" if is_module else package
+
+
 def _imports(path: Path, module: str) -> list[tuple[int, str]]:
     """Every package-internal import of the file, resolved to an absolute module name."""
     is_pkg = path.name == "__init__.py"
@@ -85,7 +126,7 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            names = [target] if node.module or not node.level else [f"{target}.{a.name}" for a in node.names]
+            names = [target] if node.module or not node.level else [_submodule(target, a.name) for a in node.names]
             found += [(node.lineno, t) for t in names if t.startswith(PKG)]
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.startswith(PKG)]
@@ -93,7 +134,7 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
 
 
 def test_every_top_level_name_has_a_layer() -> None:
-    tops = {_top(m) for _, m in _modules()}
+    tops = {_group(m) for _, m in _modules()}
     assert tops <= set(LAYERS), f"give these a layer in tests/unit/test_layers.py: {sorted(tops - set(LAYERS))}"
 
 
@@ -105,9 +146,9 @@ def test_root_holds_few_modules() -> None:
 def test_imports_point_down() -> None:
     bad = []
     for path, module in _modules():
-        src_top = _top(module)
+        src_top = _group(module)
         for lineno, target in _imports(path, module):
-            dst_top = _top(target)
+            dst_top = _group(target)
             if dst_top == src_top or (target == PKG and src_top == "__init__"):
                 continue
             if target == PKG:
@@ -119,20 +160,34 @@ def test_imports_point_down() -> None:
 
 
 @pytest.mark.parametrize(
-    ("source", "expect_bad"),
+    ("src_module", "source", "expect_bad"),
     [
-        ("from ..engine.sender import WeightSender\n", True),  # transport -> engine: up
-        ("from ..rollout.daemon import run_daemon\n", True),  # trainer -> rollout: sideways
-        ("from ..protocol.chunks import TensorMeta\n", False),
+        ("transport.mod", "from ..engine.sender import WeightSender\n", True),  # transport -> engine: up
+        ("trainer.mod", "from ..rollout.daemon import run_daemon\n", True),  # trainer -> rollout: sideways
+        ("trainer.mod", "from ..protocol.chunks import TensorMeta\n", False),
+        # the rollout-engine seam, group by group
+        ("trainer.mod", "from ..rollout_engines.control import RolloutControl\n", False),
+        ("trainer.mod", "from ..rollout_engines.vllm.worker import BACKEND_NAME\n", True),  # receiving half
+        ("trainer.mod", "from ..rollout_engines.host_copy import HostCopy\n", True),
+        ("rollout_engines.vllm.client", "from ..worker import CONFIG_ENV\n", True),  # client -> receiving half
+        ("rollout_engines.vllm.client", "from ...rollout.consume import Call\n", True),  # client -> rollout
+        ("rollout_engines.vllm.client", "from .config import PauseMode\n", False),
+        ("rollout_engines.vllm.client", "from ...trainer.driver import SyncDriver\n", True),
+        ("rollout_engines.control", "from ..trainer.names import NameMap\n", True),
+        ("rollout_engines.vllm.config", "from ...config import load_config\n", True),  # config imports it: a cycle
+        ("rollout_engines.vllm.config", "from ...choice import Choice\n", False),
+        ("rollout_engines.vllm.worker", "from ...rollout.consume import Call\n", False),
+        ("rollout.daemon", "from ..rollout_engines.worker import WorkerReceiver\n", True),  # rollout -> receiving
     ],
 )
-def test_the_checker_catches_what_it_should(tmp_path: Path, source: str, expect_bad: bool) -> None:
-    """The rule would be worthless if the resolver silently missed relative imports."""
+def test_the_checker_catches_what_it_should(tmp_path: Path, src_module: str, source: str, expect_bad: bool) -> None:
+    """The rule would be worthless if the resolver silently missed relative imports, or if a file of
+    `rollout_engines/` landed in the wrong group."""
     here = tmp_path / "mod.py"
     here.write_text(source)
-    src_module = f"{PKG}.transport.mod" if "engine" in source else f"{PKG}.trainer.mod"
+    src_module = f"{PKG}.{src_module}"
     ((_, target),) = _imports(here, src_module)
-    is_bad = LAYERS[_top(target)] >= LAYERS[_top(src_module)]
+    is_bad = LAYERS[_group(target)] >= LAYERS[_group(src_module)]
     assert is_bad is expect_bad, target
 
 
@@ -210,6 +265,27 @@ def test_join_kinds_are_imported_only_by_their_backends() -> None:
     assert not bad, "modules that name a join kind:\n" + "\n".join(bad)
 
 
+ENGINES_PKG = f"{PKG}.{ENGINES}"
+
+
+def test_an_engines_modules_are_imported_only_from_its_folder() -> None:
+    """An engine is its folder and one line of `ROLLOUT_ENGINES`: the trainer (through `control.py`) and the
+    CLI reach its client and launcher through the table; only `config` names a module of it, its config
+    section (`<engine>/config.py`)."""
+    bad = []
+    for name in ROLLOUT_ENGINES:
+        folder = f"{ENGINES_PKG}.{name}"
+        for path, module in _modules():
+            if module == folder or module.startswith(f"{folder}."):
+                continue
+            for lineno, target in _imports(path, module):
+                if target == f"{folder}.config" and module == f"{PKG}.config":
+                    continue
+                if target == folder or target.startswith(f"{folder}."):
+                    bad.append(f"{path.relative_to(PACKAGE_DIR)}:{lineno} imports {target}")
+    assert not bad, "modules that name a rollout engine's module (go through ROLLOUT_ENGINES):\n" + "\n".join(bad)
+
+
 def test_the_plug_in_check_catches_a_backend_import(tmp_path: Path) -> None:
     here = tmp_path / "mod.py"
     here.write_text(
@@ -246,6 +322,6 @@ def test_every_join_entry_imports_and_is_that_kind(name: str) -> None:
 @pytest.mark.parametrize("name", list(ROLLOUT_ENGINES))
 def test_every_engine_entry_imports_and_has_a_client_and_a_launcher(name: str) -> None:
     package = ROLLOUT_ENGINES[name].package
-    assert package == ROLLOUT_ENGINES.path(name)
+    assert package == ROLLOUT_ENGINES.path(name) == f"{ENGINES_PKG}.{name}"
     assert callable(importlib.import_module(f"{package}.client").clients)
     assert callable(importlib.import_module(f"{package}.launch").launch)

@@ -18,7 +18,8 @@ from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES, register_rollout_engine, rollout_engine
 
 PACKAGE = Path(lightning_weightsync.__file__).parent
-BELOW_TRAINER = ("errors", "protocol", "transport", "config", "engine", "rollout_engines")
+BELOW_TRAINER = ("errors", "choice", "registry", "protocol", "transport", "config", "engine")
+OWN_TRAINER_HALF = ("api", "config", "")  # the engine's constants, its config section, `from . import api`
 
 
 def test_config_choices_are_the_registry() -> None:
@@ -34,25 +35,27 @@ def test_config_choices_are_the_registry() -> None:
 
 @pytest.mark.parametrize("name", sorted(ROLLOUT_ENGINES))
 def test_each_engine_is_one_folder_with_a_client_and_a_launcher(name: str) -> None:
-    folder = PACKAGE / "rollout" / name
-    assert ROLLOUT_ENGINES[name].package == f"lightning_weightsync.rollout.{name}"
+    folder = PACKAGE / "rollout_engines" / name
+    assert ROLLOUT_ENGINES[name].package == f"lightning_weightsync.rollout_engines.{name}"
     assert (folder / "client.py").is_file() and (folder / "launch.py").is_file()
+    assert (folder / "config.py").is_file(), "an engine's config section lives in its folder"
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUT_ENGINES))
 def test_client_modules_import_nothing_of_the_rollout_layer(name: str) -> None:
     """The trainer imports an engine's client by path; the layering (trainer and rollout never import each
     other) holds because the client is the engine's trainer half and imports only what the trainer may."""
-    folder = PACKAGE / "rollout" / name
+    folder = PACKAGE / "rollout_engines" / name
     bad = []
     for path in [folder / "client.py", *(folder / f for f in ("api.py",) if (folder / f).exists())]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 parts = (node.module or "").split(".")
-                if node.level == 1 and parts[0] in ("api", ""):
-                    continue  # the engine's own constants (api.py, checked too)
-                top = parts[0] if node.level == 3 else "rollout"
-                if top not in BELOW_TRAINER:
+                if node.level == 1 and parts[0] in OWN_TRAINER_HALF:
+                    continue  # the engine's own constants (api.py, checked too) and config section
+                if node.level == 2 and parts == [""] and {a.name for a in node.names} <= {"RolloutClient"}:
+                    continue  # rollout_engines/__init__.py: the protocol a client implements
+                if node.level != 3 or parts[0] not in BELOW_TRAINER:
                     bad.append(f"{path.name}:{node.lineno} from {'.' * node.level}{node.module}")
             elif isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -64,7 +67,7 @@ def test_building_clients_loads_no_receiving_side() -> None:
     code = (
         "import sys\n"
         "from lightning_weightsync.config import load_config\n"
-        "from lightning_weightsync.trainer.rollout_control import RolloutControl\n"
+        "from lightning_weightsync.rollout_engines.control import RolloutControl\n"
         "cfg = load_config(overrides=['vllm.urls=[http://v:1]', 'sglang.urls=[http://s:2]'])\n"
         "assert len(RolloutControl.from_config(cfg).clients) == 2\n"
         "import json\n"
@@ -72,8 +75,8 @@ def test_building_clients_loads_no_receiving_side() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     loaded = set(json.loads(out))
-    allowed = {"lightning_weightsync.rollout", "lightning_weightsync.rollout_engines"}
-    for name in ROLLOUT_ENGINES:
-        pkg = f"lightning_weightsync.rollout.{name}"
-        allowed |= {pkg, f"{pkg}.client", f"{pkg}.api"}
+    allowed = {"lightning_weightsync.rollout_engines", "lightning_weightsync.rollout_engines.control"}
+    for name in ROLLOUT_ENGINES:  # the trainer half and the config section; no receiving code, no rollout layer
+        pkg = f"lightning_weightsync.rollout_engines.{name}"
+        allowed |= {pkg, f"{pkg}.client", f"{pkg}.api", f"{pkg}.config"}
     assert loaded <= allowed, sorted(loaded - allowed)

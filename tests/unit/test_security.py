@@ -479,7 +479,7 @@ def test_the_console_script_never_lets_the_working_directory_shadow_the_standard
     ],
 )
 def test_vllm_init_overrides_cannot_change_where_whom_or_the_token(override: str) -> None:
-    from lightning_weightsync.rollout.vllm.worker import check_init_overrides
+    from lightning_weightsync.rollout_engines.vllm.worker import check_init_overrides
 
     with pytest.raises(ConfigError, match="cannot be set over HTTP") as info:
         check_init_overrides(["transport.timeout_s=5", override])
@@ -488,7 +488,7 @@ def test_vllm_init_overrides_cannot_change_where_whom_or_the_token(override: str
 
 
 def test_vllm_init_overrides_allow_waits_and_refuse_interpolations() -> None:
-    from lightning_weightsync.rollout.vllm.worker import INIT_OVERRIDES, check_init_overrides
+    from lightning_weightsync.rollout_engines.vllm.worker import INIT_OVERRIDES, check_init_overrides
 
     allowed = [f"{key}=1" for key in INIT_OVERRIDES if key != "transport.backend"] + ["transport.backend=gloo"]
     assert check_init_overrides(allowed) == allowed

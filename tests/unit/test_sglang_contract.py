@@ -12,10 +12,10 @@ import pickletools
 import re
 from pathlib import Path
 
-from lightning_weightsync.rollout.sglang import api
-from lightning_weightsync.rollout.sglang.client import SGLangClient
-from lightning_weightsync.rollout.sglang.launch import DP_FLAGS, OWN_FLAGS
-from lightning_weightsync.rollout.sglang.loader import load_weights
+from lightning_weightsync.rollout_engines.sglang import api
+from lightning_weightsync.rollout_engines.sglang.client import SGLangClient
+from lightning_weightsync.rollout_engines.sglang.launch import DP_FLAGS, OWN_FLAGS
+from lightning_weightsync.rollout_engines.sglang.loader import load_weights
 from tests.support.sglang_standin import StandInSGLang
 
 REPO = Path(__file__).resolve().parents[2]

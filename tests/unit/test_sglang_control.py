@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.config import SGLangPauseMode, load_config
+from lightning_weightsync.config import load_config
 from lightning_weightsync.errors import ConfigError, PeerError
-from lightning_weightsync.rollout.sglang import api
-from lightning_weightsync.rollout.sglang.client import SGLangClient
-from lightning_weightsync.trainer.rollout_control import RolloutControl
+from lightning_weightsync.rollout_engines.control import RolloutControl
+from lightning_weightsync.rollout_engines.sglang import api
+from lightning_weightsync.rollout_engines.sglang.client import SGLangClient
+from lightning_weightsync.rollout_engines.sglang.config import SGLangPauseMode
 
 SNAPSHOT = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_api.json").read_text())
 ROUTES = {r["path"]: r for r in SNAPSHOT["routes"]}

@@ -7,9 +7,9 @@ import pytest
 
 from lightning_weightsync.config import load_config
 from lightning_weightsync.errors import BackendUnavailable, ConfigError
-from lightning_weightsync.rollout.sglang.api import LOADER
-from lightning_weightsync.rollout.sglang.launch import launch, serve_command
-from lightning_weightsync.rollout.sglang.loader import load_weights
+from lightning_weightsync.rollout_engines.sglang.api import LOADER
+from lightning_weightsync.rollout_engines.sglang.launch import launch, serve_command
+from lightning_weightsync.rollout_engines.sglang.loader import load_weights
 
 
 def test_serve_command_names_our_loader_and_the_config() -> None:

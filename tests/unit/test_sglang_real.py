@@ -31,9 +31,9 @@ if importlib.util.find_spec("sglang") is None:
 from lightning_weightsync.config import load_config
 from lightning_weightsync.engine.sender import BlockingWeightSender
 from lightning_weightsync.examples.tiny_lm import build_model
-from lightning_weightsync.rollout.engine_worker import CONFIG_ENV
-from lightning_weightsync.rollout.sglang import api, loader
-from lightning_weightsync.rollout.sglang.launch import serve_command
+from lightning_weightsync.rollout_engines.sglang import api, loader
+from lightning_weightsync.rollout_engines.sglang.launch import serve_command
+from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
 from tests.support.sglang_api import extract
@@ -64,7 +64,7 @@ def test_snapshot_matches_the_installed_sglang_source() -> None:
     snapshot = json.loads((REPO / "tests" / "data" / "sglang_api.json").read_text())
     version = importlib.metadata.version("sglang")
     assert {"sglang_version": version, **extract(ROOT)} == snapshot, (
-        f"SGLang {version} differs from the snapshot of {snapshot['sglang_version']}: re-check rollout/sglang, "
+        f"SGLang {version} differs from the snapshot of {snapshot['sglang_version']}: re-check rollout_engines/sglang, "
         "then regenerate tests/data/sglang_api.json (python -m tests.support.sglang_api <sglang dir> <version>)"
     )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightning_weightsync.errors import BackendUnavailable
-from lightning_weightsync.rollout.vllm.worker import WeightSyncEngineBody
+from lightning_weightsync.rollout_engines.vllm.worker import WeightSyncEngineBody
 from tests.support.vllm_standin import StandInServer, StandInWeightTransferEngine, StandInWorker
 from tests.unit.test_vllm_control import FakeAsyncLLM
 
@@ -68,7 +68,7 @@ def test_the_vllm_extra_covers_the_checked_version() -> None:
     low, high = (tuple(int(x) for x in v.split(".")) for v in pin.groups())
     checked = tuple(int(x) for x in API["vllm_version"].split("."))
     assert low <= checked < high
-    assert 'lightning_weightsync = "lightning_weightsync.rollout.vllm.plugin:register"' in text
+    assert 'lightning_weightsync = "lightning_weightsync.rollout_engines.vllm.plugin:register"' in text
 
 
 def test_the_engine_module_without_vllm_names_the_extra() -> None:
@@ -78,13 +78,13 @@ def test_the_engine_module_without_vllm_names_the_extra() -> None:
     except ImportError:
         pass
     with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
-        importlib.import_module("lightning_weightsync.rollout.vllm.engine")
+        importlib.import_module("lightning_weightsync.rollout_engines.vllm.engine")
 
 
 def test_adapter_versions_use_vllms_lora_route_with_its_body() -> None:
     """trainer.lora=adapter: POST /v1/load_lora_adapter (LoadLoRAAdapterRequest's fields as the body) with
     load_inplace, so the served name keeps its lora_int_id and serves the new directory."""
-    from lightning_weightsync.rollout.vllm.client import LOAD_LORA, HTTPRolloutClient
+    from lightning_weightsync.rollout_engines.vllm.client import LOAD_LORA, HTTPRolloutClient
 
     routes = {r["path"]: r for r in API["routes"]}
     assert routes[LOAD_LORA]["method"] == "POST" and routes[LOAD_LORA]["query"] == []

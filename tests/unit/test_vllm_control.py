@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.config import PauseMode, load_config
+from lightning_weightsync.config import load_config
 from lightning_weightsync.errors import ConfigError, PeerError
 from lightning_weightsync.protocol.messages import LoraSpec
-from lightning_weightsync.rollout.vllm.client import EngineRolloutClient, HTTPRolloutClient
-from lightning_weightsync.trainer.rollout_control import RolloutControl
+from lightning_weightsync.rollout_engines.control import RolloutControl
+from lightning_weightsync.rollout_engines.vllm.client import EngineRolloutClient, HTTPRolloutClient
+from lightning_weightsync.rollout_engines.vllm.config import PauseMode
 from tests.support.mp import free_port
 
 API = json.loads((Path(__file__).resolve().parents[1] / "data" / "vllm_api.json").read_text())

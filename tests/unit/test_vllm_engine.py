@@ -21,7 +21,7 @@ from lightning_weightsync import PeerError
 from lightning_weightsync.engine.sender import BlockingWeightSender
 from lightning_weightsync.errors import ConfigError, SinkError
 from lightning_weightsync.examples.tiny_lm import build_model
-from lightning_weightsync.rollout.vllm.worker import worker_identity
+from lightning_weightsync.rollout_engines.vllm.worker import worker_identity
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
 from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
@@ -107,7 +107,8 @@ def test_each_update_receives_one_version_bitwise_tensor_by_tensor(tmp_path: Pat
         assert model.load_threads and model.load_threads <= model.rollout_threads, "load_weights off the worker thread"
         assert engine.identity == worker_identity(None, 0) and engine.identity.endswith("-w0")
         # two servers started from one YAML with one rollout.identity: their rank-0 workers still differ
-        code = "from lightning_weightsync.rollout.vllm.worker import worker_identity as w; print(w('rollout', 0))"
+        code = "from lightning_weightsync.rollout_engines.vllm.worker import worker_identity; "
+        code += "print(worker_identity('rollout', 0))"
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
         assert other.strip().startswith("rollout-") and other.strip() != worker_identity("rollout", 0)
     finally:
@@ -229,8 +230,8 @@ def test_the_engine_says_which_version_it_holds_and_rollout_control_checks_it(tm
     """Issue 22: through the engine, comparable with vLLM's /weight_checker; `RolloutControl` asks after a version."""
     from lightning_weightsync.engine.verify import worker_weight_report
     from lightning_weightsync.errors import PeerError
-    from lightning_weightsync.rollout.vllm.client import EngineRolloutClient
-    from lightning_weightsync.trainer.rollout_control import RolloutControl
+    from lightning_weightsync.rollout_engines.control import RolloutControl
+    from lightning_weightsync.rollout_engines.vllm.client import EngineRolloutClient
 
     _, worker, _, sender = _setup(tmp_path)
     client = EngineRolloutClient(_InProcessLLM(worker))

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from lightning_weightsync.config import AUTH_TOKEN_ENV, auth_token, load_config
 from lightning_weightsync.errors import BackendUnavailable, ConfigError
-from lightning_weightsync.rollout.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
-from lightning_weightsync.rollout.vllm.launch import config_dir, launch, serve_command, write_config
+from lightning_weightsync.rollout_engines.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
+from lightning_weightsync.rollout_engines.vllm.launch import config_dir, launch, serve_command, write_config
 
 
 def test_serve_command_selects_our_engine_dev_routes_and_config() -> None:
@@ -67,7 +67,7 @@ def test_the_config_file_is_private_holds_no_token_and_is_cleaned_up(tmp_path, m
 
 
 def test_serve_command_warns_when_vllm_would_listen_everywhere(caplog) -> None:
-    with caplog.at_level("WARNING", logger="lightning_weightsync.rollout.vllm.launch"):
+    with caplog.at_level("WARNING", logger="lightning_weightsync.rollout_engines.vllm.launch"):
         serve_command(load_config(overrides=["vllm.model=m", "vllm.serve_args=[--host,10.0.0.5]"]), "p")
         assert not caplog.records
         serve_command(load_config(overrides=["vllm.model=m"]), "p")

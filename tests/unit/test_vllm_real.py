@@ -25,8 +25,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from lightning_weightsync.engine.sender import BlockingWeightSender
 from lightning_weightsync.errors import PeerError
 from lightning_weightsync.examples.tiny_lm import build_model
-from lightning_weightsync.rollout.vllm import plugin
-from lightning_weightsync.rollout.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
+from lightning_weightsync.rollout_engines.vllm import plugin
+from lightning_weightsync.rollout_engines.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
 from tests.support.vllm_api import extract
@@ -42,14 +42,14 @@ def test_snapshot_matches_the_installed_vllm_source() -> None:
     snapshot = json.loads((REPO / "tests" / "data" / "vllm_api.json").read_text())
     assert {"vllm_version": snapshot["vllm_version"], **extract(root)} == snapshot, (
         f"vLLM {vllm.__version__} differs from the snapshot of {snapshot['vllm_version']}: "
-        "re-check rollout/vllm and trainer/rollout_control.py, then regenerate tests/data/vllm_api.json"
+        "re-check rollout_engines/vllm and rollout_engines/control.py, then regenerate tests/data/vllm_api.json"
     )
 
 
 def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.register()
     plugin.register()  # vLLM loads plugins in every process, possibly twice: idempotent
-    from lightning_weightsync.rollout.vllm.engine import (
+    from lightning_weightsync.rollout_engines.vllm.engine import (
         LightningWeightSyncEngine,
         LightningWeightSyncUpdateInfo,
     )

@@ -6,7 +6,7 @@
 
 Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config.py`: config
 lists the choices and sits below this layer); `build_sink(cfg)` imports only the sink it builds. (A rollout
-engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines.py`.)
+engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines/__init__.py`.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/online/api_router.py for
 `vllm serve`, `LLM` / `AsyncLLM` methods in process). Each server's workers run our engine
 (`engine.py`), whose `receive_weights` takes one version from our sender. Per version
-(`trainer/rollout_control.py` runs the steps on every rollout at once):
+(`rollout_engines/control.py` runs the steps on every rollout at once):
 
     POST /pause?mode=<vllm.pause_mode>                         (generation stops stepping)
     POST /start_weight_update
@@ -18,7 +18,7 @@ vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/onli
     POST /resume                                               (always, also after any failure)
 
 The rollout layer's trainer half: it imports nothing of the rollout side (the trainer loads it by path
-through `rollout_engines.py`), talks HTTP with the standard library and never imports vLLM (in-process
+through `rollout_engines/__init__.py`), talks HTTP with the standard library and never imports vLLM (in-process
 engines are duck-typed, see `EngineRolloutClient`).
 """
 
@@ -32,18 +32,18 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ...config import PauseMode
 from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import CannotAsk, ConfigError, PeerError
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
+from .config import PauseMode
 
 logger = logging.getLogger(__name__)
 
 ENGINE = "vLLM"  # how errors name it
 REPORT_METHOD = "lightning_weightsync_weight_report"
 """The worker method verify names over /collective_rpc (`extension.py` defines it on vLLM's worker)."""
-EXTENSION_CLASS = "lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerExtension"
+EXTENSION_CLASS = "lightning_weightsync.rollout_engines.vllm.extension.WeightSyncWorkerExtension"
 """What `vllm serve --worker-extension-cls` must name for it (the launcher passes it). Strings here: this
 module is the trainer's and imports nothing of the rollout side."""
 TIMEOUT_KNOB = "vllm.request_timeout_s"

@@ -2,11 +2,11 @@
 and receives every version.
 
 It execs a stock `vllm serve <model> --weight-transfer-config '{"backend": "lightning_weightsync"}'
---worker-extension-cls lightning_weightsync.rollout.vllm.extension.WeightSyncWorkerExtension` (the worker
+--worker-extension-cls lightning_weightsync.rollout_engines.vllm.extension.WeightSyncWorkerExtension` (the worker
 method the trainer's verify asks through /collective_rpc) with `VLLM_SERVER_DEV_MODE=1` (vLLM registers its
 RL routes /pause, /start_weight_update, /update_weights, /finish_weight_update, /resume and
 /reset_prefix_cache only then; they take no credentials, `--api-key` covers /v1 only: docs/security.md) and
-`LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config (written by `rollout/engine_launch.py`: no
+`LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config (written by `rollout_engines/launch.py`: no
 secret in it, the token goes to the server's environment). Our engine reaches vLLM through the
 `vllm.general_plugins` entry point, so vLLM must run from the environment this package is installed in. The
 trainer then drives each version through the server's URL (`vllm.urls` on the trainer side). """
@@ -21,8 +21,8 @@ import shutil
 from omegaconf import DictConfig
 
 from ...errors import BackendUnavailable, ConfigError
-from ..engine_launch import config_dir, write_config
-from ..engine_worker import CONFIG_ENV
+from ..launch import config_dir, write_config
+from ..worker import CONFIG_ENV
 from .extension import EXTENSION_CLASS
 from .worker import BACKEND_NAME
 

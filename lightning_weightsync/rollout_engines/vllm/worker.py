@@ -12,7 +12,7 @@ an engine-core `collective_rpc`:
     shutdown_weight_transfer_engine()/exit -> shutdown
 
 Between two versions the worker generates; nothing of ours blocks it. Our `WeightReceiver` lives on its
-own asyncio loop in a daemon thread (`WorkerReceiver`, `rollout/engine_worker.py`), so it keeps its
+own asyncio loop in a daemon thread (`WorkerReceiver`, `rollout_engines/worker.py`), so it keeps its
 ZeroMQ connection and heartbeats alive while the worker is busy, and re-registers between versions;
 `receive_weights` runs exactly one version, pulling merged tensors from that loop and handing them to
 `model.load_weights` one at a time on the worker's thread (vLLM's own name mapping, fusing and tensor-
@@ -20,9 +20,9 @@ parallel sharding apply). On GPU the buckets are on the worker's device (`transp
 engine's `device`), so nothing makes a host hop. Memory beyond the model: two buckets, taken when the
 engine is built (before vLLM sizes its KV cache), plus one merged tensor at a time during a version.
 A LoRA adapter version (`trainer.lora=adapter`) is not loaded into the model: worker 0 writes it to
-`vllm.lora_dir` as a PEFT adapter directory (`engine_adapter.py`), which the trainer then has vLLM load.
+`vllm.lora_dir` as a PEFT adapter directory (`rollout_engines/adapter.py`), which the trainer then has vLLM load.
 
-The trainer drives a version (`trainer/rollout_control.py`): pause -> start_weight_update ->
+The trainer drives a version (`rollout_engines/control.py`): pause -> start_weight_update ->
 update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version)
 [-> /v1/load_lora_adapter, adapter versions] -> resume.
 """
@@ -37,12 +37,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ...config import RollbackMode
 from ...errors import ConfigError, SinkError, explain
-from ..engine_adapter import AdapterDirectory, EngineVersionSink
-from ..engine_worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
+from ...rollout.observability import VersionRecord
+from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
-from ..observability import VersionRecord
+from ..worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
+from .config import RollbackMode
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class WeightSyncEngineBody:
         self._host_copy: HostCopy | None = None  # vllm.rollback=host: the model as it was before this version
         self._reload_active = False
         self.identity: str | None = None
-        # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (engine_adapter.py)
+        # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
         self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
         self._check_model_supported()

@@ -6,8 +6,8 @@ tests that must catch it. For each one this script edits the source in place, ru
 restores the file (always, also on Ctrl-C), and reports CAUGHT or MISSED. Exit status 1 if any plant
 was missed or a file could not be restored.
 
-    .venv/bin/python benchmarks/plant_check.py            # every plant (~4 min on 2 cores)
-    .venv/bin/python benchmarks/plant_check.py decoder    # plants whose name contains "decoder"
+    .venv/bin/python -m lightning_weightsync.bench.plant_check            # every plant (~4 min on 2 cores)
+    .venv/bin/python -m lightning_weightsync.bench.plant_check decoder    # plants whose name contains "decoder"
 
 Not part of the test suite on purpose: it rewrites source files while it runs. Run it on a clean
 checkout (it refuses to start when a file it plants into has uncommitted changes).
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PKG = "lightning_weightsync"
 
 
@@ -159,10 +159,10 @@ PLANTS = [
     Plant("shm: a warning line per garbage release frame", f"{PKG}/transport/backends/shared.py",
           '                self._drops.note("a release connection", exc)',
           '                logger.warning("dropped a bad release message: %s", exc)', (HOSTILE, "-k", "shm")),
-    Plant("vllm: any init override taken over HTTP", f"{PKG}/rollout/vllm/worker.py",
+    Plant("vllm: any init override taken over HTTP", f"{PKG}/rollout_engines/vllm/worker.py",
           "        if key not in INIT_OVERRIDES:", "        if False:",
           ("tests/unit/test_security.py", "-k", "vllm_init")),
-    Plant("vllm launcher: the token written into the config file", f"{PKG}/rollout/engine_launch.py",
+    Plant("vllm launcher: the token written into the config file", f"{PKG}/rollout_engines/launch.py",
           '        cfg = OmegaConf.merge(cfg, {"transport": {"auth_token": None}})  # type: ignore[assignment]\n', "",
           ("tests/unit/test_vllm_launch.py", "-k", "no_token")),
     Plant("sender: a name sent twice", f"{PKG}/engine/sender.py",
@@ -241,14 +241,14 @@ PLANTS = [
           '                        v.failed = sink_failure(exc, f"{name!r}", v.version)\n'
           "                        break\n                del tensor",
           ("tests/integration/test_daemon.py", "tests/unit/test_vllm_engine.py")),
-    Plant("vllm: min_receivers not checked against the servers' workers", f"{PKG}/trainer/rollout_control.py",
+    Plant("vllm: min_receivers not checked against the servers' workers", f"{PKG}/rollout_engines/control.py",
           "        if total > self.min_receivers:", "        if total > 10**9:", ("tests/unit/test_vllm_control.py",)),
-    Plant("vllm: the prefix cache reset without preempting kept requests", f"{PKG}/rollout/vllm/client.py",
+    Plant("vllm: the prefix cache reset without preempting kept requests", f"{PKG}/rollout_engines/vllm/client.py",
           "        running = self.pause_mode is PauseMode.keep", "        running = False",
           ("tests/unit/test_vllm_control.py",)),
-    Plant("engine worker: receiver slots allocated at the first version", f"{PKG}/rollout/engine_worker.py",
+    Plant("engine worker: receiver slots allocated at the first version", f"{PKG}/rollout_engines/worker.py",
           "WeightReceiver(cfg, preallocate=True)", "WeightReceiver(cfg)", ("tests/unit/test_vllm_engine.py",)),
-    Plant("engine worker: load_weights run on the receiver's loop thread", f"{PKG}/rollout/engine_worker.py",
+    Plant("engine worker: load_weights run on the receiver's loop thread", f"{PKG}/rollout_engines/worker.py",
           "consume_version(self.receiver, sink, call=call, wait_s=wait_s)",
           "consume_version(self.receiver, sink, wait_s=wait_s)",
           ("tests/unit/test_vllm_engine.py", "tests/unit/test_sglang_loader.py")),
@@ -288,21 +288,21 @@ PLANTS = [
           "                continue\n",
           ("tests/integration/test_gather.py", "-k", "distributed_gather and fsdp2")),
     # -- the GPU kit's nixl step and the cut-down NIXL wheel it carries (issue 21)
-    Plant("nixl wheel: the UCX plug-in left out of the cut", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the UCX plug-in left out of the cut", "lightning_weightsync/bench/nixl_wheel.py",
           '        roots += [f"{meson_libs}plugins/libplugin_{p}.so" for p in KEPT_PLUGINS]\n', "",
           ("tests/unit/test_nixl_wheel.py",)),
-    Plant("nixl wheel: the libraries a kept one links not followed", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the libraries a kept one links not followed", "lightning_weightsync/bench/nixl_wheel.py",
           "                    todo += by_basename[needed]", "                    pass",
           ("tests/unit/test_nixl_wheel.py", "-k", "installs_imports")),
-    Plant("nixl wheel: the cut's own check removed", "benchmarks/nixl_wheel.py",
+    Plant("nixl wheel: the cut's own check removed", "lightning_weightsync/bench/nixl_wheel.py",
           "    if absent:\n        raise WheelStripError", "    if False:\n        raise WheelStripError",
           ("tests/unit/test_nixl_wheel.py", "-k", "refused")),
     Plant("nixl: a bucket released before its READ completed", f"{PKG}/transport/backends/nixl.py",
           "            self._wait_read(read)\n            self._send(done)",
           "            self._send(done)\n            self._wait_read(read)",
           ("tests/integration/test_nixl.py",)),
-    Plant("device check: the raw NIXL READs not made", "benchmarks/device_nixl.py",
-          'times.append(_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
+    Plant("device check: the raw NIXL READs not made", "lightning_weightsync/bench/device_nixl.py",
+          'times.append(nixl_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))',
           "times.append(1.0)", ("tests/integration/test_device_check.py", "-k", "complete_report")),
     # -- issue 25 item 8: failure paths that passed the whole suite when planted
     Plant("gather: FSDP1's freed views treated as stable", f"{PKG}/trainer/gather.py",
@@ -316,7 +316,7 @@ PLANTS = [
           "RECOVERABLE if isinstance(error, WeightSyncError) else FATAL", "RECOVERABLE",
           ("tests/integration/test_driver.py", "-k", "bug_is_not")),
     Plant("rollout control: sessions left open when another rollout's start failed",
-          f"{PKG}/trainer/rollout_control.py",
+          f"{PKG}/rollout_engines/control.py",
           "                self._finish(started, None)  # close the sessions that did open\n", "",
           ("tests/unit/test_vllm_control.py", "-k", "start_failed")),
     Plant("config: transport.direct_min_mb=0 (documented) rejected", f"{PKG}/config.py",
@@ -419,23 +419,24 @@ PLANTS = [
           "            elif not connected and for_s >= warn_at:", "            elif False:",
           ("tests/integration/test_daemon.py", "-k", "without_a_trainer")),
     # -- issue 23: SGLang rollouts on the rollout-engine seam
-    Plant("sglang: a dp_size > 1 server driven anyway", f"{PKG}/rollout/sglang/client.py",
+    Plant("sglang: a dp_size > 1 server driven anyway", f"{PKG}/rollout_engines/sglang/client.py",
           "        if dp != 1:", "        if False:", ("tests/unit/test_sglang_control.py", "-k", "dp_size")),
-    Plant("sglang launcher: a dp_size > 1 server started", f"{PKG}/rollout/sglang/launch.py",
+    Plant("sglang launcher: a dp_size > 1 server started", f"{PKG}/rollout_engines/sglang/launch.py",
           '    if dp is not None and dp.strip() != "1":', "    if False:",
           ("tests/unit/test_sglang_launch.py", "-k", "limits")),
-    Plant("sglang: the session left open after a failed update", f"{PKG}/rollout/sglang/client.py",
+    Plant("sglang: the session left open after a failed update", f"{PKG}/rollout_engines/sglang/client.py",
           "            self._end_quietly()\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_update")),
-    Plant("sglang: a failed version keeps the weight_version SGLang recorded", f"{PKG}/rollout/sglang/client.py",
+    Plant("sglang: a failed version keeps the weight_version SGLang recorded",
+          f"{PKG}/rollout_engines/sglang/client.py",
           "            self.http.request(api.SET_VERSION, marked)\n", "",
           ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
-    Plant("sglang: the reported weight_version not checked", f"{PKG}/rollout/sglang/client.py",
+    Plant("sglang: the reported weight_version not checked", f"{PKG}/rollout_engines/sglang/client.py",
           "        if held != str(version):", "        if False:",
           ("tests/unit/test_sglang_control.py", "-k", "does_not_report")),
-    Plant("sglang loader: a failed version raised into SGLang's scheduler", f"{PKG}/rollout/sglang/loader.py",
+    Plant("sglang loader: a failed version raised into SGLang's scheduler", f"{PKG}/rollout_engines/sglang/loader.py",
           "    except Exception as exc:  # never into SGLang's scheduler loop: the trainer hears it from our nack",
           "    except ConfigError as exc:", ("tests/unit/test_sglang_loader.py", "-k", "failing_load")),
-    Plant("rollout control: sessions of a broken version left open", f"{PKG}/trainer/rollout_control.py",
+    Plant("rollout control: sessions of a broken version left open", f"{PKG}/rollout_engines/control.py",
           "                self._finish(loaded, None)  # an engine that took a broken version closes its session "
           "unversioned\n", "", ("tests/unit/test_sglang_control.py", "-k", "failed_send")),
     # -- issue 22, verify: each check removed in turn
@@ -471,16 +472,16 @@ PLANTS = [
           "if not (0 < size < nbytes) or e.chunk_offset + e.chunk_size > size:",
           "if e.chunk_offset + e.chunk_size > size:", ("tests/unit/test_messages.py", "-k", "delta")),
     # -- rollout engines (issue 20)
-    Plant("engine worker: no registration between versions", f"{PKG}/rollout/engine_worker.py",
+    Plant("engine worker: no registration between versions", f"{PKG}/rollout_engines/worker.py",
           "            if self._receiving:\n                continue", "            if True:\n                continue",
           ("tests/unit/test_vllm_engine.py", "-k", "restarted")),
-    Plant("vllm http client: the workers' reports not checked", f"{PKG}/rollout/vllm/client.py",
+    Plant("vllm http client: the workers' reports not checked", f"{PKG}/rollout_engines/vllm/client.py",
           "problems = [p for report in reports for p in weight_problems(self.name, version, report, None)]",
           "problems: list[str] = []", ("tests/unit/test_vllm_control.py", "-k", "verify")),
-    Plant("vllm engine: a server's workers do not agree on a version", f"{PKG}/rollout/vllm/worker.py",
+    Plant("vllm engine: a server's workers do not agree on a version", f"{PKG}/rollout_engines/vllm/worker.py",
           "        group = self._server_group()\n", "        group = None\n",
           ("tests/integration/test_vllm_server_rollback.py",)),
-    Plant("vllm engine: a failed version not rolled back", f"{PKG}/rollout/vllm/worker.py",
+    Plant("vllm engine: a failed version not rolled back", f"{PKG}/rollout_engines/vllm/worker.py",
           "lost = self._host_copy.restore(self.model)", "lost: list[str] = []",
           ("tests/integration/test_vllm_server_rollback.py",)),
     # -- issue 31: behaviours the suite let through (each with a test written for it)
@@ -490,14 +491,14 @@ PLANTS = [
     Plant("receiver session: the next bucket's wait bounded by timeout_s, not liveness_s", f"{PKG}/engine/session.py",
           "if not linked and since >= self.control.liveness_s:", "if not linked and since >= timeout_s:",
           ("tests/integration/test_session.py", "-k", "killed_between")),
-    Plant("host copy: a refused copy leaves the older one to restore", f"{PKG}/rollout/host_copy.py",
+    Plant("host copy: a refused copy leaves the older one to restore", f"{PKG}/rollout_engines/host_copy.py",
           "        self.taken = False\n        live = _live_tensors(model)\n",
           "        live = _live_tensors(model)\n",
           ("tests/unit/test_host_copy.py",)),
-    Plant("vllm engine: a worker cut off from the agreement keeps the version", f"{PKG}/rollout/vllm/worker.py",
+    Plant("vllm engine: a worker cut off from the agreement keeps the version", f"{PKG}/rollout_engines/vllm/worker.py",
           "return max(1, int(not ok))", "return int(not ok)",
           ("tests/unit/test_vllm_engine.py", "tests/integration/test_vllm_server_rollback.py")),
-    Plant("engine worker: re-registers in the middle of a version", f"{PKG}/rollout/engine_worker.py",
+    Plant("engine worker: re-registers in the middle of a version", f"{PKG}/rollout_engines/worker.py",
           "            if self._receiving:\n                continue",
           "            if False:\n                continue",
           ("tests/unit/test_vllm_engine.py",)),

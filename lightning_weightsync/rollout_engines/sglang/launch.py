@@ -3,7 +3,7 @@ receives every version.
 
 It execs a stock `sglang serve --model-path <sglang.model> --custom-weight-loader <our loader>
 <sglang.serve_args>` with `$LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config (written by
-`rollout/engine_launch.py`: no secret in it, the token goes to the server's environment). SGLang imports
+`rollout_engines/launch.py`: no secret in it, the token goes to the server's environment). SGLang imports
 our loader by path in each TP rank's scheduler, so it must run from the environment this package is
 installed in. dp_size must be 1 (SGLang's tensor-update path asserts it): checked here, before the exec.
 The trainer then drives each version through the server's URL (`sglang.urls` on the trainer side).
@@ -18,8 +18,8 @@ import shutil
 from omegaconf import DictConfig
 
 from ...errors import BackendUnavailable, ConfigError
-from ..engine_launch import write_config
-from ..engine_worker import CONFIG_ENV
+from ..launch import write_config
+from ..worker import CONFIG_ENV
 from .api import LOADER
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@
 
 from __future__ import annotations
 
-LOADER = "lightning_weightsync.rollout.sglang.loader.load_weights"
+LOADER = "lightning_weightsync.rollout_engines.sglang.loader.load_weights"
 """The import path given to `--custom-weight-loader` and sent as `load_format`."""
 EMPTY_NAMED_TENSORS = "gAJdcQAu"
 """base64 of pickle protocol 2 of `[]` (b"\\x80\\x02]q\\x00."): one per TP rank in `serialized_named_tensors`."""

@@ -10,7 +10,7 @@ heartbeats on its own loop thread, while the scheduler generates. Each call runs
 through the shared receive loop (`rollout/consume.py`); tensors are handed back to this thread one at
 a time (`ModelLoadSink`), so memory beyond the model is two buckets plus one merged tensor, and SGLang's
 own name mapping and TP sharding apply. A LoRA adapter version (`trainer.lora=adapter`) is written by TP
-rank 0 to `sglang.lora_dir` instead (`engine_adapter.py`), for the trainer to have SGLang load by path.
+rank 0 to `sglang.lora_dir` instead (`rollout_engines/adapter.py`), for the trainer to have SGLang load by path.
 The model holds exactly what the trainer sent (bitwise).
 
 Never raises: SGLang dispatches this call without an exception handler and quits the server on one
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..engine_adapter import AdapterDirectory, EngineVersionSink
-from ..engine_worker import CONFIG_ENV, WorkerReceiver, worker_identity, worker_rank
+from ..adapter import AdapterDirectory, EngineVersionSink
+from ..worker import CONFIG_ENV, WorkerReceiver, worker_identity, worker_rank
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every trainer rank runs in its own network namespace behind its own veth link, rate-limited with
 `tc qdisc ... tbf` (this kernel has no netem; tbf works), the receiver in another (unlimited) one, all
-joined by a bridge (tests/support/netlab.py; needs root). The ranks form a gloo trainer group over the
+joined by a bridge (bench/netlab.py; needs root). The ranks form a gloo trainer group over the
 lab network and send one synthetic stream per version (tensors of `--tensor-mb`, row-sharded over the
 ranks as FSDP2 cuts them) in sharded mode; the receiver tiles and checks every version bitwise.
 
@@ -10,7 +10,7 @@ For 1, 2 and 4 senders at the same per-link rate it prints the aggregate through
 over rank 0's time for it: Prepare to the last ack) and its ratio to N x the single-sender figure from
 the same run; the trainer's stall per sync is each rank's time in `send_weights` (the slowest rank's).
 
-    sudo .venv/bin/python benchmarks/sharded_links.py --rate-mbit 100 --mb 48 --versions 3
+    sudo .venv/bin/python -m lightning_weightsync.bench.sharded_links --rate-mbit 100 --mb 48 --versions 3
 """
 
 from __future__ import annotations
@@ -22,13 +22,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+MODULE = "lightning_weightsync.bench.sharded_links"  # what the lab's processes import (by name, not __main__)
 
-from tests.support.netlab import Lab, netlab, skip_reason  # noqa: E402
+from lightning_weightsync.bench.netlab import Lab, netlab, skip_reason  # noqa: E402
 
 TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothing else binds there
 
+
+
+def row_shard(tensor: Any, rank: int, world: int) -> Any:
+    """Rank `rank`'s rows of `tensor` split `world` ways (torch.chunk), as the `TensorShard` it sends; None
+    when it holds no rows (as tests/integration/test_sharded.py cuts them)."""
+    import torch
+
+    from lightning_weightsync.protocol.chunks import TensorShard
+
+    parts = torch.chunk(tensor, world, dim=0)
+    if rank >= len(parts) or parts[rank].numel() == 0:
+        return None
+    first = sum(p.shape[0] for p in parts[:rank])
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
 
 def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
     import torch
@@ -53,8 +69,10 @@ def hsdp_part(version: int, mb: float, tensor_mb: float, world: int) -> list[Any
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     placements = (Replicate(), Shard(0))
     root, layers = torch.nn.Module(), torch.nn.ModuleList()
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "every sender rank is in the mesh"
     for _, tensor in stream(version, mb, tensor_mb).items():
-        local = torch.chunk(tensor, world // 2, dim=0)[mesh.get_coordinate()[1]].clone()
+        local = torch.chunk(tensor, world // 2, dim=0)[coordinate[1]].clone()
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
                                           requires_grad=False)  # fmt: skip
@@ -71,11 +89,10 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
     import torch
     import torch.distributed as dist
 
-    from lightning_weightsync import WeightSender, load_config
-    from lightning_weightsync.engine.sender import Sharding
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.engine.sender import Sharding, WeightSender
     from lightning_weightsync.protocol.messages import SenderAddress
     from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
-    from tests.integration.test_sharded import _rows
 
     store = dist.TCPStore(master, TRAINER_PORT, world, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -91,7 +108,8 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
                 if layout == "hsdp":
                     mine = hsdp_part(version, mb, tensor_mb, world)
                 else:
-                    mine = [(n, s) for n, t in stream(version, mb, tensor_mb).items() if (s := _rows(t, rank, world))]
+                    tensors = stream(version, mb, tensor_mb).items()
+                    mine = [(n, s) for n, t in tensors if (s := row_shard(t, rank, world))]
                 relay = MembersRelay(torch.device("cpu"))
                 dist.barrier()
                 started = time.perf_counter()
@@ -119,7 +137,8 @@ def bench_receiver(master: str, mb: float, tensor_mb: float, versions: int, out:
 
     import torch
 
-    from lightning_weightsync import WeightReceiver, load_config
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.engine.receiver import WeightReceiver
 
     cfg = load_config(
         overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
@@ -130,7 +149,7 @@ def bench_receiver(master: str, mb: float, tensor_mb: float, versions: int, out:
         async with WeightReceiver(cfg) as receiver:
             for _ in range(versions):
                 got = {n: t.clone() async for n, t in receiver.receive_weights()}
-                want = stream(int(receiver.version), mb, tensor_mb)
+                want = stream(int(receiver.version), mb, tensor_mb)  # type: ignore[arg-type]  # set once a version is received
                 ok = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
                 with open(out, "a") as f:
                     f.write(json.dumps({"version": receiver.version, "bitwise": ok}) + "\n")
@@ -138,7 +157,7 @@ def bench_receiver(master: str, mb: float, tensor_mb: float, versions: int, out:
     asyncio.run(main())
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def jsonl_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -153,15 +172,15 @@ def run(
     master = lab.nodes["t0"].ip
     out = lab.workdir / f"senders-{world}-{layout}.jsonl"
     received = lab.workdir / f"receiver-{world}-{layout}.jsonl"
-    code = (f"from benchmarks.sharded_links import bench_receiver as f; f({master!r}, {mb}, {tensor_mb}, {versions}, "
+    code = (f"from {MODULE} import bench_receiver as f; f({master!r}, {mb}, {tensor_mb}, {versions}, "
             f"{str(received)!r})")  # fmt: skip
     procs = [lab.spawn("r", code, lab.workdir / f"r-{world}.log")]
     for rank, name in enumerate(names):
-        code = (f"from benchmarks.sharded_links import bench_sender as f; f({rank}, {world}, {master!r}, "
+        code = (f"from {MODULE} import bench_sender as f; f({rank}, {world}, {master!r}, "
                 f"{lab.nodes[name].ip!r}, {mb}, {tensor_mb}, {versions}, {str(out)!r}, {layout!r})")  # fmt: skip
         procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{world}.log"))
     got = await_versions(lab, procs, received, versions, f"*-{world}.log", f"{world} senders")
-    sent = _lines(out)
+    sent = jsonl_lines(out)
     steady = [e for e in sent if e["version"] > 1] or sent  # version 1 builds the groups
     rank0 = [e for e in steady if e["rank"] == 0]
     per_version: dict[int, float] = {}
@@ -194,7 +213,7 @@ def await_versions(lab: Lab, procs: list[Any], received: Path, count: int, logs:
     """The receiver's `count` lines (a process that fails ends the wait), every process reaped; raises
     with the tails of the `logs` files when fewer arrived."""
     deadline = time.monotonic() + 600
-    while len(_lines(received)) < count and time.monotonic() < deadline:
+    while len(jsonl_lines(received)) < count and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):
             break
         time.sleep(0.2)
@@ -203,7 +222,7 @@ def await_versions(lab: Lab, procs: list[Any], received: Path, count: int, logs:
             proc.wait(timeout=30)
         except Exception:
             lab.kill(proc)
-    got = _lines(received)
+    got = jsonl_lines(received)
     if len(got) < count:
         tails = "\n".join(p.read_text()[-2000:] for p in sorted(lab.workdir.glob(logs)))
         raise RuntimeError(f"{what}: {len(got)} of {count} versions received\n{tails}")

@@ -1,7 +1,7 @@
 """Soak: a few hundred versions under seeded random faults over real links, then the tally.
 
 One sender and N receivers, each in its own network namespace behind a veth link (tests/support/
-netlab.py; needs root), with `transport.auth_token` set. While the sender streams versions back to
+bench/netlab.py; needs root), with `transport.auth_token` set. While the sender streams versions back to
 back, a seeded RNG injects a fault every few seconds: cut a receiver's link for a while, SIGKILL a
 receiver and restart it, or cut the sender's link. Every receiver checks every version it reports
 complete bitwise against the expected stream.
@@ -12,7 +12,7 @@ and the max time from a fault to the sender noticing it (a failed version or one
 without the victim).
 
 Not part of the default test run. From a source checkout, as root:
-    .venv/bin/python benchmarks/soak.py --versions 300 --seed 1
+    .venv/bin/python -m lightning_weightsync.bench.soak --versions 300 --seed 1
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.support.netlab import Lab, netlab, skip_reason  # noqa: E402
+from lightning_weightsync.bench.netlab import Lab, netlab, skip_reason  # noqa: E402
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

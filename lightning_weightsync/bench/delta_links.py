@@ -3,12 +3,12 @@
 On loopback a delta never wins in seconds (docs/backends.md, "Verify and delta": the codec costs more
 than the bytes it saves take to move); the table derives the link speed below which it should. Here the
 sender runs in its own network namespace behind a `tc tbf` link of `--rate-mbit`, the receiver in
-another (tests/support/netlab.py; needs root), and the same stream of versions (bf16 tensors, each
+another (bench/netlab.py; needs root), and the same stream of versions (bf16 tensors, each
 version moving `--changed` of the elements to a neighbouring value) is sent with `transport.delta: off`,
 `always` and `auto`, each in a fresh pair. The receiver applies each version onto what it holds and
 checks it bitwise. Prints seconds and bytes of the steady versions, with ratios to `off` from the same run.
 
-    sudo .venv/bin/python benchmarks/delta_links.py --rate-mbit 200 --mb 64 --changed 0.01 0.1 0.5
+    sudo .venv/bin/python -m lightning_weightsync.bench.delta_links --rate-mbit 200 --mb 64 --changed 0.01 0.1 0.5
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+MODULE = "lightning_weightsync.bench.delta_links"  # what the lab's processes import (by name, not __main__)
 
-from benchmarks.sharded_links import _lines, await_versions, limit_uplink  # noqa: E402
-from tests.support.netlab import netlab, skip_reason  # noqa: E402
+from lightning_weightsync.bench.netlab import netlab, skip_reason  # noqa: E402
+from lightning_weightsync.bench.sharded_links import await_versions, jsonl_lines, limit_uplink  # noqa: E402
 
 PORT = 29713
 
@@ -31,21 +32,22 @@ PORT = 29713
 def versions(mb: float, changed: float, count: int) -> list[dict[str, Any]]:
     import torch
 
-    from lightning_weightsync.bench.delta import _changed
+    from lightning_weightsync.bench.delta import changed_weights
 
     gen = torch.Generator().manual_seed(0)
     n = max(1, round(mb / 4))
     first = {f"layers.{i}.weight": torch.randn(1024, 2048, generator=gen).to(torch.bfloat16) for i in range(n)}
     out = [first]
     for k in range(1, count):
-        out.append(_changed(out[-1], changed, seed=k))
+        out.append(changed_weights(out[-1], changed, seed=k))
     return out
 
 
 def delta_sender(host: str, mode: str, mb: float, changed: float, count: int, out: str) -> None:
     import asyncio
 
-    from lightning_weightsync import WeightSender, load_config
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.engine.sender import WeightSender
 
     cfg = load_config(overrides=[f"transport.host={host}", f"transport.port={PORT}", "transport.timeout_s=300",
                                  "transport.bucket_size_mb=16", f"transport.delta={mode}"])  # fmt: skip
@@ -67,7 +69,8 @@ def delta_receiver(host: str, mb: float, changed: float, count: int, out: str) -
 
     import torch
 
-    from lightning_weightsync import WeightReceiver, load_config
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.engine.receiver import WeightReceiver
 
     cfg = load_config(overrides=[f"transport.host={host}", f"transport.port={PORT}", "transport.timeout_s=300",
                                  "rollout.identity=rollout-0", "transport.heartbeat_interval_s=0.2"])  # fmt: skip
@@ -85,7 +88,7 @@ def delta_receiver(host: str, mb: float, changed: float, count: int, out: str) -
                 async for name, tensor in receiver.receive_weights(into=into, base=into):
                     if held.get(name) is not tensor:
                         held[name] = tensor
-                want = stream[int(receiver.version)]
+                want = stream[int(receiver.version)]  # type: ignore[arg-type]  # set once a version is received
                 ok = sorted(held) == sorted(want) and all(torch.equal(held[n], want[n]) for n in want)
                 with open(out, "a") as f:
                     f.write(json.dumps({"version": receiver.version, "bitwise": ok}) + "\n")
@@ -101,13 +104,13 @@ def run_pair(rate_mbit: int, mode: str, mb: float, changed: float, count: int) -
         host = lab.nodes["s"].ip
         sent, got = lab.workdir / "sent.jsonl", lab.workdir / "got.jsonl"
         procs = [
-            lab.spawn("r", f"from benchmarks.delta_links import delta_receiver as f; f({host!r}, {mb}, {changed}, "
+            lab.spawn("r", f"from {MODULE} import delta_receiver as f; f({host!r}, {mb}, {changed}, "
                            f"{count}, {str(got)!r})", lab.workdir / "r.log"),
-            lab.spawn("s", f"from benchmarks.delta_links import delta_sender as f; f({host!r}, {mode!r}, {mb}, "
+            lab.spawn("s", f"from {MODULE} import delta_sender as f; f({host!r}, {mode!r}, {mb}, "
                            f"{changed}, {count}, {str(sent)!r})", lab.workdir / "s.log"),
         ]  # fmt: skip
         received = await_versions(lab, procs, got, count, "*.log", f"delta={mode}")
-        stats = _lines(sent)
+        stats = jsonl_lines(sent)
     steady = stats[1:]  # version 0 is whole in every mode (nothing held yet) and forms the group
     return {
         "mode": mode,

@@ -68,7 +68,7 @@ class Lab:
     bridge: str
     workdir: Path
     nodes: dict[str, Node] = field(default_factory=dict)
-    _procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def add(self, name: str) -> Node:
         index = len(self.nodes) + 2
@@ -98,7 +98,7 @@ class Lab:
         _run("tc", "qdisc", "add", "dev", node.host_if, "root", "netem", *args)
         _run("ip", "netns", "exec", node.ns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", *args)
 
-    def spawn(self, name: str, code: str, log: Path) -> subprocess.Popen[str]:
+    def spawn(self, name: str, code: str, log: Path) -> subprocess.Popen[bytes]:
         """Run `python -c code` inside the node (its netns, hostname and /etc/hosts)."""
         node = self.nodes[name]
         inner = (
@@ -112,7 +112,7 @@ class Lab:
         self._procs.append(proc)
         return proc
 
-    def kill(self, proc: subprocess.Popen[str]) -> None:
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         with contextlib.suppress(Exception):

@@ -1,22 +1,28 @@
-"""The rollout engines (vLLM, SGLang): one registry line each, one folder each under `rollout/`.
+"""The rollout engines (vLLM, SGLang): one registry line each, one folder each under `rollout_engines/`.
 
 An engine is a server that generates and also receives our versions in its own workers. Its folder
-`lightning_weightsync/rollout/<name>/` holds two halves that run on different machines:
+`lightning_weightsync/rollout_engines/<name>/` holds its config section and two halves that run on
+different machines:
 
+- `config.py`: the `<name>` config section (a dataclass and its `Choice` enums); `config.py` imports it
+  into `WeightSyncConfig`, so it imports only `choice.py`.
 - `client.py`: the trainer side. `clients(cfg) -> list[RolloutClient]`, one per server in
   `cfg.<name>.urls`, each driving the engine's own HTTP routes (pause, open an update, update while our
-  sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer (only
-  errors, config and transport: tests/unit/test_rollout_engines.py checks it), so the trainer loading it
-  by path does not cross into the rollout side.
+  sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer nor the
+  receiving half of this package (only errors, config, engine, transport and its own config section:
+  tests/unit/test_layers.py and tests/unit/test_rollout_engines.py check it), so the trainer, which
+  drives it through `control.py` and loads it by path, does not cross into the rollout side.
 - `launch.py`: the rollout side. `launch(cfg) -> int` runs the engine's server configured to receive
   (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
-  next to it.
+  next to it, on the shared pieces beside the folders (`worker.py`, `launch.py`, `host_copy.py`,
+  `adapter.py`).
 
 Entries are module paths in a `Registry` (registry.py: the one plug-in seam, also for backends and sinks),
 imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an engine costs nothing until
-it is used, and the layer that lists the engines (config: `rollout.engine`'s choices) never imports them.
-Adding an engine: its folder, its config section (`config.py`, documented in `configs/default.yaml`) and
-one `register_rollout_engine` line below (docs/concepts.md).
+it is used, and the layer that lists the engines (config: `rollout.engine`'s choices) imports none of
+their code but the config sections. Adding an engine: its folder (with its config section, documented in
+`configs/default.yaml`), one `register_rollout_engine` line below, and the section's field in
+`config.py`'s `WeightSyncConfig` (docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigError
-from .registry import Registry
+from ..errors import ConfigError
+from ..registry import Registry
 
 
 @runtime_checkable
@@ -125,8 +131,8 @@ def rollout_engine(name: str) -> RolloutEngine:
     return ROLLOUT_ENGINES[name]
 
 
-register_rollout_engine("vllm", "lightning_weightsync.rollout.vllm")
-register_rollout_engine("sglang", "lightning_weightsync.rollout.sglang")
+register_rollout_engine("vllm", "lightning_weightsync.rollout_engines.vllm")
+register_rollout_engine("sglang", "lightning_weightsync.rollout_engines.sglang")
 
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutClient", "RolloutEngine", "register_rollout_engine", "rollout_engine"]

@@ -1,4 +1,4 @@
-"""The config file an engine's server reads, written by its launcher (`rollout/<engine>/launch.py`).
+"""The config file an engine's server reads, written by its launcher (`rollout_engines/<engine>/launch.py`).
 
 A launcher execs the engine's server (`vllm serve`, SGLang's launch_server) with
 `$LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config; every worker's receiver reads it. That

@@ -16,8 +16,8 @@ writes a JSON + text report to $OUT (else ./out/device_check/):
                    bucket is never repacked while a broadcast still reads it); with a negative control
   nixl_stream      two processes on one GPU, transport.backend=nixl: VRAM to VRAM through UCX, a Qwen3-8B / 2
                    stream after raw NIXL READs of the same bytes between the same processes (the baseline):
-                   bitwise, GB/s, ratio to raw NIXL (benchmarks/device_nixl.py; NIXL travels as a cut-down
-                   nixl-cu13, benchmarks/nixl_wheel.py)
+                   bitwise, GB/s, ratio to raw NIXL (bench/device_nixl.py; NIXL travels as a cut-down
+                   nixl-cu13, lightning_weightsync/bench/nixl_wheel.py)
   lightning_fsdp   a 1-GPU Lightning FSDP2 (ModelParallelStrategy) run with WeightSyncCallback into a cuda_ipc
                    receiver in another process (the GPU gather path), final weights compared bitwise
   nccl             the same stream as cuda_ipc_stream over NCCL between cuda:0 and cuda:1; skipped with the
@@ -28,9 +28,9 @@ budget; a step that fails, hangs or crashes records its traceback / log tail and
 `--dry-run` runs the same steps on CPU with tiny sizes (shm stands in for cuda_ipc, gloo for nccl, nixl
 moves host memory, the FSDP run uses gloo) so CI keeps the kit from rotting (tests/integration/test_device_check.py).
 
-    python -m benchmarks.device_check [--dry-run] [--out DIR] [--budget-s 450] [--only a,b]
-    python -m benchmarks.device_check --prepare   # here (PyPI access): wheels for the GPU machine
-    python -m benchmarks.device_check --install   # on the GPU machine: install the missing ones from them
+    python -m lightning_weightsync.bench.device_check [--dry-run] [--out DIR] [--budget-s 450] [--only a,b]
+    python -m lightning_weightsync.bench.device_check --prepare   # here (PyPI access): wheels for the GPU machine
+    python -m lightning_weightsync.bench.device_check --install   # on the GPU machine: install them from there
 
 Module level imports are stdlib only: `--install` runs before pyzmq / omegaconf / msgspec exist.
 """
@@ -61,7 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+MODULE = "lightning_weightsync.bench.device_check"  # each step runs as `python -m MODULE --step <name>`
 DEVICE_DIR = REPO / ".device"
 WHEEL_DIR = DEVICE_DIR / "wheels"
 SITE_DIR = DEVICE_DIR / "site"
@@ -96,7 +97,7 @@ WHEELS: list[tuple[str, str]] = [
 ]
 # NIXL for the nixl_stream step, which no GPU image has: the CUDA-13 build (the GPU machine's torch is CUDA 13) of
 # the release this environment's nixl-cu12 is (what the CPU tests ran; NIXL_VERSION without one), cut down to what
-# the nixl backend loads by benchmarks/nixl_wheel.py: the full wheel (59 MiB) would not fit beside the rest of
+# the nixl backend loads by bench/nixl_wheel.py: the full wheel (59 MiB) would not fit beside the rest of
 # what the device tool carries (64 MiB in all).
 NIXL_GPU_DIST, NIXL_GPU_MODULE, NIXL_VERSION = "nixl-cu13", "nixl_cu13", "1.5.1"
 PLATFORM_ARGS = [
@@ -135,7 +136,8 @@ def prepare(wheel_dir: Path = WHEEL_DIR) -> int:
         shutil.rmtree(SITE_DIR)
     for old in wheel_dir.glob("*.whl"):
         old.unlink()
-    specs, entries = [], []
+    specs: list[str] = []
+    entries: list[dict[str, str | None]] = []
     for dist, module in WHEELS:
         try:
             version = metadata.version(dist)
@@ -168,7 +170,7 @@ def _prepare_nixl(wheel_dir: Path) -> dict[str, Any]:
     """Download the GPU machine's NIXL wheel and write its cut-down copy into `wheel_dir`; its manifest entry."""
     from importlib import metadata
 
-    from benchmarks.nixl_wheel import strip_nixl_wheel
+    from lightning_weightsync.bench.nixl_wheel import strip_nixl_wheel
 
     try:
         version = metadata.version("nixl-cu12")
@@ -184,7 +186,7 @@ def _prepare_nixl(wheel_dir: Path) -> dict[str, Any]:
     print(
         f"  {report.source} ({report.source_bytes / MiB:.1f} MiB) -> {report.output} ({report.output_bytes / MiB:.1f}"
         f" MiB): the UCX plug-in, UCX and its {report.notes['ucx_modules']} modules kept, {len(report.dropped)} "
-        "files dropped (benchmarks/nixl_wheel.py says which and why)"
+        "files dropped (lightning_weightsync/bench/nixl_wheel.py says which and why)"
     )
     return {
         "dist": NIXL_GPU_DIST,
@@ -233,7 +235,7 @@ def install(wheel_dir: Path = WHEEL_DIR, target: Path = SITE_DIR) -> int:
         *files,
     ]
     try:
-        rc = subprocess.run(cmd, timeout=300).returncode
+        rc: int | str = subprocess.run(cmd, timeout=300).returncode
     except (OSError, subprocess.TimeoutExpired) as exc:
         rc = f"{type(exc).__name__}: {exc}"
     if rc != 0:  # no pip here: a wheel is a zip laid out for site-packages
@@ -386,7 +388,7 @@ def run_step(name: str, dry: bool, result_path: Path) -> int:
     return 0
 
 
-def _checks(checks: dict[str, bool]) -> dict[str, Any]:
+def check_results(checks: dict[str, bool]) -> dict[str, Any]:
     return {"checks": checks, "failed_checks": sorted(k for k, ok in checks.items() if not ok)}
 
 
@@ -582,7 +584,7 @@ def stream_for(specs: list[tuple[str, tuple[int, ...], Any]], version: int, devi
     return [(n, make_tensor(n, s, d, _seed(version, i), device)) for i, (n, s, d) in enumerate(specs)]
 
 
-def _sync(device: Any) -> None:
+def cuda_sync(device: Any) -> None:
     import torch
 
     if device.type == "cuda":
@@ -590,7 +592,7 @@ def _sync(device: Any) -> None:
 
 
 def _cfg(port: int, backend: str, bucket_mb: float, device: str, identity: str = "device-check-rollout") -> Any:
-    from lightning_weightsync import load_config
+    from lightning_weightsync.config import load_config
 
     return load_config(
         overrides=[
@@ -608,7 +610,7 @@ def _cfg(port: int, backend: str, bucket_mb: float, device: str, identity: str =
     )
 
 
-def _get(q: Any, timeout_s: float, what: str) -> Any:
+def queue_get(q: Any, timeout_s: float, what: str) -> Any:
     try:
         return q.get(timeout=timeout_s)
     except queue_mod.Empty:
@@ -620,7 +622,7 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
     WeightSender (port chosen by the OS, passed to the receiver) sending `versions` versions."""
     import torch
 
-    from lightning_weightsync import WeightSender
+    from lightning_weightsync.engine.sender import WeightSender
     from lightning_weightsync.protocol.chunks import as_bytes
 
     device = torch.device(params["devices"][0])
@@ -634,7 +636,7 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
     for rnd in range(4):
-        _sync(device)
+        cuda_sync(device)
         start = time.perf_counter()
         offset = 0
         for _, t in weights:
@@ -642,7 +644,7 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
             if n:
                 flat[offset : offset + n].copy_(as_bytes(t), non_blocking=True)
             offset += n
-        _sync(device)
+        cuda_sync(device)
         if rnd:
             times.append(time.perf_counter() - start)
     del flat
@@ -651,13 +653,13 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
     baseline_s = min(times)
     progress(f"sender: baseline copy {nbytes / baseline_s / 1e9:.1f} GB/s")
     if params.get("raw_nixl"):  # the nixl step: raw NIXL between these same two processes first
-        from benchmarks.device_nixl import raw_nixl_sender
+        from lightning_weightsync.bench.device_nixl import raw_nixl_sender
 
         raw_nixl_sender(params, to_recv, to_send, device)
     rounds = []
     for bucket_mb, versions in params["rounds"]:
         cfg = _cfg(0, params["backend"], bucket_mb, str(device), identity="device-check-trainer")
-        per_version = []
+        per_version: list[Any] = []
 
         async def send_round(
             cfg: Any = cfg, versions: int = versions, per_version: list[Any] = per_version, bucket_mb: float = bucket_mb
@@ -666,10 +668,10 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
             async with WeightSender(cfg) as sender:
                 to_recv.put(("port", sender.port))
                 for v in range(1, versions + 1):
-                    _get(to_send, 150, f"receiver ready for version {v}")
+                    queue_get(to_send, 150, f"receiver ready for version {v}")
                     weights = None  # type: ignore[assignment]
                     weights = stream_for(specs, v, device)
-                    _sync(device)
+                    cuda_sync(device)
                     stats = await sender.send_weights(weights, version=v)
                     per_version.append(
                         {
@@ -686,7 +688,7 @@ def stream_sender(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[st
                         f"sender: {bucket_mb} MiB buckets, version {v}: {stats.seconds:.3f}s, {stats.gbps:.3g} GB/s"
                     )
                 # the receiver maps our slots (cuda_ipc): it must let go before we free them
-                _get(to_send, 150, "receiver done with the round")
+                queue_get(to_send, 150, "receiver done with the round")
 
         asyncio.run(send_round())
         timed = per_version[1:] or per_version  # version 1 includes group formation (IPC mapping, communicator)
@@ -715,7 +717,7 @@ def stream_receiver(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[
     sink does), then regenerate each tensor and compare bytes."""
     import torch
 
-    from lightning_weightsync import WeightReceiver
+    from lightning_weightsync.engine.receiver import WeightReceiver
     from lightning_weightsync.protocol.chunks import as_bytes
 
     device = torch.device(params["devices"][1])
@@ -725,14 +727,14 @@ def stream_receiver(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[
     dests = {n: torch.empty(s, dtype=d, device=device) for n, s, d in specs}
     raw = None
     if params.get("raw_nixl"):  # the nixl step: raw NIXL of the stream's byte count first
-        from benchmarks.device_nixl import raw_nixl_receiver
+        from lightning_weightsync.bench.device_nixl import raw_nixl_receiver
 
         raw = raw_nixl_receiver(params, to_recv, to_send, device, sum(t.nbytes for t in dests.values()))
     rounds = []
     for bucket_mb, versions in params["rounds"]:
-        _, port = _get(to_recv, 150, "sender port")
+        _, port = queue_get(to_recv, 150, "sender port")
         cfg = _cfg(port, params["backend"], bucket_mb, str(device))
-        per_version = []
+        per_version: list[Any] = []
 
         async def receive_round(
             cfg: Any = cfg, versions: int = versions, per_version: list[Any] = per_version, bucket_mb: float = bucket_mb
@@ -744,7 +746,7 @@ def stream_receiver(params: dict[str, Any], to_recv: Any, to_send: Any) -> dict[
                     to_send.put(("ready", v))
                     names = [n async for n, _ in receiver.receive_weights(into=lambda m: dests.get(m.name))]
                     stats = receiver.last_stats
-                    _sync(device)
+                    cuda_sync(device)
                     wrong = []
                     for i, (n, s, d) in enumerate(specs):
                         expected = make_tensor(n, s, d, _seed(v, i), device)
@@ -819,7 +821,7 @@ def _trampoline(fn: Callable[..., Any], args: tuple[Any, ...], results_q: Any, i
         raise SystemExit(1) from None
 
 
-def _stream_pair(params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def stream_pair(params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -845,7 +847,7 @@ def _stream_pair(params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     )
     if "raw_nixl" in got:
         out["raw_nixl"] = got["raw_nixl"]
-    out.update(_checks({"bitwise": out["bitwise"]}))
+    out.update(check_results({"bitwise": out["bitwise"]}))
     return out
 
 
@@ -854,7 +856,7 @@ def step_cuda_ipc(params: dict[str, Any], dry: bool) -> dict[str, Any]:
 
     if not dry and not torch.cuda.is_available():
         raise Skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    out = _stream_pair(params, timeout_s=params["workers_timeout_s"])
+    out = stream_pair(params, timeout_s=params["workers_timeout_s"])
     out["note"] = (
         "ratio_vs_copy = one copy_ per tensor of the same bytes / one end-to-end version (Prepare .. acks); "
         "the engine copies every byte twice (pack, merge), so 0.5 is its ceiling"
@@ -863,7 +865,7 @@ def step_cuda_ipc(params: dict[str, Any], dry: bool) -> dict[str, Any]:
 
 
 def step_nixl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
-    from benchmarks.device_nixl import step_nixl as run
+    from lightning_weightsync.bench.device_nixl import step_nixl as run
 
     return run(params, dry)
 
@@ -882,7 +884,7 @@ def step_nccl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             )
         if importlib.util.find_spec("cupy") is None:
             raise Skip("cupy is not installed (extra [nccl]: cupy-cuda12x / cupy-cuda13x)")
-    return _stream_pair(params, timeout_s=params["workers_timeout_s"])
+    return stream_pair(params, timeout_s=params["workers_timeout_s"])
 
 
 # -------------------------------------------------------------------------------------- pack / merge
@@ -891,10 +893,7 @@ def step_nccl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
 def step_pack_merge(params: dict[str, Any], dry: bool) -> dict[str, Any]:
     import torch
 
-    try:  # the chunking benchmark moves into the package (`lightning-weightsync bench`)
-        from lightning_weightsync.bench.chunking import GOAL_MIN_TENSOR_SIZE, GOAL_RATIO, bench_one_size
-    except ImportError:
-        from benchmarks.bench_chunking import GOAL_MIN_TENSOR_SIZE, GOAL_RATIO, bench_one_size  # type: ignore
+    from lightning_weightsync.bench.chunking import GOAL_MIN_TENSOR_SIZE, GOAL_RATIO, bench_one_size
 
     device = torch.device(params["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -955,7 +954,9 @@ def step_event_fence(params: dict[str, Any], dry: bool) -> dict[str, Any]:
         raise Skip("needs CUDA (torch.cuda.is_available() is False)")
     if importlib.util.find_spec("cupy") is None:
         raise Skip("cupy is not installed: NcclBackend cannot be built")
-    from lightning_weightsync.transport.backends.nccl import NcclBackend
+    from lightning_weightsync.transport.backends import backend_class
+
+    NcclBackend: Any = backend_class("nccl")  # through the table; its buckets and communicator are driven below
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -1009,7 +1010,7 @@ def step_event_fence(params: dict[str, Any], dry: bool) -> dict[str, Any]:
         "(the checks then prove less, but are not wrong)",
     }
     out.update(
-        _checks(
+        check_results(
             {
                 "packed_before_broadcast_reads": all(packed_seen),
                 "not_repacked_while_broadcast_reads": all(not_overwritten),
@@ -1027,7 +1028,8 @@ def fsdp_receiver(port: int, backend: str, device: str, expect: int, out_dir: st
     import torch
     from safetensors.torch import save_file
 
-    from lightning_weightsync import WeightReceiver, load_config
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.engine.receiver import WeightReceiver
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device).index or 0)  # set_device refuses a bare "cuda"
@@ -1111,7 +1113,7 @@ def step_lightning(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             raise RuntimeError(
                 f"training exited with {returncode} (None: killed after {train_timeout_s:.0f}s):\n{log[-4000:]}"
             )
-        _, ok, got = _get(results_q, 15, "the receiver's report")
+        _, ok, got = queue_get(results_q, 15, "the receiver's report")
         if not ok:
             raise RuntimeError(f"receiver failed:\n{got}")
         final, received = load_file(str(tmp / "final.st")), load_file(str(tmp / "received.safetensors"))
@@ -1134,7 +1136,8 @@ def step_lightning(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             "mismatched": wrong[:10],
             "trainer_summary": [ln for ln in log.splitlines() if ln.startswith("tiny_lm:")][-1:],
         }
-        out.update(_checks({"bitwise": out["bitwise"], "every_version": got["versions"] == list(range(steps + 1))}))
+        every_version = got["versions"] == list(range(steps + 1))
+        out.update(check_results({"bitwise": out["bitwise"], "every_version": every_version}))
         return out
     finally:
         receiver.join(timeout=10)
@@ -1179,7 +1182,7 @@ def _run_one(step: Step, dry: bool, out_dir: Path, timeout_s: float) -> dict[str
     log_path = out_dir / "logs" / f"{step.name}.log"
     result_path = out_dir / "logs" / f"{step.name}.result.json"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.device_check", "--step", step.name, "--result", str(result_path)]
+    cmd = [sys.executable, "-m", MODULE, "--step", step.name, "--result", str(result_path)]
     cmd += ["--dry-run"] if dry else []
     started = time.perf_counter()
     with log_path.open("w") as log:
@@ -1221,7 +1224,8 @@ def _run_one(step: Step, dry: bool, out_dir: Path, timeout_s: float) -> dict[str
     seconds = round(time.perf_counter() - started, 2)
     tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
     if timed_out:
-        result = {"status": "timeout", "error": f"no result within {timeout_s:.0f}s; killed", "log_tail": tail}
+        result: dict[str, Any] = {"status": "timeout", "log_tail": tail}
+        result["error"] = f"no result within {timeout_s:.0f}s; killed"
     elif result_path.exists():
         result = json.loads(result_path.read_text())
         if result["status"] in ("error", "fail"):
@@ -1383,7 +1387,8 @@ def _finish(report: dict[str, Any], wall0: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.split("\n\n")[0])
+    prog = f"python -m {MODULE}"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, shm/gloo standing in for cuda_ipc/nccl")
     p.add_argument("--prepare", action="store_true", help="download the GPU machine's missing wheels to .device/wheels")
     p.add_argument("--install", action="store_true", help="install the missing ones from .device/wheels")
@@ -1408,6 +1413,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # run as the importable module, so spawned workers find their functions by name
-    import benchmarks.device_check as _module
+    import lightning_weightsync.bench.device_check as _module
 
     sys.exit(_module.main())

@@ -28,9 +28,9 @@ from omegaconf import DictConfig
 from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError
 from ..protocol.chunks import TensorMeta
+from ..rollout.consume import Call, VersionSink, consume_version
+from ..rollout.observability import VersionRecord
 from ..transport.device import handoff
-from .consume import Call, VersionSink, consume_version
-from .observability import VersionRecord
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ tensors from a worker. Our workers already receive every version over our data p
 (`trainer.lora=adapter`) is written by one worker of the server (worker / TP rank 0) as the adapter
 directory the safetensors sink writes (`<lora_dir>/step_<version>/adapter_model.safetensors` +
 `adapter_config.json`, staged and renamed into place, fsynced), and the trainer's client then has the
-engine load that path under the served adapter's name (`rollout/<engine>/client.py`). The other workers
+engine load that path under the served adapter's name (`rollout_engines/<engine>/client.py`). The other workers
 drain the version: they hold the same bytes and need none of them.
 
 Plain and merged/full versions (`trainer.lora=merged|full`: plain weights under the base model's names) go
@@ -25,8 +25,8 @@ from omegaconf import OmegaConf
 from ..errors import SinkError
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
-from .engine_worker import ModelLoadSink
-from .sinks.safetensors import SafetensorsSink
+from ..rollout.sinks.safetensors import SafetensorsSink
+from .worker import ModelLoadSink
 
 KEEP_LAST = 3
 """Adapter versions kept in `lora_dir` (the one served and two before it, for a load still reading one)."""

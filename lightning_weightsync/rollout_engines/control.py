@@ -1,6 +1,6 @@
 """The trainer drives each version through its rollout engines: pause, start, update, finish, resume.
 
-A rollout engine (vLLM, SGLang: `rollout_engines.py`) is a server whose workers receive our versions
+A rollout engine (vLLM, SGLang: `rollout_engines/__init__.py`) is a server whose workers receive our versions
 themselves. The sending rank wraps every send in the rollouts' update session, on every rollout at once:
 
     every rollout:  pause()                                     (generation stops stepping)
@@ -18,7 +18,8 @@ So generation runs between versions and is paused only for the transfer. A faili
 with its rollout's URL and fails the version (`PeerError`, i.e. `trainer.on_failure` applies); a
 rollout whose update failed is not finished (the engine already closed its session), the others are,
 and every paused rollout is resumed. What each step is on the wire is the engine's client
-(`rollout/<engine>/client.py`), loaded by path through the registry; this module never imports them.
+(`rollout_engines/<engine>/client.py`), loaded by path through the registry; this module never imports them
+(tests/unit/test_layers.py: an engine's modules are named only inside its folder).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from omegaconf import DictConfig
 from ..engine.verify import weight_problems
 from ..errors import CannotAsk, ConfigError, PeerError
 from ..protocol.messages import LoraSpec
-from ..rollout_engines import ROLLOUT_ENGINES, RolloutClient
+from . import ROLLOUT_ENGINES, RolloutClient
 
 logger = logging.getLogger(__name__)
 

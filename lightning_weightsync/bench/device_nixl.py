@@ -12,7 +12,7 @@ Two spawned processes, both on cuda:0 (`--dry-run`: host memory, tiny sizes, the
 The report gives GB/s for both, the engine's ratio to raw NIXL (`ratio_vs_raw_nixl`, the number the nixl
 row of docs/backends.md wants) and to a device copy of the same bytes (`ratio_vs_copy`).
 
-NIXL comes to the GPU machine as a cut-down nixl-cu13 wheel (`benchmarks/nixl_wheel.py`, made by
+NIXL comes to the GPU machine as a cut-down nixl-cu13 wheel (`lightning_weightsync/bench/nixl_wheel.py`, made by
 `./dev device-check --prepare`); on the GPU a NIXL that will not import is a failure, not a skip.
 """
 
@@ -35,25 +35,25 @@ def _slot_pattern(index: int, nbytes: int, device: Any) -> Any:
     """The sender's slot contents: seeded random bytes the receiver regenerates to compare."""
     import torch
 
-    from benchmarks.device_check import make_tensor
+    from lightning_weightsync.bench.device_check import make_tensor
 
     return make_tensor(f"raw_nixl_slot_{index}", (nbytes,), torch.uint8, 424_242 + index, device)
 
 
 def raw_nixl_sender(params: dict[str, Any], to_recv: Any, to_send: Any, device: Any) -> None:
     """Passive side: register two slots, hand their addresses over, drive UCX until the receiver is done."""
-    from benchmarks.device_check import _sync, progress
-    from lightning_weightsync.bench.nixl import _agent, _progress_until
+    from lightning_weightsync.bench.device_check import cuda_sync, progress
+    from lightning_weightsync.bench.nixl import make_agent, progress_until
 
     bucket = int(params["rounds"][0][0] * MiB)
     mem_type, device_id = _mem(device)
-    agent = _agent(f"dc-raw-sender-{os.getpid()}")
+    agent = make_agent(f"dc-raw-sender-{os.getpid()}")
     slots = [_slot_pattern(i, bucket, device) for i in range(2)]
-    _sync(device)
+    cuda_sync(device)
     descs = agent.register_memory([(s.data_ptr(), bucket, device_id, "") for s in slots], mem_type)
     to_recv.put((RAW_TAG, bytes(agent.get_agent_metadata()), [(s.data_ptr(), bucket) for s in slots]))
     progress(f"sender: raw NIXL, two {bucket / MiB:g} MiB {mem_type} slots registered")
-    _progress_until(agent, to_send, timeout_s=float(params["workers_timeout_s"]))  # RAW_DONE
+    progress_until(agent, to_send, timeout_s=float(params["workers_timeout_s"]))  # RAW_DONE
     agent.deregister_memory(descs)
 
 
@@ -61,27 +61,27 @@ def raw_nixl_receiver(params: dict[str, Any], to_recv: Any, to_send: Any, device
     """Active side: READ `total` bytes in bucket-sized pieces from the sender's slots, timed, then compare."""
     import torch
 
-    from benchmarks.device_check import _get, _sync, progress
-    from lightning_weightsync.bench.nixl import _agent, _pieces
+    from lightning_weightsync.bench.device_check import cuda_sync, progress, queue_get
+    from lightning_weightsync.bench.nixl import make_agent, nixl_pieces
 
-    tag, metadata, remote = _get(to_recv, 150, "the sender's raw NIXL slots")
+    tag, metadata, remote = queue_get(to_recv, 150, "the sender's raw NIXL slots")
     if tag != RAW_TAG:
         raise RuntimeError(f"expected the sender's raw NIXL slots first, got {tag!r}")
     bucket = int(params["rounds"][0][0] * MiB)
     mem_type, device_id = _mem(device)
-    agent = _agent(f"dc-raw-receiver-{os.getpid()}")
+    agent = make_agent(f"dc-raw-receiver-{os.getpid()}")
     slots = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
     descs = agent.register_memory([(s.data_ptr(), bucket, device_id, "") for s in slots], mem_type)
     peer = agent.add_remote_agent(metadata)
     peer = peer.decode() if isinstance(peer, bytes) else str(peer)
     try:
-        _pieces(agent, "READ", slots, remote, peer, min(total, 2 * bucket), bucket, mem_type, device_id)  # connect
+        nixl_pieces(agent, "READ", slots, remote, peer, min(total, 2 * bucket), bucket, mem_type, device_id)  # connect
         times = []
         for _ in range(RAW_REPEATS):
             for s in slots:  # stale bytes must not pass for read ones
                 s.fill_(0xA5)
-            _sync(device)
-            times.append(_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))
+            cuda_sync(device)
+            times.append(nixl_pieces(agent, "READ", slots, remote, peer, total, bucket, mem_type, device_id))
         # the last piece read into slot i is the first n bytes of the sender's slot i
         starts = list(range(0, total, bucket))
         wrong = []
@@ -111,14 +111,14 @@ def raw_nixl_receiver(params: dict[str, Any], to_recv: Any, to_send: Any, device
 def step_nixl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
     import torch
 
-    from benchmarks.device_check import Skip, _checks, _stream_pair
+    from lightning_weightsync.bench.device_check import Skip, check_results, stream_pair
     from lightning_weightsync.errors import BackendUnavailable
-    from lightning_weightsync.transport.backends.nixl import import_nixl
+    from lightning_weightsync.transport.backends import backend_class
 
     if not dry and not torch.cuda.is_available():
         raise Skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
-        import_nixl()
+        backend_class("nixl").agent_classes()  # type: ignore[attr-defined]  # the nixl backend's own import check
     except BackendUnavailable as exc:
         if dry:
             raise Skip(f"NIXL is not installed here: {exc}") from None
@@ -127,7 +127,7 @@ def step_nixl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             "where PyPI is reachable and carry .device/wheels"
         ) from None
     started = time.perf_counter()
-    out = _stream_pair({**params, "raw_nixl": True}, timeout_s=params["workers_timeout_s"])
+    out = stream_pair({**params, "raw_nixl": True}, timeout_s=params["workers_timeout_s"])
     raw = out["raw_nixl"]
     for rnd in out["rounds"]:
         rnd["ratio_vs_raw_nixl"] = raw["read_s"] / rnd["best_seconds"]
@@ -137,5 +137,5 @@ def step_nixl(params: dict[str, Any], dry: bool) -> dict[str, Any]:
         "ratio_vs_raw_nixl = raw NIXL READ of the same bytes in bucket-sized pieces (best of 3) / one end-to-end "
         "engine version (Prepare .. acks); ratio_vs_copy as in cuda_ipc_stream"
     )
-    out.update(_checks({"bitwise": out["bitwise"], "raw_nixl_bitwise": raw["bitwise"]}))
+    out.update(check_results({"bitwise": out["bitwise"], "raw_nixl_bitwise": raw["bitwise"]}))
     return out

@@ -1,6 +1,6 @@
 """The trainer side of SGLang rollouts: each version's update session over SGLang's HTTP routes.
 
-Per version (`trainer/rollout_control.py` runs each step on every rollout at once):
+Per version (`rollout_engines/control.py` runs each step on every rollout at once):
 
     POST /pause_generation {"mode": sglang.pause_mode}
     POST /begin_weight_update {}
@@ -28,11 +28,11 @@ import logging
 
 from omegaconf import DictConfig
 
-from ...config import SGLangPauseMode
 from ...errors import ConfigError, PeerError
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
 from . import api
+from .config import SGLangPauseMode
 
 logger = logging.getLogger(__name__)
 
