@@ -524,9 +524,16 @@ class WeightSender(Endpoint):
             err = PeerError(f"version {stats.version}: receivers failed: {stats.failed}")
             err.stats = stats
             raise err
+        delta = sent.delta
+        form = (
+            f"delta of version {delta.policy.base_version}: {delta.payloads} tensors as deltas, "
+            f"{human_bytes(delta.model_bytes)} of tensors in {human_bytes(stats.nbytes)}"
+            if delta.payloads
+            else "whole"
+        )
         logger.info(
-            "version %d sent: %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets",
-            stats.version, human_bytes(stats.nbytes), stats.seconds,
+            "version %d sent (%s): %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets",
+            stats.version, form, human_bytes(stats.nbytes), stats.seconds,
             human_bytes(stats.nbytes / stats.seconds if stats.seconds > 0 else 0.0), stats.receivers,
             stats.num_tensors, stats.num_buckets,
         )  # fmt: skip

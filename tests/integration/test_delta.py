@@ -214,12 +214,13 @@ async def test_auto_falls_back_to_whole_versions_by_itself_where_deltas_measure_
     assert deltas == [0] * PROBE_EVERY + [4], deltas
 
 
-async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookkeeping() -> None:
+async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookkeeping(caplog) -> None:
     """`receive_weights(into=..., base=...)`: the receiver counts each version it acked whole as held, so the
     next one comes as a delta without the caller setting `delta_base`; a version the consumer stopped half-way
     clears it (its tensors may be torn) and the next one comes whole."""
     from lightning_weightsync import WeightReceiver
 
+    caplog.set_level("INFO", logger="lightning_weightsync.engine.sender")
     port = free_port()
     weights = sent(0)
     mine = {name: torch.empty_like(t) for name, t in weights.items()}  # the consumer's own tensors
@@ -245,6 +246,9 @@ async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookke
                 deltas.append(got.delta_tensors)
                 weights = step(weights, version + 1)
             assert deltas[0] == 0 and deltas[1] > 0 and deltas[2] > 0, deltas
+            lines = [r.getMessage() for r in caplog.records if " sent (" in r.getMessage()]  # the per-version line
+            assert lines[0].startswith("version 0 sent (whole)"), lines
+            assert lines[1].startswith("version 1 sent (delta of version 0: "), lines
             with contextlib.suppress(Exception):  # the consumer stops after one tensor: the version fails
                 await asyncio.gather(receive_into_mine(stop_after=1), sender.send_weights(weights.items(), version=3))
             assert receiver.delta_base is None
