@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 import torch
 from omegaconf import DictConfig
 
-from ..config import VerifyMode, auth_token, bucket_size_bytes, load_config
+from ..config import ReceiverSettings, VerifyMode, transport_token
 from ..errors import (
     DeltaError,
     PeerError,
@@ -52,22 +52,27 @@ class WeightReceiver(Endpoint):
     """Receives versions from one `WeightSender`.
 
     Args:
-        cfg: the weightsync config; uses `transport.*` and `rollout.identity` / `rollout.device`
-            (where merged tensors are allocated when no `into` destination is given).
+        cfg: the weightsync config (None = the defaults), converted once here into its `ReceiverSettings`
+            (`transport.*`, `rollout.identity`, and `rollout.device`: where merged tensors are allocated when no
+            `into` destination is given), or those settings themselves.
     """
 
     _control: ReceiverControl
 
     def __init__(
-        self, cfg: DictConfig | None = None, *, identity: str | None = None, preallocate: bool = False
+        self,
+        cfg: DictConfig | ReceiverSettings | None = None,
+        *,
+        identity: str | None = None,
+        preallocate: bool = False,
     ) -> None:
-        self.cfg = cfg if cfg is not None else load_config()
-        t = self.cfg.transport
-        self.identity = identity or self.cfg.rollout.identity or default_identity()
+        self.settings = ReceiverSettings.of(cfg)
+        t = self.settings.transport
+        self.identity = identity or self.settings.identity or default_identity()
         self.timeout_s = float(t.timeout_s)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
-        self.output_device = torch.device(self.cfg.rollout.device)
-        self._key = auth_token(self.cfg)
+        self.output_device = torch.device(self.settings.device)
+        self._key = transport_token(t)
         self._control = ReceiverControl(
             t.host, int(t.port), self._key, self.identity, str(self.device), liveness_s=float(t.liveness_s)
         )
@@ -97,9 +102,9 @@ class WeightReceiver(Endpoint):
         if self.preallocate and self._backend is None:
             # the slots now, at transport.bucket_size_mb, where the backend owns them: memory a rollout
             # engine measures after start-up (vLLM's KV-cache profiling) already counts them
-            t = self.cfg.transport
+            t = self.settings.transport
             backend = self._new_backend(
-                str(t.backend), bucket_size=bucket_size_bytes(self.cfg), is_sender=False, session="",
+                str(t.backend), bucket_size=self.settings.bucket_size, is_sender=False, session="",
                 identity=self.identity,
             )  # fmt: skip
             self.preallocated_bytes = backend.preallocate()
@@ -149,7 +154,7 @@ class WeightReceiver(Endpoint):
         if self._executor is None:
             raise WeightSyncError("WeightReceiver.receive_weights() / wait_version() before start()")
         await self._finish_abandoned()
-        t = self.cfg.transport
+        t = self.settings.transport
         while True:
             prepare = await self._steps.wait_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             if not self._is_new(prepare):

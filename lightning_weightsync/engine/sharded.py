@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
@@ -59,9 +59,9 @@ class OtherSenders:
             await self.subs.pop(key).close()
         for host, port in wanted:
             if (host, port) not in self.subs:
-                cfg = OmegaConf.merge(self.owner.cfg, {"transport": {"host": host, "port": port}})
-                assert isinstance(cfg, DictConfig)  # a DictConfig merged with a dict
-                sub = WeightReceiver(cfg, identity=self.owner.identity)
+                own = self.owner.settings
+                at = replace(own, transport=replace(own.transport, host=host, port=port))
+                sub = WeightReceiver(at, identity=self.owner.identity)
                 await sub.start()
                 self.subs[(host, port)] = sub
         subs = [self.subs[key] for key in wanted]
@@ -77,7 +77,7 @@ class OtherSenders:
 
     async def _version(self, sub: WeightReceiver, version: int) -> Plan:
         """`sub`'s sender's plan for exactly `version` (it is told which receivers to wait for)."""
-        wait_s = float(self.owner.cfg.transport.ready_timeout_s)
+        wait_s = float(self.owner.settings.transport.ready_timeout_s)
         try:  # the coordinator already started the version: this sender is there now, or unreachable
             got = await sub.wait_version(wait_s=wait_s)
         except WeightSyncTimeout as exc:
