@@ -15,7 +15,7 @@ An engine is a server that generates and also receives our versions in its own w
 Entries are module paths in a `Registry` (registry.py: the one plug-in seam, also for backends and sinks),
 imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an engine costs nothing until
 it is used, and the layer that lists the engines (config: `rollout.engine`'s choices) never imports them.
-Adding an engine: its folder, its config section (`config.py`, documented in `configs/default.yaml`) and
+Adding an engine: its folder, its config section (`config/schema.py`, documented in `configs/default.yaml`) and
 one `register_rollout_engine` line below (docs/concepts.md).
 """
 
