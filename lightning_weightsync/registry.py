@@ -2,7 +2,7 @@
 
 Every pluggable part is named in one such table, one line an entry, next to the parts it lists:
 data-plane backends (`transport/backends/__init__.py`, `transport.backend`), the join kinds a plan can
-carry (`protocol/joins/__init__.py`), daemon sinks (`config.py`, `rollout.sink.type`: config sits below
+carry (`protocol/joins/__init__.py`), daemon sinks (`config/schema.py`, `rollout.sink.type`: config sits below
 the rollout layer and lists the choices) and rollout engines (`rollout_engines/__init__.py`, `rollout.engine`).
 As vLLM's `WeightTransferEngineFactory`, an entry is a path, not an object: listing the names (config
 validation, `--help`) imports nothing, so a part whose optional dependency (cupy, torch_npu, nixl, vllm)

@@ -16,11 +16,12 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ..config import VerifyMode, auth_token, bucket_size_bytes, load_config
+from ..config import ReceiverSettings, VerifyMode, transport_token
 from ..errors import (
     DeltaError,
     PeerError,
@@ -53,22 +54,27 @@ class WeightReceiver(Endpoint):
     """Receives versions from one `WeightSender`.
 
     Args:
-        cfg: the weightsync config; uses `transport.*` and `rollout.identity` / `rollout.device`
-            (where merged tensors are allocated when no `into` destination is given).
+        cfg: the weightsync config (None = the defaults), converted once here into its `ReceiverSettings`
+            (`transport.*`, `rollout.identity`, and `rollout.device`: where merged tensors are allocated when no
+            `into` destination is given), or those settings themselves.
     """
 
     _control: ReceiverControl
 
     def __init__(
-        self, cfg: DictConfig | None = None, *, identity: str | None = None, preallocate: bool = False
+        self,
+        cfg: DictConfig | ReceiverSettings | None = None,
+        *,
+        identity: str | None = None,
+        preallocate: bool = False,
     ) -> None:
-        self.cfg = cfg if cfg is not None else load_config()
-        t = self.cfg.transport
-        self.identity = identity or self.cfg.rollout.identity or default_identity()
+        self.settings = ReceiverSettings.of(cfg)
+        t = self.settings.transport
+        self.identity = identity or self.settings.identity or default_identity()
         self.timeout_s = float(t.timeout_s)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
-        self.output_device = torch.device(self.cfg.rollout.device)
-        self._key = auth_token(self.cfg)
+        self.output_device = torch.device(self.settings.device)
+        self._key = transport_token(t)
         self._control = ReceiverControl(
             t.host, int(t.port), self._key, self.identity, str(self.device), liveness_s=float(t.liveness_s)
         )
@@ -93,9 +99,9 @@ class WeightReceiver(Endpoint):
         if self.preallocate and self._backend is None:
             # the slots now, at transport.bucket_size_mb, where the backend owns them: memory a rollout
             # engine measures after start-up (vLLM's KV-cache profiling) already counts them
-            t = self.cfg.transport
+            t = self.settings.transport
             backend = self._new_backend(
-                str(t.backend), bucket_size=bucket_size_bytes(self.cfg), is_sender=False, session="",
+                str(t.backend), bucket_size=self.settings.bucket_size, is_sender=False, session="",
                 identity=self.identity,
             )  # fmt: skip
             self.preallocated_bytes = backend.preallocate()
@@ -173,9 +179,9 @@ class WeightReceiver(Endpoint):
 
     def _other_sender(self, host: str, port: int) -> WeightReceiver:
         """This receiver, for another sender of a sharded version (same identity, same token)."""
-        cfg = OmegaConf.merge(self.cfg, {"transport": {"host": host, "port": port}})
-        assert isinstance(cfg, DictConfig)  # a DictConfig merged with a dict
-        return WeightReceiver(cfg, identity=self.identity)
+        own = self.settings
+        at = replace(own, transport=replace(own.transport, host=host, port=port))
+        return WeightReceiver(at, identity=self.identity)
 
     def give_up_group(self) -> None:
         """Another part of the version failed: leave the group now, so its sender's broadcast ends at once."""
@@ -203,7 +209,7 @@ class WeightReceiver(Endpoint):
         if self._executor is None:
             raise WeightSyncError("WeightReceiver.receive_weights() / wait_version() before start()")
         await self._finish_abandoned()
-        t = self.cfg.transport
+        t = self.settings.transport
         while True:
             prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             generation = self._backend.generation if self._backend is not None else -1

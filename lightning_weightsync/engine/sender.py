@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import DictConfig
 
-from ..config import DeltaMode, VerifyMode, auth_token, bucket_size_bytes, direct_min_bytes, load_config
+from ..config import DeltaMode, SenderSettings, TransportConfig, VerifyMode, transport_token
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
@@ -201,7 +201,7 @@ class _VersionOptions:
     @classmethod
     def resolve(
         cls,
-        cfg: DictConfig,
+        transport: TransportConfig,
         weights: object,
         stable_tensors: bool | None,
         tied: Mapping[str, Iterable[str]] | None,
@@ -209,7 +209,7 @@ class _VersionOptions:
         lora: LoraSpec | None,
     ) -> _VersionOptions:
         # sharded: each shard's bytes are fingerprinted, and each receiver checks them where they land
-        verify = VerifyMode(cfg.transport.verify)
+        verify = VerifyMode(transport.verify)
         # a shard's chunks end before its tensor's last byte, so "the caller may reuse this tensor now" cannot be
         # read from the metadata: shards are the module's own local storage, untouched during a sync (stable)
         stable = holds_its_tensors(weights) if stable_tensors is None else bool(stable_tensors)
@@ -271,21 +271,23 @@ class WeightSender(Endpoint):
     """Sends versions of a stream of `(name, tensor)` to every registered receiver.
 
     Args:
-        cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.min_receivers`.
+        cfg: the weightsync config (`load_config()`; None = the defaults), converted once here into its
+            `SenderSettings` (`transport.*` and `trainer.min_receivers`), or those settings themselves.
     """
 
     _control: SenderControl
 
-    def __init__(self, cfg: DictConfig | None = None) -> None:
-        self.cfg = cfg if cfg is not None else load_config()
-        t = self.cfg.transport
-        self.bucket_size = bucket_size_bytes(self.cfg)
-        self.direct_min = direct_min_bytes(self.cfg)
+    def __init__(self, cfg: DictConfig | SenderSettings | None = None) -> None:
+        # read per version: a caller may replace it between versions (e.g. lower min_receivers)
+        self.settings = SenderSettings.of(cfg)
+        t = self.settings.transport
+        self.bucket_size = self.settings.bucket_size
+        self.direct_min = self.settings.direct_min
         self.direct_in_flight = int(t.direct_in_flight)
         self.timeout_s = float(t.timeout_s)
         self.session = secrets.token_hex(8)
         self.device = resolve_device(t.backend, t.device, backend_class(t.backend).natural_device)
-        self._key = auth_token(self.cfg)
+        self._key = transport_token(t)
         self.liveness_s = float(t.liveness_s)
         self._control = SenderControl(
             t.host, int(t.port), self._key, self.bucket_size, session=self.session, liveness_s=self.liveness_s
@@ -293,7 +295,7 @@ class WeightSender(Endpoint):
         self._steps = SenderSession(
             self._control,
             session=self.session,
-            min_receivers=int(self.cfg.trainer.min_receivers),
+            min_receivers=self.settings.min_receivers,
             timeout_s=self.timeout_s,
             ready_timeout_s=float(t.ready_timeout_s),
             liveness_s=self.liveness_s,
@@ -363,7 +365,7 @@ class WeightSender(Endpoint):
 
     def _delta_policy(self, peers: list[Peer]) -> DeltaPolicy:
         """Deltas only against the version every receiver says it holds, while the copy of it is whole."""
-        mode = DeltaMode(self.cfg.transport.delta)
+        mode = DeltaMode(self.settings.transport.delta)
         base = self._delta_base
         usable = base.version is not None and not base.full_requested and bool(peers)
         usable = usable and all(self._steps.readies[p.identity].delta_base == base.version for p in peers)
@@ -373,7 +375,7 @@ class WeightSender(Endpoint):
         return DeltaPolicy(mode is not DeltaMode.off, base.version if usable else None, mode is DeltaMode.always)
 
     async def start(self) -> None:
-        t = self.cfg.transport
+        t = self.settings.transport
         await self._control.start()
         self._executor = SerialExecutor(self._executor_name)
         self._backend = self._new_backend(t.backend, bucket_size=self.bucket_size, is_sender=True, session=self.session)
@@ -495,10 +497,11 @@ class WeightSender(Endpoint):
         """`send_weights`' arguments and the config, resolved once for the version; what every receiver would
         refuse is refused here (a local failure: the group is fine, `source` is marked so)."""
         # the policy is read per version (a caller may lower min_receivers after losing a rollout)
-        self._steps.min_receivers = int(self.cfg.trainer.min_receivers)
-        self._steps.ready_timeout_s = float(self.cfg.transport.ready_timeout_s)
+        self._steps.min_receivers = self.settings.min_receivers
+        self._steps.ready_timeout_s = float(self.settings.transport.ready_timeout_s)
         try:
-            options = _VersionOptions.resolve(self.cfg, source.weights, stable_tensors, tied, sharding, lora)
+            transport = self.settings.transport
+            options = _VersionOptions.resolve(transport, source.weights, stable_tensors, tied, sharding, lora)
             validate_tied(BucketMeta(version, 0, False, 0, [], options.tied))  # what every receiver checks
             if lora is not None:
                 validate_lora(lora)
@@ -543,7 +546,7 @@ class WeightSender(Endpoint):
         assert self._backend is not None and self._executor is not None
         members = tuple(p.key for p in peers)
         lost = any(self._steps.readies[p.identity].generation != self._generation for p in peers)
-        if self.cfg.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
+        if self.settings.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
             self._generation += 1
             self._group = members
         group = GroupSpec(
@@ -702,7 +705,7 @@ class BlockingWeightSender:
     runs FSDP collectives executes in the training thread as usual.
     """
 
-    def __init__(self, cfg: DictConfig | None = None) -> None:
+    def __init__(self, cfg: DictConfig | SenderSettings | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self.sender = WeightSender(cfg)
         self._sending: asyncio.Task[Any] | None = None

@@ -22,7 +22,7 @@ imported only when used (as vLLM's `WeightTransferEngineFactory`), so naming an 
 it is used, and the layer that lists the engines (config: `rollout.engine`'s choices) imports none of
 their code but the config sections. Adding an engine: its folder (with its config section, documented in
 `configs/default.yaml`), one `register_rollout_engine` line below, and the section's field in
-`config.py`'s `WeightSyncConfig` (docs/concepts.md).
+`config/schema.py`'s `WeightSyncConfig` (docs/concepts.md).
 """
 
 from __future__ import annotations

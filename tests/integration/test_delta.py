@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -87,7 +88,8 @@ async def test_deltas_are_small_and_bitwise_and_a_new_receiver_gets_whole_tensor
             assert first.records[-1].verified == first.records[-1].num_tensors, "a delta's result is verified"
         second = module_daemon(port, "second", apply)
         async with running(second):
-            sender.cfg.trainer.min_receivers = 2  # the version waits for the second one to register
+            # the version waits for the second one to register
+            sender.settings = replace(sender.settings, min_receivers=2)
             weights = step(weights, 3)
             stats = await sender.send_weights(weights.items(), version=3)
             assert stats.receivers == 2 and stats.delta_tensors == 0, "a new receiver must get whole tensors"
@@ -239,8 +241,9 @@ async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookke
         try:
             deltas = []
             for version in range(3):
-                got, _ = await asyncio.gather(receive_into_mine(), sender.send_weights(weights.items(),
-                                                                                          version=version))
+                got, _ = await asyncio.gather(
+                    receive_into_mine(), sender.send_weights(weights.items(), version=version)
+                )
                 assert not differing(mine, weights), version
                 assert receiver.delta_base == version
                 deltas.append(got.delta_tensors)

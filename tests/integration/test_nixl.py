@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ async def test_late_receiver_joins_the_next_version_and_both_get_it_bitwise():
             )
             assert_bitwise(got, stream(1))
             assert stats.receivers == 1
-            sender.cfg.trainer.min_receivers = 2  # version 2 waits for the late one to register
+            sender.settings = replace(sender.settings, min_receivers=2)  # version 2 waits for the late one to register
             async with WeightReceiver(cfg_r, identity="late") as late:
                 got_early, got_late, stats = await with_timeout(
                     asyncio.gather(receive_once(early), receive_once(late), sender.send_weights(stream(2), version=2))

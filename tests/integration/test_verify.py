@@ -17,6 +17,7 @@ import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,8 @@ async def test_sample_checks_a_rotating_subset_and_off_sends_no_fingerprints(eng
     weights = {f"w{i}": torch.full((3,), float(i)) for i in range(16)}
     seen: dict[str, int] = {}
     for version, mode in enumerate(["sample", "sample", "off"]):
-        sender.cfg.transport.verify = VerifyMode(mode)
+        transport = replace(sender.settings.transport, verify=VerifyMode(mode))
+        sender.settings = replace(sender.settings, transport=transport)
         send = asyncio.ensure_future(sender.send_weights(weights.items(), version=version))
         got = {name: t.clone() async for name, t in receiver.receive_weights()}
         stats = await send
@@ -209,7 +211,7 @@ async def test_sample_checks_a_rotating_subset_and_off_sends_no_fingerprints(eng
 
 async def test_a_receiver_with_verify_off_does_not_check(engine_pair) -> None:
     sender, receiver = engine_pair
-    sender.cfg.transport.verify = VerifyMode.full
+    sender.settings = replace(sender.settings, transport=replace(sender.settings.transport, verify=VerifyMode.full))
     receiver.verify = VerifyMode.off
     weights = {"a": torch.arange(10.0), "b": torch.ones(4, dtype=torch.bfloat16)}
     send = asyncio.ensure_future(sender.send_weights(weights.items(), version=0))

@@ -128,5 +128,5 @@ def test_the_default_identity_is_documented_as_it_is_built() -> None:
     from lightning_weightsync.transport.control import default_identity
 
     assert default_identity() == f"{socket.gethostname()}-{os.getpid()}"
-    for path in (DOCS.parent / "configs" / "default.yaml", PACKAGE / "config.py"):
+    for path in (DOCS.parent / "configs" / "default.yaml", PACKAGE / "config" / "schema.py"):
         assert "<hostname>-<pid>" in path.read_text(), path

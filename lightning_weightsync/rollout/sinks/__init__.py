@@ -4,22 +4,34 @@
 - `safetensors`: `<rollout.sink.dir>/step_<version>.safetensors`, the last `keep_last` kept;
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
-Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config.py`: config
+Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config/schema.py`: config
 lists the choices and sits below this layer); `build_sink(cfg)` imports only the sink it builds. (A rollout
 engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines/__init__.py`.)
 """
 
 from __future__ import annotations
 
+import logging
+
 from omegaconf import DictConfig
 
-from ...config import SINKS
+from ...config import SINKS, unread_sink_knobs
 from .base import Sink, SinkState, load_callable, load_object
+
+logger = logging.getLogger(__name__)
 
 
 def build_sink(cfg: DictConfig) -> Sink:
-    """The sink named by `rollout.sink.type`, built from the rest of `rollout.sink`."""
-    cls: type[Sink] = SINKS[cfg.rollout.sink.type]
+    """The sink named by `rollout.sink.type`, built from the rest of `rollout.sink`.
+
+    A knob of another sink that is set is said once here, at start-up, as a warning rather than an error:
+    one recipe YAML serves several sinks (`--config recipe.yaml rollout.sink.type=safetensors` keeps the
+    recipe's `rollout.sink.factory`), so an unread knob is usually that, not a mistake."""
+    kind = cfg.rollout.sink.type
+    unread = unread_sink_knobs(cfg.rollout.sink)
+    if unread:
+        logger.warning("rollout.sink.type=%s does not read %s (set for another sink); ignored", kind, ", ".join(unread))
+    cls: type[Sink] = SINKS[kind]
     return cls(cfg)
 
 
