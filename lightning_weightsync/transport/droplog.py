@@ -16,8 +16,14 @@ class DropLog:
     """The first drop is a WARNING; later ones are counted (`dropped`) and summarised in at most one
     line every `interval_s`, so 20,000 garbage frames cost one line, not 20,000."""
 
-    def __init__(self, what: str, interval_s: float = DROP_LOG_INTERVAL_S, log: logging.Logger | None = None) -> None:
-        self.what, self.interval_s = what, interval_s
+    def __init__(
+        self,
+        what: str,
+        interval_s: float = DROP_LOG_INTERVAL_S,
+        log: logging.Logger | None = None,
+        level: int = logging.WARNING,
+    ) -> None:
+        self.what, self.interval_s, self.level = what, interval_s, level
         self.log = log or _logger
         self.dropped = 0
         self._last = -math.inf
@@ -28,7 +34,7 @@ class DropLog:
         now = time.monotonic()
         if now - self._last >= self.interval_s:
             more = f" (and {self._unreported} more since the last report)" if self._unreported else ""
-            self.log.warning("%s from %s: %s%s", self.what, peer, reason, more)
+            self.log.log(self.level, "%s from %s: %s%s", self.what, peer, reason, more)
             self._last, self._unreported = now, 0
         else:
             self._unreported += 1

@@ -91,7 +91,8 @@ class ReceiverControl:
         self._linked = False
         self._link_changed = time.monotonic()
         self.dropped_connections = 0  # links to the sender lost after their handshake (`sender_link`)
-        self._lost_links = DropLog("lost the control connection", log=logger)
+        # INFO, not WARNING: the usual cause is a trainer that finished (it says no Bye), not a fault
+        self._lost_links = DropLog("lost the control connection", log=logger, level=logging.INFO)
 
     @property
     def address(self) -> str:
