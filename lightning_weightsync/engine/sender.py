@@ -535,10 +535,10 @@ class WeightSender(Endpoint):
             else "whole"
         )
         logger.info(
-            "version %d sent (%s): %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets",
-            stats.version, form, human_bytes(stats.nbytes), stats.seconds,
+            "version %d sent: %s in %.3f s (%s/s) to %d receivers, %d tensors, %d buckets; %s",
+            stats.version, human_bytes(stats.nbytes), stats.seconds,
             human_bytes(stats.nbytes / stats.seconds if stats.seconds > 0 else 0.0), stats.receivers,
-            stats.num_tensors, stats.num_buckets,
+            stats.num_tensors, stats.num_buckets, form,
         )  # fmt: skip
 
     async def _join(self, version: int, peers: list[Peer], others: list[SenderAddress] | None = None) -> None:

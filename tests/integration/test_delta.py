@@ -249,9 +249,9 @@ async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookke
                 deltas.append(got.delta_tensors)
                 weights = step(weights, version + 1)
             assert deltas[0] == 0 and deltas[1] > 0 and deltas[2] > 0, deltas
-            lines = [r.getMessage() for r in caplog.records if " sent (" in r.getMessage()]  # the per-version line
-            assert lines[0].startswith("version 0 sent (whole)"), lines
-            assert lines[1].startswith("version 1 sent (delta of version 0: "), lines
+            lines = [r.getMessage() for r in caplog.records if " sent: " in r.getMessage()]  # the per-version line
+            assert lines[0].startswith("version 0 sent: ") and lines[0].endswith(" buckets; whole"), lines
+            assert lines[1].startswith("version 1 sent: ") and "buckets; delta of version 0: " in lines[1], lines
             with contextlib.suppress(Exception):  # the consumer stops after one tensor: the version fails
                 await asyncio.gather(receive_into_mine(stop_after=1), sender.send_weights(weights.items(), version=3))
             assert receiver.delta_base is None
