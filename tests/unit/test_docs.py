@@ -107,6 +107,9 @@ def _as_pattern(fmt: str) -> re.Pattern[str]:
     `human_bytes` writes it (`195 KiB`, not `0.20 MB`: the quickstart had the units of an older format)."""
     pattern = ""
     for literal, conversion in re.findall(r"([^%]*)(%[-.\d]*[dsf]|$)", fmt):
+        if literal.endswith("; ") and conversion == "%s":  # a note after the figures (`whole`, `delta of ...`): text
+            pattern += re.escape(literal) + r"(?:whole|delta of version \d+: .+)"
+            continue
         pattern += re.escape(literal) + {"": "", "s": r"[\d.]+ (?:B|[KMGT]iB)"}.get(conversion[-1:], r"[-\d.]+")
     return re.compile(pattern + "$")
 
