@@ -218,6 +218,10 @@ class TransportConfig:
     """Send only the elements that changed since the last version every receiver acknowledged (auto: where that
     is worth it, always: whenever smaller); whole tensors to a new receiver, one that missed a version, or a sink
     that holds no tensors. Costs the trainer one host-memory copy of the model, hence off by default."""
+    layout_once: bool = True
+    """Send each bucket's layout (names, shapes, dtypes, offsets) once: while a version is cut into the same
+    buckets as the last one every receiver holds, its buckets name that layout by digest instead of listing
+    their entries again (protocol/layout.py). false: every bucket lists its entries (the wire before this knob)."""
 
 
 @dataclass

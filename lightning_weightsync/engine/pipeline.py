@@ -23,6 +23,7 @@ import torch
 
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorMeta, as_bytes
+from ..protocol.layout import Layout, LayoutRecorder, no_layout
 from ..protocol.messages import BucketMeta, LoraSpec, Plan
 from ..transport.backends import NO_SLOT, NUM_SLOTS, Backend
 from ..transport.executor import SerialExecutor, forget
@@ -89,8 +90,15 @@ class BucketPipeline:
         on_bucket: Callable[[BucketMeta], None] | None = None,
         sender: int = 0,
         verifier: FingerprintNotes | None = None,
+        layout: Layout | None = None,
+        recorder: LayoutRecorder | None = None,
     ) -> None:
         self.plan, self.destinations, self.on_bucket = plan, destinations, on_bucket
+        # layout once: a bucket that names the held layout takes its entries from it; the recorder keeps this
+        # version's layout for the next one (protocol/layout.py)
+        self.expand = layout.expand if layout is not None else no_layout
+        self.layout, self.recorder = layout, recorder
+        self.layout_buckets = 0  # buckets whose entries came from the held layout
         self.sender = sender  # which sender of a sharded version this stream comes from (its buckets say so)
         self.verifier = verifier  # notes each bucket's fingerprints before its chunks are merged
         # tensors arriving as a delta payload: name -> (the tensor's own meta, the version the delta is based on)
@@ -124,6 +132,10 @@ class BucketPipeline:
             while True:
                 await self.ahead.acquire()
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
+                self.layout_buckets += bool(meta.layout)
+                meta = self.expand(meta)
+                if self.recorder is not None:
+                    self.recorder.add(meta.nbytes, meta.is_last, meta.entries, self.layout)
                 if meta.sender != self.sender:
                     raise ProtocolError(
                         f"version {meta.version}: bucket {index} says it is from sender {meta.sender}, but came from "

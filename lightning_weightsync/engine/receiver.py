@@ -32,6 +32,7 @@ from ..errors import (
     explain,
 )
 from ..protocol.chunks import TensorMeta, merge_weight_chunks
+from ..protocol.layout import Layout, LayoutRecorder
 from ..protocol.messages import BucketMeta, LoraSpec, Plan
 from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
@@ -84,6 +85,7 @@ class WeightReceiver(Endpoint):
         self.last_stats: ReceiveStats | None = None
         self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
         self._pipeline: BucketPipeline | None = None
+        self._layout: Layout | None = None  # the bucket layout of the last version received whole (layout once)
         self.preallocate = preallocate
         self.preallocated_bytes = 0
         # sharded versions: a receiver of each other sender
@@ -195,12 +197,15 @@ class WeightReceiver(Endpoint):
         on_bucket: Callable[[BucketMeta], None] | None = None,
         sender: int = 0,
         verifier: FingerprintNotes | None = None,
+        recorder: LayoutRecorder | None = None,
     ) -> BucketPipeline:
-        """The buckets of `plan` (joined by `wait_version`) over this receiver's group, steps and thread."""
+        """The buckets of `plan` (joined by `wait_version`) over this receiver's group, steps and thread; with a
+        `recorder`, buckets may name the layout this receiver holds (transport.layout_once)."""
         assert self._backend is not None and self._executor is not None  # wait_version joined the group
         return BucketPipeline(
             plan, steps=self._steps, backend=self._backend, executor=self._executor, timeout_s=self.timeout_s,
             destinations=destinations, on_bucket=on_bucket, sender=sender, verifier=verifier,
+            layout=self._layout if recorder is not None else None, recorder=recorder,
         )  # fmt: skip
 
     # -- one version ------------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class WeightReceiver(Endpoint):
         while True:
             prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             generation = self._backend.generation if self._backend is not None else -1
-            await self._steps.ready(prepare, generation)  # 2
+            await self._steps.ready(prepare, generation, self._layout.digest if self._layout is not None else "")  # 2
             try:
                 plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
             except VersionAborted as exc:
@@ -332,7 +337,10 @@ class WeightReceiver(Endpoint):
                 return None
             return destinations(meta) if destinations is not None else None
 
-        pipeline = self._pipeline = self.pipeline(plan, destinations, on_bucket=self.on_bucket, verifier=verifier)
+        recorder = LayoutRecorder() if self.settings.transport.layout_once else None
+        pipeline = self._pipeline = self.pipeline(
+            plan, destinations, on_bucket=self.on_bucket, verifier=verifier, recorder=recorder
+        )
         try:  # failure paths below ack themselves; the final ok ack is ours or the caller's
             async for name, tensor in merge_weight_chunks(
                 pipeline.chunks(stats), plan.group.bucket_size, into=merge_into, device=self.output_device
@@ -365,6 +373,9 @@ class WeightReceiver(Endpoint):
             await self._send_ack(plan.version, False, explain(exc))
             await self._finish_abandoned()
             raise
+        if recorder is not None:  # every bucket arrived: the layout the next version may name
+            self._layout = recorder.finish() or self._layout
+        stats.layout_buckets = pipeline.layout_buckets
         await self._complete(plan.version, stats, verifier.report, start, auto_ack)
 
     async def _receive_sharded(

@@ -38,6 +38,7 @@ from ..config import DeltaMode, SenderSettings, TransportConfig, VerifyMode, tra
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
+from ..protocol.layout import Layout, LayoutRecorder
 from ..protocol.messages import (
     Ack,
     BucketMeta,
@@ -244,26 +245,40 @@ class _Wire:
     lora: LoraSpec | None
     delta_base: int  # the version the deltas are against; -1: none
     direct_in_flight: int
+    held: Layout | None = None  # the layout every peer holds: a bucket cut as in it goes as a reference
+    recorder: LayoutRecorder | None = None  # this version's layout, for the next one (transport.layout_once)
 
     @classmethod
     def of(
-        cls, version: int, peers: list[Peer], options: _VersionOptions, delta: VersionDelta, direct_in_flight: int
+        cls,
+        version: int,
+        peers: list[Peer],
+        options: _VersionOptions,
+        delta: VersionDelta,
+        direct_in_flight: int,
+        layouts: tuple[Layout | None, LayoutRecorder | None] = (None, None),
     ) -> _Wire:
         base = delta.policy.base_version
         # Unless the producer's tensors are stable, the caller may reuse a tensor's memory once it yields the next
         # one, so its broadcasts must be complete by then; with stable tensors, up to `direct_in_flight` of them
         # may still be moving.
         in_flight = max(1, direct_in_flight) if options.stable_tensors else 0
-        return cls(version, peers, options.tied, options.index, options.lora, -1 if base is None else base, in_flight)
+        delta_base = -1 if base is None else base
+        return cls(version, peers, options.tied, options.index, options.lora, delta_base, in_flight, *layouts)
 
     def meta(self, step: Flush) -> BucketMeta:
-        """The metadata of a planned bucket: the tie and the LoRA spec travel with the first one."""
+        """The metadata of a planned bucket: the tie and the LoRA spec travel with the first one; its entries
+        unless every peer holds them (layout once: the digest of the layout they hold stands for them)."""
         first = step.index == 0
+        entries, layout = step.entries, ""
+        if self.recorder is not None and self.recorder.add(step.nbytes, step.is_last, step.entries, self.held):
+            assert self.held is not None
+            entries, layout = [], self.held.digest
         return BucketMeta(
-            self.version, step.index, step.is_last, step.nbytes, step.entries, self.tied if first else {},
+            self.version, step.index, step.is_last, step.nbytes, entries, self.tied if first else {},
             self.sender, fingerprints=step.fingerprints, deltas=step.deltas,
             delta_base=self.delta_base if step.deltas else -1, lora=self.lora if first else None,
-            delta_ranges=step.delta_ranges,
+            delta_ranges=step.delta_ranges, layout=layout,
         )  # fmt: skip
 
 
@@ -306,6 +321,7 @@ class WeightSender(Endpoint):
         self._generation = 0
         self._last_version: int | None = None
         self._delta_base = DeltaBase()  # the host copy deltas are taken against (transport.delta)
+        self._layout: Layout | None = None  # the layout of the last version streamed whole (transport.layout_once)
         # per slot: the broadcast that last read it, and its bucket's index
         self._pending: list[tuple[asyncio.Future[None], int] | None] = [None] * NUM_SLOTS
         self._direct: deque[tuple[asyncio.Future[None], int]] = deque()  # direct broadcasts, oldest first
@@ -596,7 +612,7 @@ class WeightSender(Endpoint):
             direct_device=self.device if backend.direct_ok else None,
             transforms=(sent.fingerprints.stamp, sent.delta.transform),  # fingerprints are of the tensor itself
         )
-        wire = _Wire.of(stats.version, peers, options, sent.delta, self.direct_in_flight)
+        wire = _Wire.of(stats.version, peers, options, sent.delta, self.direct_in_flight, self._layouts(peers, options))
         self._pending = [None] * NUM_SLOTS
         self._direct = deque()
         async for name, tensor in source:
@@ -612,10 +628,24 @@ class WeightSender(Endpoint):
         await self._settle_direct(0, wire.version)
         for slot in (next_slot(last.slot), last.slot):  # oldest broadcast first
             await self._complete(slot, wire.version)
+        if wire.recorder is not None:  # streamed whole: what every peer that takes it will hold
+            self._layout = wire.recorder.finish()
+            stats.layout_buckets = wire.recorder.same if wire.held is not None else 0
         counts = planner.counts
         stats.nbytes, stats.num_tensors = counts.nbytes, counts.tensors
         stats.num_chunked_tensors = counts.chunked_tensors
         stats.num_buckets, stats.direct_buckets = counts.buckets, counts.direct_buckets
+
+    def _layouts(self, peers: list[Peer], options: _VersionOptions) -> tuple[Layout | None, LayoutRecorder | None]:
+        """The layout this version may name (the one every peer said it holds in Ready, if it is the one this
+        sender streamed last), and the recorder of this version's (transport.layout_once; not sharded: each
+        rank's buckets are its own)."""
+        if not self.settings.transport.layout_once or options.sharded:
+            return None, None
+        held = self._layout
+        if held is not None and any(self._steps.readies[p.identity].layout != held.digest for p in peers):
+            held = None
+        return held, LayoutRecorder()
 
     async def _flush(self, step: Flush, wire: _Wire) -> None:
         """A planned bucket out: its metadata to every receiver, then its broadcast onto the data-plane thread

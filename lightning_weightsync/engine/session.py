@@ -459,10 +459,11 @@ class ReceiverSession:
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
-    async def ready(self, prepare: Prepare, generation: int) -> None:
-        """Answer `prepare`: the group this receiver still holds, and the version it can apply a delta to."""
+    async def ready(self, prepare: Prepare, generation: int, layout: str = "") -> None:
+        """Answer `prepare`: the group this receiver still holds, the version it can apply a delta to, and the
+        digest of the bucket layout it holds (protocol/layout.py)."""
         held = -1 if self.held is None else self.held
-        await self.control.send(Ready(self.identity, prepare.version, generation, held))
+        await self.control.send(Ready(self.identity, prepare.version, generation, held, layout))
 
     # 3 ---------------------------------------------------------------------------------------
     async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:

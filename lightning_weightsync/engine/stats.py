@@ -14,6 +14,7 @@ class _Stats:
     num_tensors: int = 0
     num_buckets: int = 0  # buckets that carried at least one chunk
     direct_buckets: int = 0  # full-bucket chunks that skipped the pack (sender) / merge (receiver) copy
+    layout_buckets: int = 0  # buckets whose entries the held layout stood for (transport.layout_once)
     seconds: float = 0.0  # wall time of the whole version, group formation and acks included
 
     @property
@@ -34,6 +35,7 @@ class _Stats:
             "tensors": self.num_tensors,
             "buckets": self.num_buckets,
             "direct_buckets": self.direct_buckets,
+            "layout_buckets": self.layout_buckets,
         }
 
 

@@ -40,6 +40,7 @@ MAX_TIED_NAMES = 1024  # names in a bucket's `tied` map, sources and aliases tog
 MAX_IDENTITY_LEN = 256  # a receiver's identity (config: rollout.identity, shorter: see config.py)
 MAC_LEN = 32
 MAX_MEMBERS = 4096  # receivers in one group
+LAYOUT_DIGEST_LEN = 32  # hex digits of a bucket layout's digest (protocol/layout.py)
 MAX_SENDERS = 1024  # trainer ranks that send one version (sharded send mode)
 PROTOCOL_VERSION = 1
 
@@ -97,6 +98,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     version: int
     generation: int = -1
     delta_base: int = -1  # the version this receiver holds whole and can apply a delta to (-1: none)
+    layout: str = ""  # the digest of the bucket layout this receiver holds (protocol/layout.py; "": none)
 
 
 _JOIN_KINDS = all_join_kinds()  # loads every registered kind and freezes the table: the union is complete
@@ -211,6 +213,7 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     delta_base: int = -1
     lora: LoraSpec | None = None  # bucket 0 only: the version is of a PEFT LoRA model (`trainer.lora`)
     delta_ranges: list[tuple[int, int]] = []
+    layout: str = ""  # a layout digest: `entries` is empty on the wire and is that layout's bucket (layout.py)
 
 
 class BucketDone(msgspec.Struct, tag="bucket_done", frozen=True):
@@ -420,8 +423,16 @@ def _validate_control(msg: Message) -> None:
         _check_nonneg("pid", msg.pid)
         _check_text("instance", msg.instance, 256)
         _check_text("nonce", msg.nonce, 256)
-    elif isinstance(msg, Ready) and msg.delta_base < -1:
-        raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
+    elif isinstance(msg, Ready):
+        if msg.delta_base < -1:
+            raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
+        check_layout_digest(msg.layout)
+
+
+def check_layout_digest(digest: str) -> None:
+    """"" or `LAYOUT_DIGEST_LEN` lower-case hex digits (what `protocol/layout.py` computes)."""
+    if digest and (len(digest) != LAYOUT_DIGEST_LEN or digest.strip("0123456789abcdef")):
+        raise ProtocolError(f"layout digest {digest[:80]!r} is not {LAYOUT_DIGEST_LEN} lower-case hex digits")
 
 
 def check_tensor(name: str, shape: Sequence[int], dtype: str) -> int:
@@ -515,6 +526,9 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         raise ProtocolError(f"bucket from sender {msg.sender} (at most {MAX_SENDERS} other senders)")
     if bucket_size is not None and msg.nbytes > bucket_size:
         raise ProtocolError(f"bucket declares {msg.nbytes} bytes > bucket_size {bucket_size}")
+    check_layout_digest(msg.layout)
+    if msg.layout and msg.entries:
+        raise ProtocolError(f"bucket {msg.bucket_index} names a held layout and carries {len(msg.entries)} entries")
     if len(msg.entries) > MAX_BUCKET_ENTRIES:
         raise ProtocolError(f"bucket has {len(msg.entries)} entries (limit MAX_BUCKET_ENTRIES={MAX_BUCKET_ENTRIES})")
     for e in msg.entries:
@@ -531,6 +545,12 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         if msg.bucket_index != 0:
             raise ProtocolError(f"bucket {msg.bucket_index} carries a LoRA spec; only bucket 0 may")
         validate_lora(msg.lora)
+    if not msg.layout:  # a bucket of a held layout: checked against its entries once they are known (layout.py)
+        validate_per_entry(msg)
+
+
+def validate_per_entry(msg: BucketMeta) -> None:
+    """What a version says of each entry of its bucket (fingerprints, delta sizes and ranges)."""
     validate_fingerprints(msg)
     validate_deltas(msg)
     validate_delta_ranges(msg)
@@ -661,6 +681,7 @@ def _to_receiver_bytes() -> int:
     per_entry += 5 + MAX_BUCKET_ENTRIES * (1 + 2 * _INT_BYTES)  # delta_ranges
     lora = _STRUCT_BYTES + 5 * (_text_bytes(16) + _INT_BYTES) + 4 * 5 + MAX_LORA_NAMES * (_text_bytes(MAX_NAME_LEN) + 9)
     bucket = 5 * _INT_BYTES + 5 + MAX_BUCKET_ENTRIES * _entry_bytes() + tied + per_entry + lora
+    bucket += _text_bytes(LAYOUT_DIGEST_LEN)  # layout
     joins = [kind.MAX_BYTES for kind in _JOIN_KINDS]  # every kind the union holds
     members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
     senders = 5 + MAX_SENDERS * (5 + _text_bytes(256) + _INT_BYTES)

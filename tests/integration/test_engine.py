@@ -641,3 +641,72 @@ async def test_bucket_pipeline_runs_on_what_it_is_given(failure):
     finally:
         pipeline.cancel()
         executor.shutdown()
+
+
+# -- layout once (transport.layout_once, protocol/layout.py) -----------------------------------------------
+
+
+@pytest.mark.parametrize("layout_once", [True, False], ids=["layout-once", "every-entry"])
+async def test_a_held_layout_stands_for_the_entries_and_a_changed_cut_goes_whole(layout_once):
+    """Two receivers; versions 2 and 3 are cut like version 1, version 4 has a tensor more at the end (the
+    buckets before it are cut as before), and a receiver that joins at version 4 holds no layout."""
+    cfg = engine_cfg(0, bucket_size_mb=1 / 64, transport__layout_once=layout_once, trainer__min_receivers=2)
+    streams = {v: stream(v, max_tensors=24) for v in (1, 2, 3)}
+    streams[4] = [*stream(4, max_tensors=24), ("extra.tail", torch.arange(777, dtype=torch.float32))]
+    async with WeightSender(cfg) as sender:
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 64)
+        receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(2)]
+        for r in receivers:
+            await r.start()
+        try:
+            for version, weights in streams.items():
+                if version == 4:  # r1 restarts: same identity, nothing held
+                    await receivers[1].close()
+                    receivers[1] = WeightReceiver(cfg_r, identity="r1")
+                    await receivers[1].start()
+                got = await with_timeout(
+                    asyncio.gather(sender.send_weights(weights, version=version), *map(receive_once, receivers))
+                )
+                stats = got[0]
+                for received, r in zip(got[1:], receivers, strict=True):
+                    assert_bitwise(received, weights)
+                    assert r.last_stats.layout_buckets == stats.layout_buckets, version
+                flushes = stats.num_buckets + 1  # and the empty terminator after a direct bucket, if any
+                if layout_once and version in (2, 3):  # every bucket named by the held layout's digest
+                    assert stats.num_buckets <= stats.layout_buckets <= flushes
+                else:  # version 1 and the restarted receiver have none; off: every bucket lists its entries
+                    assert stats.layout_buckets == 0, version
+            if layout_once:  # version 5 to both (both hold version 4's layout): the tail's buckets are named too
+                weights = [*stream(5, max_tensors=24), ("extra.tail", torch.arange(777, dtype=torch.float32) + 1)]
+                got = await with_timeout(
+                    asyncio.gather(sender.send_weights(weights, version=5), *map(receive_once, receivers))
+                )
+                assert got[0].num_buckets <= got[0].layout_buckets
+                for received in got[1:]:
+                    assert_bitwise(received, weights)
+        finally:
+            for r in receivers:
+                await r.close()
+
+
+async def test_a_version_cut_partly_like_the_held_layout_names_only_the_buckets_before_the_change():
+    cfg = engine_cfg(0, bucket_size_mb=1 / 64)
+    first = stream(1, max_tensors=24)
+    # a tensor in the middle grows: the buckets before it are cut as before, the ones from it on are not
+    changed = list(stream(2, max_tensors=24))
+    middle = len(changed) // 2
+    name, tensor = changed[middle]
+    changed[middle] = (name, torch.cat([tensor.reshape(-1), tensor.reshape(-1)[:3]]))
+    sender = WeightSender(cfg)
+    await sender.start()
+    try:
+        async with WeightReceiver(engine_cfg(sender.port, bucket_size_mb=1 / 64), identity="r0") as r:
+            for version, weights in ((1, first), (2, changed)):
+                got, stats = await with_timeout(
+                    asyncio.gather(receive_once(r), sender.send_weights(weights, version=version))
+                )
+                assert_bitwise(got, weights)
+            assert 0 < stats.layout_buckets < stats.num_buckets
+            assert r.last_stats.layout_buckets == stats.layout_buckets
+    finally:
+        await sender.close()
