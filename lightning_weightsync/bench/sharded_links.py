@@ -33,7 +33,7 @@ TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothin
 
 def row_shard(tensor: Any, rank: int, world: int) -> Any:
     """Rank `rank`'s rows of `tensor` split `world` ways (torch.chunk), as the `TensorShard` it sends; None
-    when it holds no rows (as tests/integration/test_sharded.py cuts them)."""
+    when it holds no rows (as the sharded tests cut them: tests/support/sharded_senders.py)."""
     import torch
 
     from lightning_weightsync.protocol.chunks import TensorShard
