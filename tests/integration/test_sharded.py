@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load, save
 
 from lightning_weightsync import WeightReceiver, WeightSender, load_config
@@ -20,6 +18,7 @@ from lightning_weightsync.trainer.driver import SyncDriver
 from lightning_weightsync.trainer.gather import named_full_state_dict
 from tests.integration.test_gather import Net
 from tests.support.mp import free_port, run_workers
+from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
 
 WORKER_TIMEOUT_S = 150
 VERSIONS = 2
@@ -65,9 +64,7 @@ def _trainer(
     import faulthandler
 
     faulthandler.dump_traceback_later(WORKER_TIMEOUT_S - 10, exit=True)
-    store = dist.TCPStore("127.0.0.1", trainer_port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, trainer_port):
         model = _model(tied, fsdp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         extra = [f"trainer.dtype={dtype}"] if dtype != "null" else []
@@ -87,8 +84,6 @@ def _trainer(
         finally:
             driver.close()
         return {"expected": expected, "addresses": driver.addresses, "bytes": [s.nbytes if s else 0 for s in stats]}
-    finally:
-        dist.destroy_process_group()
 
 
 def _receiver(index: int, port: int) -> list[bytes]:
@@ -176,34 +171,18 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _rows(tensor: torch.Tensor, rank: int, world: int):
-    from lightning_weightsync.protocol.chunks import TensorShard
-
-    parts = torch.chunk(tensor, world, dim=0)
-    if rank >= len(parts) or parts[rank].numel() == 0:
-        return None
-    first = sum(p.shape[0] for p in parts[:rank])
-    row_bytes = tensor[0].numel() * tensor.element_size()
-    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
-
-
 def _fault_sender(
     rank: int, trainer_port: int, port: int, versions: list[int], die_in: int | None, flag: str,
     claim: int | None = None,
 ) -> Any:  # fmt: skip
     """One trainer rank of a sharded sender group, without FSDP: it owns torch.chunk row shards."""
     from lightning_weightsync import WeightSender
-    from lightning_weightsync.engine.sender import Sharding
     from lightning_weightsync.errors import ConfigError
-    from lightning_weightsync.protocol.messages import SenderAddress
-    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
 
     if flag:  # phase B: a restarted trainer, once the first one is gone
         deadline = time.monotonic() + KILL_TIMEOUT_S
         while not os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.1)
-    store = dist.TCPStore("127.0.0.1", trainer_port, FAULT_WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=FAULT_WORLD)
     cfg = load_config(
         overrides=[f"transport.port={port if rank == 0 else 0}", "transport.timeout_s=60",
                    f"transport.liveness_s={LIVENESS_S}", "transport.bucket_size_mb=0.001",
@@ -221,8 +200,8 @@ def _fault_sender(
                 await sender.close()
                 sender = WeightSender(cfg)
                 await asyncio.sleep(0.2)
-        advertised = sender.port + 1 if claim == -1 else sender.port  # -1: tells the others a port nobody serves
-        addresses = exchange_addresses("127.0.0.1", advertised, torch.device("cpu"))
+        # -1: tells the others a port nobody serves
+        group = ShardedRank(sender, rank, advertise=sender.port + 1 if claim == -1 else None)
         try:
             for version in versions:
 
@@ -231,32 +210,17 @@ def _fault_sender(
                         if version == die_in and i == 3:
                             time.sleep(0.5)  # its first tensors' buckets are out (metadata and bytes) ...
                             os._exit(3)  # ... and the rest never come
-                        shard = _rows(tensor, rank, FAULT_WORLD)
+                        shard = row_shard(tensor, rank, FAULT_WORLD)
                         if shard is not None:
                             yield name, shard
 
-                relay = MembersRelay(torch.device("cpu"))
-                try:
-                    if rank == 0:
-                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
-                        sharding = Sharding(0, others=others, on_members=relay)
-                    else:
-                        sharding = Sharding(rank if not claim or claim < 0 else claim, members=tuple(relay.receive()))
-                    await sender.send_weights(mine(), version=version, sharding=sharding)
-                    outcomes.append("ok")
-                except Exception as exc:
-                    outcomes.append(f"failed: {exc}")
-                finally:
-                    relay.finish() if rank == 0 else None
+                outcomes.append(await group.outcome(mine(), version, index=claim if claim and claim > 0 else None))
         finally:
             await sender.close()
         return outcomes
 
-    try:
+    with gloo_group(rank, FAULT_WORLD, trainer_port):
         return asyncio.run(main())
-    finally:
-        if die_in is None:
-            dist.destroy_process_group()
 
 
 def _fault_receiver(port: int, flag: str) -> list[Any]:
@@ -376,13 +340,8 @@ LIES = {1: "hole", 2: "dtype", 3: "rogue"}  # version -> what rank 1 lies about;
 def _liar_sender(rank: int, trainer_port: int, port: int) -> list[str]:
     """Rank `rank` of a 2-rank sharded sender group (no FSDP: torch.chunk row shards); rank 1 lies in the
     versions of LIES (tests/support/lying.py), a different lie each, and tells the truth in version 4."""
-    from lightning_weightsync.engine.sender import Sharding
-    from lightning_weightsync.protocol.messages import SenderAddress
-    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
     from tests.support.lying import RogueCoordinator, retyped, with_a_hole
 
-    store = dist.TCPStore("127.0.0.1", trainer_port, LIE_WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=LIE_WORLD)
     cfg = load_config(
         overrides=[f"transport.port={port if rank == 0 else 0}", "transport.timeout_s=60",
                    f"transport.liveness_s={LIVENESS_S}", "transport.bucket_size_mb=0.001",
@@ -394,36 +353,22 @@ def _liar_sender(rank: int, trainer_port: int, port: int) -> list[str]:
         outcomes = []
         sender = RogueCoordinator(cfg, lie_in=rogue_in) if rank == 1 else WeightSender(cfg)
         await sender.start()
-        addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+        group = ShardedRank(sender, rank)
         try:
             for version in (*LIES, 4):
-                shards = ((n, s) for n, t in _weights(version).items() if (s := _rows(t, rank, LIE_WORLD)))
+                shards = ((n, s) for n, t in _weights(version).items() if (s := row_shard(t, rank, LIE_WORLD)))
                 lie = LIES.get(version) if rank == 1 else None
                 if lie == "hole":
                     shards = with_a_hole(shards, "w0")
                 elif lie == "dtype":
                     shards = retyped(shards, "w0", torch.int32)  # float32 bytes, said to be int32
-                relay = MembersRelay(torch.device("cpu"))
-                try:
-                    if rank == 0:
-                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
-                        sharding = Sharding(0, others=others, on_members=relay)
-                    else:
-                        sharding = Sharding(rank, members=tuple(relay.receive()))
-                    await sender.send_weights(shards, version=version, sharding=sharding)
-                    outcomes.append("ok")
-                except Exception as exc:
-                    outcomes.append(f"failed: {exc}")
-                finally:
-                    relay.finish() if rank == 0 else None
+                outcomes.append(await group.outcome(shards, version))
         finally:
             await sender.close()
         return outcomes
 
-    try:
+    with gloo_group(rank, LIE_WORLD, trainer_port):
         return asyncio.run(asyncio.wait_for(main(), KILL_TIMEOUT_S * 2))
-    finally:
-        dist.destroy_process_group()
 
 
 def _liar_receiver(port: int) -> list[Any]:

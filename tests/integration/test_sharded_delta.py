@@ -10,15 +10,13 @@ still lands bitwise."""
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_weightsync import WeightReceiver, load_config
-from tests.integration.test_sharded import _rows
 from tests.support.mp import free_port, run_workers
+from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
 
 WORLD = 2
 VERSIONS = [0, 1, 2]
@@ -49,37 +47,21 @@ def _common(port: int) -> list[str]:
 def _sender(rank: int, trainer_port: int, port: int) -> list[tuple[int, int]]:
     """Sends every version; returns (bytes sent, tensors sent as a delta) per version."""
     from lightning_weightsync import WeightSender
-    from lightning_weightsync.engine.sender import Sharding
-    from lightning_weightsync.protocol.messages import SenderAddress
-    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
 
-    store = dist.TCPStore("127.0.0.1", trainer_port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     cfg = load_config(overrides=[*_common(port if rank == 0 else 0), "trainer.min_receivers=1"])
 
     async def main() -> list[tuple[int, int]]:
         sent = []
         async with WeightSender(cfg) as sender:
-            addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+            group = ShardedRank(sender, rank)
             for version in VERSIONS:
-                shards = [(n, s) for n, t in _weights(version).items() if (s := _rows(t, rank, WORLD)) is not None]
-                relay = MembersRelay(torch.device("cpu"))
-                try:
-                    if rank == 0:
-                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
-                        sharding = Sharding(0, others=others, on_members=relay)
-                    else:
-                        sharding = Sharding(rank, members=tuple(relay.receive()))
-                    stats = await sender.send_weights(shards, version=version, sharding=sharding)
-                finally:
-                    relay.finish() if rank == 0 else None
+                shards = [(n, s) for n, t in _weights(version).items() if (s := row_shard(t, rank, WORLD)) is not None]
+                stats = await group.send(shards, version)
                 sent.append((stats.nbytes, stats.delta_tensors))
         return sent
 
-    try:
+    with gloo_group(rank, WORLD, trainer_port):
         return asyncio.run(main())
-    finally:
-        dist.destroy_process_group()
 
 
 def _receiver(port: int) -> list[tuple[int, int, int, list[str]]]:

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load, save
 
 from lightning_weightsync import WeightReceiver, load_config
-from tests.integration.test_sharded import _rows, _weights
+from tests.integration.test_sharded import _weights
 from tests.support.mp import free_port, run_workers
+from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
 
 pytestmark = pytest.mark.slow
 
@@ -39,46 +38,27 @@ def _common(port: int, verify: str) -> list[str]:
 
 def _sender(rank: int, trainer_port: int, port: int, verify: str) -> list[str]:
     from lightning_weightsync import WeightSender
-    from lightning_weightsync.engine.sender import Sharding
-    from lightning_weightsync.protocol.messages import SenderAddress
-    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
     from tests.support.corrupt import CorruptingSender
 
-    store = dist.TCPStore("127.0.0.1", trainer_port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     cfg = load_config(overrides=[*_common(port if rank == 0 else 0, verify), "trainer.min_receivers=1"])
 
     async def main() -> list[str]:
         outcomes = []
         sender = WeightSender(cfg) if rank == 0 else CorruptingSender(cfg, bucket_index=-1, byte=3)
         await sender.start()
-        addresses = exchange_addresses("127.0.0.1", sender.port, torch.device("cpu"))
+        group = ShardedRank(sender, rank)
         try:
             for version in VERSIONS:
                 if rank == 1:
                     sender.bucket_index = 0 if version == CORRUPT_IN else -1
-                shards = [(n, s) for n, t in _weights(version).items() if (s := _rows(t, rank, WORLD)) is not None]
-                relay = MembersRelay(torch.device("cpu"))
-                try:
-                    if rank == 0:
-                        others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
-                        sharding = Sharding(0, others=others, on_members=relay)
-                    else:
-                        sharding = Sharding(rank, members=tuple(relay.receive()))
-                    await sender.send_weights(shards, version=version, sharding=sharding)
-                    outcomes.append("ok")
-                except Exception as exc:
-                    outcomes.append(f"failed: {exc}")
-                finally:
-                    relay.finish() if rank == 0 else None
+                shards = [(n, s) for n, t in _weights(version).items() if (s := row_shard(t, rank, WORLD)) is not None]
+                outcomes.append(await group.outcome(shards, version))
         finally:
             await sender.close()
         return outcomes
 
-    try:
+    with gloo_group(rank, WORLD, trainer_port):
         return asyncio.run(main())
-    finally:
-        dist.destroy_process_group()
 
 
 def _receiver(port: int, verify: str) -> list[Any]:

@@ -224,6 +224,25 @@ async def test_a_new_session_must_answer_a_registration_after_the_one_that_admit
         await sender.close()
 
 
+@pytest.mark.parametrize("answers", ["", "0123456789abcdef"], ids=["no-answer", "a-nonce-never-issued"])
+async def test_a_new_session_must_answer_one_of_the_receivers_recent_registrations(answers: str) -> None:
+    """`Seal.answers`: a receiver that follows no session yet (its nonce floor at its lowest, so only the
+    answer decides) adopts none from a correctly sealed Prepare that answers none of its Registers: a
+    recorded message of another run. A real answer afterwards is adopted (the check is not refusing all)."""
+    sender = await started_sender()
+    receiver = await registered(sender, "r")
+    try:
+        other = "another-sender-session"
+        await sender.inject(sender.route_of("r"), seal(Prepare(1, other), KEY, Seal(other, other, 1, False, answers)))
+        assert await receiver.recv(1) is None and receiver.replayed_messages == 1
+        assert receiver.sender_session is None
+        await prepare(sender, receiver, 1)
+        assert receiver.sender_session == sender.session
+    finally:
+        await receiver.close()
+        await sender.close()
+
+
 # -- the seal itself ------------------------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ def test_a_watch_held_across_training_records_the_first_signal_and_hands_on_the_
 
     handled: list[int] = []
     stopped: list[str] = []
+
     def ours(signum: int, frame: object) -> None:
         handled.append(signum)
 

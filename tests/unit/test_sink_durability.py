@@ -120,9 +120,7 @@ class Recorder:
         self.events.clear()
 
     def _synced_before(self, index: int, inode: Inode, digest: str) -> bool:
-        return any(
-            isinstance(e, Fsync) and e.inode == inode and e.digest == digest for e in self.events[:index]
-        )
+        return any(isinstance(e, Fsync) and e.inode == inode and e.digest == digest for e in self.events[:index])
 
     def check_published(self, directory: Path, name: str) -> None:
         """Assert the durability order for the one rename onto `directory/name` recorded so far."""
@@ -134,9 +132,7 @@ class Recorder:
         assert isinstance(rename, Rename)
         final = directory / name
         if rename.files or final.is_dir():
-            stage_synced = [
-                e for e in self.events[:i] if isinstance(e, Fsync) and e.inode == rename.inode and e.is_dir
-            ]
+            stage_synced = [e for e in self.events[:i] if isinstance(e, Fsync) and e.inode == rename.inode and e.is_dir]
             assert stage_synced, f"staged directory {rename.src} was never fsynced before the rename: {self.describe()}"
             assert stage_synced[-1].entries == set(rename.files), (
                 f"staged directory fsynced with entries {sorted(stage_synced[-1].entries or ())}, "
