@@ -94,15 +94,24 @@ def _model_stream(scale: int, model: str = "qwen3-8b", fraction: float = 1.0) ->
     return list(model_stream(model, scale=scale, max_tensors=count, extras=False))
 
 
-def _cfg(port: int, bucket_mb: float, receivers: int, direct_min_mb: float | None = None, auth: bool = False) -> Any:
+def _cfg(
+    port: int,
+    bucket_mb: float,
+    receivers: int,
+    direct_min_mb: float | None = None,
+    auth: bool = False,
+    layout_once: bool | None = None,
+) -> Any:
     from ..config import load_config
 
     direct = [] if direct_min_mb is None else [f"transport.direct_min_mb={direct_min_mb}"]
     token = ["transport.auth_token=bench-token-not-a-secret"] if auth else []
+    layout = [] if layout_once is None else [f"transport.layout_once={str(layout_once).lower()}"]
     return load_config(
         overrides=[
             *direct,
             *token,
+            *layout,
             f"transport.port={port}",
             f"transport.bucket_size_mb={bucket_mb}",
             "transport.timeout_s=120",
@@ -254,7 +263,10 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
     bucket = int(case["bucket_mb"] * MiB)
     repeats = case["repeats"]
     pg = raw_group(role, world, ports["store"])
-    cfg = _cfg(ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"), case.get("auth", False))
+    cfg = _cfg(
+        ports["control"], case["bucket_mb"], world - 1, case.get("direct_min_mb"), case.get("auth", False),
+        case.get("layout_once"),
+    )  # fmt: skip
     into = case.get("into", True)
     expected = dict(stream)
     # destinations are touched before we measure: their pages are the model's, not the transfer's
@@ -300,6 +312,7 @@ def _run_case(role: int, world: int, ports: dict[str, int], case: dict[str, Any]
             result["nbytes"] = stats.nbytes
             result["largest_bytes"] = max(t.numel() * t.element_size() for _, t in stream)
             result["buckets"] = stats.num_buckets
+            result["tensors"] = stats.num_tensors
             result["direct_buckets"] = stats.direct_buckets
 
     async def receive() -> None:
@@ -377,11 +390,16 @@ def _throughput_row(case: dict[str, Any], sender: dict[str, Any], receivers: lis
     budget_receiver = 2 * bucket + (0 if case.get("into", True) else largest) + SLACK_BYTES
     engine_s = sender["engine_s"]
     row: dict[str, Any] = {
-        **{k: case[k] for k in ("bucket_mb", "into", "model", "scale", "fraction", "direct_min_mb") if k in case},
+        **{
+            k: case[k]
+            for k in ("bucket_mb", "into", "model", "scale", "fraction", "direct_min_mb", "layout_once")
+            if k in case
+        },
         "auth": bool(case.get("auth", False)),
         "receivers": len(receivers),
         "total_mb": nbytes / MiB,
         "buckets": sender["buckets"],
+        "tensors": sender.get("tensors", 0),
         "direct_buckets": sender["direct_buckets"],
         "engine_s": engine_s,
         "raw_s": sender["baseline_s"],
@@ -469,6 +487,12 @@ def run(
             ("growth", 2, {"kind": "model", "model": model, "scale": s, "fraction": f, "bucket_mb": 64})
             for model, s, f in shapes
         ]
+    if "layout" in sections:  # transport.layout_once off, then on: many small tensors, so many entries per bucket
+        plan += [
+            ("layout", 2, {"kind": "model", "scale": 64, "bucket_mb": bucket_mb, "into": True, "layout_once": once})
+            for bucket_mb in (0.25, 1.0)
+            for once in (False, True)
+        ]
     if "small_tensors" in sections:
         plan.append(("small_tensors", 2, {"kind": "small", "scale": 64, "bucket_mb": 64}))
     progress = CaseProgress("engine", len(plan))
@@ -502,7 +526,7 @@ def _print(report: dict[str, Any]) -> None:
         f"{'send ms/bucket':>14} {'recv':>6} | "
         f"{'+MiB s/r':>9} {'budget s/r':>10}"
     )
-    for section in ("throughput", "receivers", "auth", "direct_min", "growth"):
+    for section in ("throughput", "receivers", "auth", "direct_min", "layout", "growth"):
         if section not in report:
             continue
         print(
@@ -511,7 +535,7 @@ def _print(report: dict[str, Any]) -> None:
             f"pack = synchronous pack/broadcast/unpack; "
             f"goal engine/raw >= {report['goal_ratio']})"
         )
-        print(head + ("  direct_min_mb" if section == "direct_min" else ""))
+        print(head + {"direct_min": "  direct_min_mb", "layout": "  layout_once"}.get(section, ""))
         for r in report[section]:
             best_peer = r.get("ratio_vs_best_peer")
             print(
@@ -529,7 +553,10 @@ def _print(report: dict[str, Any]) -> None:
                 f"{r['sender_extra_mb']:>4.0f}/{r['receiver_extra_mb']:<4.0f} "
                 f"{r['sender_budget_mb']:>5.0f}/{r['receiver_budget_mb']:<5.0f}"
                 + (f"  {r['direct_min_mb']:g}" if "direct_min_mb" in r else "")
+                + (f"  {'on' if r['layout_once'] else 'off'}" if "layout_once" in r else "")
             )
+    for line in layout_summary(report.get("layout", [])):
+        print(line)
     s = report.get("small_tensors")
     if s:
         print(
@@ -537,6 +564,27 @@ def _print(report: dict[str, Any]) -> None:
             f"{s['engine_s'] * 1e3:.1f} ms vs per-tensor broadcast {s['per_tensor_broadcast_s'] * 1e3:.1f} ms "
             f"-> {s['speedup']:.1f}x on {s['link']}"
         )
+
+
+def layout_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per bucket size: what `transport.layout_once` saves each side's CPU per bucket, from the same run."""
+    lines = []
+    for bucket_mb in sorted({r["bucket_mb"] for r in rows}):
+        pair = {r["layout_once"]: r for r in rows if r["bucket_mb"] == bucket_mb}
+        if set(pair) != {False, True}:
+            continue
+        parts = []
+        for side in ("sender", "receiver"):
+            key = f"engine_{side}_cpu_ms_per_bucket"
+            off, on = pair[False].get(key), pair[True].get(key)
+            if off and on:
+                parts.append(f"{side} {off:.3f} -> {on:.3f} ms/bucket ({on / off:.2f}x)")
+        entries = pair[True].get("tensors", 0) / max(1, pair[True]["buckets"])
+        lines.append(
+            f"== layout once, {bucket_mb:g} MiB buckets (~{entries:.0f} entries each): " + "; ".join(parts)
+            + f"; GB/s {pair[False]['engine_GBps']:.2f} -> {pair[True]['engine_GBps']:.2f}"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -552,7 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         nargs="+",
         default=["throughput", "receivers", "auth", "growth", "small_tensors"],
-        help="throughput receivers auth growth small_tensors; also: direct_min (the transport.direct_min_mb sweep)",
+        help=(
+            "throughput receivers auth growth small_tensors; also: direct_min (the transport.direct_min_mb sweep), "
+            "layout (transport.layout_once off vs on)"
+        ),
     )
     p.add_argument("--direct-min-mb", type=float, nargs="+", default=[0.0, 0.25, 1.0, 4.0])
     a = p.parse_args(argv)

@@ -34,7 +34,8 @@ RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer r
 # direct buckets run ahead of the slots, into the consumer's own destinations)
 
 Into = Callable[[TensorMeta], "torch.Tensor | None"]
-BucketItem = tuple[BucketMeta, int, "torch.Tensor | None"]  # metadata, slot, in-place target
+HeldMetas = tuple[TensorMeta, ...] | None  # a bucket's entries as the held layout already converted them
+BucketItem = tuple[BucketMeta, int, "torch.Tensor | None", HeldMetas]  # metadata, slot, in-place target, metas
 
 
 class FingerprintNotes(Protocol):
@@ -105,7 +106,9 @@ class BucketPipeline:
         self.delta_metas: dict[str, tuple[TensorMeta, int]] = {}
         self.delta_ranges: dict[str, tuple[int, int]] = {}  # sharded: (byte start, bytes) a shard's payload rebuilds
         self.steps, self.backend, self.executor, self.timeout_s = steps, backend, executor, timeout_s
-        self.ready: asyncio.Queue[tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None]] | BaseException]
+        self.ready: asyncio.Queue[
+            tuple[BucketMeta, int, torch.Tensor | None, asyncio.Future[None], HeldMetas] | BaseException
+        ]
         self.ready = asyncio.Queue()
         self.free = [asyncio.Event() for _ in range(NUM_SLOTS)]
         for event in self.free:
@@ -132,8 +135,10 @@ class BucketPipeline:
             while True:
                 await self.ahead.acquire()
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
-                self.layout_buckets += bool(meta.layout)
+                named = bool(meta.layout)
                 meta = self.expand(meta)
+                metas = self.layout.metas(meta) if named and self.layout is not None else None
+                self.layout_buckets += named
                 if self.recorder is not None:
                     self.recorder.add(meta.nbytes, meta.is_last, meta.entries, self.layout)
                 if meta.sender != self.sender:
@@ -151,7 +156,7 @@ class BucketPipeline:
                     await self.free[slot].wait()
                     self.free[slot].clear()
                 done = self.executor.submit_started(self.backend.start_broadcast, slot, meta.nbytes, index, target)
-                self.ready.put_nowait((meta, slot, target, done))
+                self.ready.put_nowait((meta, slot, target, done, metas))
                 if meta.is_last:
                     return
                 index += 1
@@ -182,7 +187,7 @@ class BucketPipeline:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        meta, slot, target, done = item
+        meta, slot, target, done, metas = item
         version, timeout_s = self.plan.version, self.timeout_s
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout_s)
@@ -198,7 +203,7 @@ class BucketPipeline:
         except RuntimeError as exc:
             self.finished = True
             raise PeerError(f"version {version}: broadcast of bucket {meta.bucket_index} failed: {exc}") from exc
-        return meta, slot, target
+        return meta, slot, target, metas
 
     def _release(self, meta: BucketMeta, slot: int) -> None:
         if slot != NO_SLOT:
@@ -210,7 +215,7 @@ class BucketPipeline:
 
     async def chunks(self, stats: ReceiveStats) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor]]:
         while not self.finished:
-            meta, slot, target = self.current = await self._next()
+            meta, slot, target, metas = self.current = await self._next()
             bucket = self.backend.view(slot, meta.nbytes) if target is None else target
             stats.num_buckets += bool(meta.entries)
             stats.direct_buckets += target is not None
@@ -229,12 +234,12 @@ class BucketPipeline:
                     payload = (meta.deltas[i],)
                     yield TensorMeta(entry.name, payload, torch.uint8, entry.chunk_offset, entry.chunk_size), data
                 else:
-                    yield entry.to_meta(), data
+                    yield (metas[i] if metas is not None else entry.to_meta()), data
             self._release_current()
 
     def _release_current(self) -> None:
         if self.current is not None:
-            (meta, slot, _), self.current = self.current, None
+            (meta, slot, *_), self.current = self.current, None
             self._release(meta, slot)
             self.finished = meta.is_last
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import msgspec
 
 from ..errors import ProtocolError
+from .chunks import TensorMeta
 from .messages import LAYOUT_DIGEST_LEN, BucketMeta, Entry, validate_per_entry
 
 _encoder = msgspec.msgpack.Encoder()
@@ -43,6 +45,11 @@ class BucketShape:
     def same(self, nbytes: int, is_last: bool, entries: list[Entry]) -> bool:
         return self.nbytes == nbytes and self.is_last == is_last and self.entries == entries
 
+    @cached_property
+    def metas(self) -> tuple[TensorMeta, ...]:
+        """The entries as a receiver merges them, made once per layout, not once per version."""
+        return tuple(entry.to_meta() for entry in self.entries)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -54,6 +61,11 @@ class Layout:
     def reference(self, index: int, nbytes: int, is_last: bool, entries: list[Entry]) -> bool:
         """Whether bucket `index`, cut as given, is this layout's bucket (then it may go as a reference)."""
         return index < len(self.buckets) and self.buckets[index].same(nbytes, is_last, entries)
+
+    def metas(self, meta: BucketMeta) -> tuple[TensorMeta, ...] | None:
+        """The held metas of an expanded bucket that named this layout (None for one that listed its entries)."""
+        bucket = self.buckets[meta.bucket_index] if meta.bucket_index < len(self.buckets) else None
+        return bucket.metas if bucket is not None and bucket.entries is meta.entries else None
 
     def expand(self, meta: BucketMeta) -> BucketMeta:
         """`meta` with its entries: as it came, or from this layout when it names it (checked: see the module)."""
