@@ -22,6 +22,7 @@ overlap the broadcast, and the sender holds each tensor until its broadcast comp
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import threading
@@ -142,6 +143,12 @@ class Sharding:
     members: tuple[str, ...] = ()
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _checked(name: str, shape: tuple[int, ...], dtype: str) -> int:
+    """`check_tensor`, remembered for what passed (a pure rule): a model sends the same tensors every version."""
+    return check_tensor(name, shape, dtype)
+
+
 def _check_outgoing(item: object, names: set[str]) -> None:
     """What every receiver would refuse, refused here first (the same `check_tensor`, a name sent twice),
     and what cannot be sent at all (no dense bytes), so the version fails at once naming the tensor
@@ -158,7 +165,7 @@ def _check_outgoing(item: object, names: set[str]) -> None:
         raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r:.80})")
     fix = "rename or exclude it (trainer.names.rename / trainer.names.exclude)"
     try:
-        check_tensor(name, shape, dtype_name(dtype))
+        _checked(name, shape, dtype_name(dtype))
     except ProtocolError as exc:
         raise ProtocolError(f"cannot send {name[:120]!r}: {exc}; {fix}") from None
     if tensor.layout != torch.strided:
