@@ -581,7 +581,8 @@ def layout_summary(rows: list[dict[str, Any]]) -> list[str]:
                 parts.append(f"{side} {off:.3f} -> {on:.3f} ms/bucket ({on / off:.2f}x)")
         entries = pair[True].get("tensors", 0) / max(1, pair[True]["buckets"])
         lines.append(
-            f"== layout once, {bucket_mb:g} MiB buckets (~{entries:.0f} entries each): " + "; ".join(parts)
+            f"== layout once, {bucket_mb:g} MiB buckets (~{entries:.0f} entries each): "
+            + "; ".join(parts)
             + f"; GB/s {pair[False]['engine_GBps']:.2f} -> {pair[True]['engine_GBps']:.2f}"
         )
     return lines
