@@ -430,7 +430,7 @@ def _validate_control(msg: Message) -> None:
 
 
 def check_layout_digest(digest: str) -> None:
-    """ "" or `LAYOUT_DIGEST_LEN` lower-case hex digits (what `protocol/layout.py` computes)."""
+    """Empty (no layout), or `LAYOUT_DIGEST_LEN` lower-case hex digits (what `protocol/layout.py` computes)."""
     if digest and (len(digest) != LAYOUT_DIGEST_LEN or digest.strip("0123456789abcdef")):
         raise ProtocolError(f"layout digest {digest[:80]!r} is not {LAYOUT_DIGEST_LEN} lower-case hex digits")
 
