@@ -43,12 +43,15 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+ROLES = "lightning_weightsync.bench.chaos_roles"  # the roles the chaos tests run, inside each namespace
+
+
 def _sender_code(ip: str, out: Path, gap_s: float) -> str:
-    return f"from tests.integration.test_chaos import chaos_sender as f; f({ip!r}, {str(out)!r}, 1, {gap_s}, 0.0)"
+    return f"from {ROLES} import chaos_sender as f; f({ip!r}, {str(out)!r}, 1, {gap_s}, 0.0)"
 
 
 def _receiver_code(ip: str, name: str, out: Path) -> str:
-    return f"from tests.integration.test_chaos import chaos_receiver as f; f({ip!r}, {name!r}, {str(out)!r}, 0.0)"
+    return f"from {ROLES} import chaos_receiver as f; f({ip!r}, {name!r}, {str(out)!r}, 0.0)"
 
 
 def soak(

@@ -7,7 +7,6 @@ Skipped, with the reason, where network namespaces cannot be created (not root, 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import subprocess
@@ -19,96 +18,16 @@ from typing import Any
 
 import pytest
 
+from lightning_weightsync.bench.chaos_roles import TIMEOUT_S
 from lightning_weightsync.bench.netlab import REPO, Lab, netlab, skip_reason
 from lightning_weightsync.transport.process import process_group
 
+ROLES = "lightning_weightsync.bench.chaos_roles"  # what each namespace runs (shared with bench/soak.py)
 _SKIP = skip_reason()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(_SKIP is not None, reason=f"network namespaces unavailable: {_SKIP}"),
 ]
-
-TOKEN = "chaos-token-0123456789"
-PORT = 29655
-TIMEOUT_S = 8.0
-
-
-def _cfg(host: str, **extra: Any) -> Any:
-    from lightning_weightsync import load_config
-
-    overrides = [
-        f"transport.host={host}", f"transport.port={PORT}", f"transport.timeout_s={TIMEOUT_S}",
-        "transport.ready_timeout_s=3", "transport.heartbeat_interval_s=0.2", "transport.bucket_size_mb=0.015625",
-        f"transport.auth_token={TOKEN}",
-    ]  # fmt: skip
-    return load_config(overrides=overrides + [f"{k}={v}" for k, v in extra.items()])
-
-
-def _log(path: str, **event: Any) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps({"t": time.time(), **event}) + "\n")
-
-
-# -- the roles (run inside the namespaces by `Lab.spawn`) ----------------------------------------------
-
-
-def chaos_receiver(sender_ip: str, identity: str, out: str, slow_s: float) -> None:
-    """Receive forever; log every version's start, bitwise check, or failure."""
-    import torch
-
-    from lightning_weightsync import WeightReceiver, WeightSyncError
-    from lightning_weightsync.protocol.chunks import as_bytes
-    from tests.support.engine import stream
-
-    async def main() -> None:
-        async with WeightReceiver(_cfg(sender_ip), identity=identity) as receiver:
-            while True:
-                got: dict[str, torch.Tensor] = {}
-                try:
-                    async for name, tensor in receiver.receive_weights():
-                        if not got:
-                            _log(out, event="start", version=receiver.version)
-                        got[name] = tensor.clone()
-                        await asyncio.sleep(slow_s)
-                except WeightSyncError as exc:
-                    _log(out, event="fail", version=receiver.version, error=f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                expected = stream(int(receiver.version))  # type: ignore[arg-type]
-                bitwise = list(got) == [n for n, _ in expected] and all(
-                    torch.equal(as_bytes(got[n]), as_bytes(t)) for n, t in expected
-                )
-                _log(out, event="ok", version=receiver.version, bitwise=bitwise)
-
-    asyncio.run(main())
-
-
-def chaos_sender(my_ip: str, out: str, min_receivers: int, gap_s: float, pace_s: float = 0.05) -> None:
-    """Send versions 1, 2, ... forever to whoever is there; log each outcome. The producer yields a
-    tensor every `pace_s` (a gather takes time too), so a version is on the wire for a while."""
-    from lightning_weightsync import WeightSender, WeightSyncError
-    from tests.support.engine import stream
-
-    async def paced(weights: list[Any]) -> Any:
-        for item in weights:
-            await asyncio.sleep(pace_s)
-            yield item
-
-    async def main() -> None:
-        cfg = _cfg(my_ip, **{"trainer.min_receivers": min_receivers})
-        async with WeightSender(cfg) as sender:
-            version = 0
-            while True:
-                version += 1
-                t0 = time.time()
-                try:
-                    stats = await sender.send_weights(paced(stream(version)), version=version)
-                    _log(out, event="sent", version=version, receivers=stats.receivers, t0=t0)
-                except WeightSyncError as exc:
-                    _log(out, event="failed", version=version, error=f"{type(exc).__name__}: {exc}"[:500], t0=t0)
-                await asyncio.sleep(gap_s)
-
-    asyncio.run(main())
-
 
 # -- the harness ---------------------------------------------------------------------------------------
 
@@ -143,11 +62,11 @@ def _start(
         lab.add(name)
     files = {name: lab.workdir / f"{name}.jsonl" for name in ("s", *names)}
     s_ip = lab.nodes["s"].ip
-    lab.spawn("s", f"from tests.integration.test_chaos import chaos_sender as f; f({s_ip!r}, "
+    lab.spawn("s", f"from {ROLES} import chaos_sender as f; f({s_ip!r}, "
                    f"{str(files['s'])!r}, {min_receivers}, 0.2, {pace_s})", lab.workdir / "s.log")  # fmt: skip
     for name in names:
         args = f"{s_ip!r}, {name!r}, {str(files[name])!r}, {slow_s}"
-        code = f"from tests.integration.test_chaos import chaos_receiver as f; f({args})"
+        code = f"from {ROLES} import chaos_receiver as f; f({args})"
         lab.spawn(name, code, lab.workdir / f"{name}.log")
     return files
 
@@ -208,9 +127,9 @@ def test_delay_and_loss_versions_still_complete(tmp_path: Path) -> None:
     with EmulatedLink(delay_us=50_000, loss_pct=1.0, seed=7) as link, contextlib.ExitStack() as procs:
         s_ip = link.ip[0]
         roles = [
-            (0, "s", f"from tests.integration.test_chaos import chaos_sender as f; f({s_ip!r}, "
+            (0, "s", f"from {ROLES} import chaos_sender as f; f({s_ip!r}, "
                      f"{str(files['s'])!r}, 1, 0.2, 0.0)"),
-            (1, "r1", f"from tests.integration.test_chaos import chaos_receiver as f; f({s_ip!r}, 'r1', "
+            (1, "r1", f"from {ROLES} import chaos_receiver as f; f({s_ip!r}, 'r1', "
                       f"{str(files['r1'])!r}, 0.0)"),
         ]  # fmt: skip
         for side, name, code in roles:
@@ -247,7 +166,7 @@ def test_sender_behind_a_cut_link_receivers_fail_in_time_and_serve_the_restarted
     healed = time.time()
     restarted = lab.workdir / "s2.jsonl"
     s_ip = lab.nodes["s"].ip
-    code = f"from tests.integration.test_chaos import chaos_sender as f; f({s_ip!r}, {str(restarted)!r}, 2, 0.2)"
+    code = f"from {ROLES} import chaos_sender as f; f({s_ip!r}, {str(restarted)!r}, 2, 0.2)"
     lab.spawn("s", code, lab.workdir / "s2.log")
     files["s2"] = restarted
     for name in ("r1", "r2"):
