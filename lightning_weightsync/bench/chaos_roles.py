@@ -61,7 +61,7 @@ def chaos_receiver(sender_ip: str, identity: str, out: str, slow_s: float) -> No
                 except WeightSyncError as exc:
                     _log(out, event="fail", version=receiver.version, error=f"{type(exc).__name__}: {exc}"[:300])
                     continue
-                expected = stream(int(receiver.version))  # type: ignore[arg-type]
+                expected = stream(int(receiver.version))
                 bitwise = list(got) == [n for n, _ in expected] and all(
                     torch.equal(as_bytes(got[n]), as_bytes(t)) for n, t in expected
                 )
