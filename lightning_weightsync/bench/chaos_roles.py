@@ -23,7 +23,7 @@ def stream(version: int) -> list[tuple[str, Any]]:
 
 
 def _cfg(host: str, **extra: Any) -> Any:
-    from lightning_weightsync import load_config
+    from ..config import load_config
 
     overrides = [
         f"transport.host={host}", f"transport.port={PORT}", f"transport.timeout_s={TIMEOUT_S}",
@@ -45,8 +45,9 @@ def chaos_receiver(sender_ip: str, identity: str, out: str, slow_s: float) -> No
     """Receive forever; log every version's start, bitwise check, or failure."""
     import torch
 
-    from lightning_weightsync import WeightReceiver, WeightSyncError
-    from lightning_weightsync.protocol.chunks import as_bytes
+    from ..engine.receiver import WeightReceiver
+    from ..errors import WeightSyncError
+    from ..protocol.chunks import as_bytes
 
     async def main() -> None:
         async with WeightReceiver(_cfg(sender_ip), identity=identity) as receiver:
@@ -61,7 +62,8 @@ def chaos_receiver(sender_ip: str, identity: str, out: str, slow_s: float) -> No
                 except WeightSyncError as exc:
                     _log(out, event="fail", version=receiver.version, error=f"{type(exc).__name__}: {exc}"[:300])
                     continue
-                expected = stream(int(receiver.version))
+                assert receiver.version is not None  # a version arrived whole
+                expected = stream(receiver.version)
                 bitwise = list(got) == [n for n, _ in expected] and all(
                     torch.equal(as_bytes(got[n]), as_bytes(t)) for n, t in expected
                 )
@@ -73,7 +75,8 @@ def chaos_receiver(sender_ip: str, identity: str, out: str, slow_s: float) -> No
 def chaos_sender(my_ip: str, out: str, min_receivers: int, gap_s: float, pace_s: float = 0.05) -> None:
     """Send versions 1, 2, ... forever to whoever is there; log each outcome. The producer yields a
     tensor every `pace_s` (a gather takes time too), so a version is on the wire for a while."""
-    from lightning_weightsync import WeightSender, WeightSyncError
+    from ..engine.sender import WeightSender
+    from ..errors import WeightSyncError
 
     async def paced(weights: list[Any]) -> Any:
         for item in weights:
