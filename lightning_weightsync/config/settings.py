@@ -14,9 +14,12 @@ from .load import load_config
 from .schema import TransportConfig, WeightSyncConfig, mib_to_bytes
 
 
-def settings(cfg: DictConfig | None = None) -> WeightSyncConfig:
+def settings(cfg: DictConfig | WeightSyncConfig | None = None) -> WeightSyncConfig:
     """`cfg` (a `load_config()` result; None = the defaults) as typed dataclasses. A DictConfig that is not
-    the structured config (`OmegaConf.create({...})`) is loaded and validated first, as `load_config` would."""
+    the structured config (`OmegaConf.create({...})`) is loaded and validated first, as `load_config` would;
+    a `WeightSyncConfig` (already converted by an outer edge) is returned as it is."""
+    if isinstance(cfg, WeightSyncConfig):
+        return cfg
     if cfg is None or OmegaConf.get_type(cfg) is not WeightSyncConfig:
         cfg = load_config(base=cfg)
     return cast(WeightSyncConfig, OmegaConf.to_object(cfg))

@@ -9,7 +9,7 @@ RL routes /pause, /start_weight_update, /update_weights, /finish_weight_update, 
 `LIGHTNING_WEIGHTSYNC_CONFIG` pointing at the resolved config (written by `rollout_engines/launch.py`: no
 secret in it, the token goes to the server's environment). Our engine reaches vLLM through the
 `vllm.general_plugins` entry point, so vLLM must run from the environment this package is installed in. The
-trainer then drives each version through the server's URL (`vllm.urls` on the trainer side). """
+trainer then drives each version through the server's URL (`vllm.urls` on the trainer side)."""
 
 from __future__ import annotations
 
