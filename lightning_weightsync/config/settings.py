@@ -6,12 +6,17 @@ engine never reads a `DictConfig` and nothing below the edge re-parses a knob.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeAlias, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from .load import load_config
 from .schema import TransportConfig, WeightSyncConfig, mib_to_bytes
+
+UserConfig: TypeAlias = "DictConfig | WeightSyncConfig | None"
+"""What a public constructor at the edge accepts (the callback, the hook, `SyncDriver`, `RolloutDaemon`, the
+sinks): a `load_config()` result, a `WeightSyncConfig` an outer edge already converted, or None (the
+defaults). Edges name this alias, so only `config/` imports omegaconf (tests/unit/test_layers.py)."""
 
 
 def settings(cfg: DictConfig | WeightSyncConfig | None = None) -> WeightSyncConfig:
