@@ -15,7 +15,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..config import AUTH_TOKEN_ENV, to_yaml
 from ..errors import ConfigError
@@ -49,11 +49,10 @@ def write_config(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     env: dict[str, str] = {}
     if cfg.transport.auth_token is not None:
         env[AUTH_TOKEN_ENV] = str(cfg.transport.auth_token)
-        cfg = OmegaConf.merge(cfg, {"transport": {"auth_token": None}})  # type: ignore[assignment]
     path = directory / f"rollout-{os.getpid()}.yaml"  # the pid the server keeps: exec does not change it
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(to_yaml(cfg, redact=False))
+        f.write(to_yaml(cfg, redact=False, drop_token=True))
     return str(path), env
 
 

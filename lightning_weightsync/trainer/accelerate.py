@@ -24,10 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from ..config import WeightSyncConfig, settings
+from ..config import UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor, is_sharded
@@ -62,7 +61,7 @@ class AccelerateWeightSync(SyncRecordView):
         self,
         accelerator: Any,
         model: nn.Module,
-        cfg: DictConfig | WeightSyncConfig | None = None,
+        cfg: UserConfig = None,
         *,
         optimizer: Any | None = None,
         module_attr: str | None = None,

@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
-from ..config import FailurePolicy, SenderSettings, SendMode, WeightSyncConfig, settings
+from ..config import FailurePolicy, SenderSettings, SendMode, UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -205,7 +204,7 @@ class SyncDriver:
 
     def __init__(
         self,
-        cfg: DictConfig | WeightSyncConfig | None,
+        cfg: UserConfig,
         *,
         rank: int,
         device: torch.device | None,

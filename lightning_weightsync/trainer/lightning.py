@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from ..config import WeightSyncConfig, settings
+from ..config import UserConfig, settings
 from ..errors import BackendUnavailable, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
@@ -108,7 +107,7 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     State (`state_dict`, saved in Lightning checkpoints): `last_synced_version`, `failures`.
     """
 
-    def __init__(self, cfg: DictConfig | WeightSyncConfig | None = None, *, module_attr: str | None = None) -> None:
+    def __init__(self, cfg: UserConfig = None, *, module_attr: str | None = None) -> None:
         super().__init__()
         self.config = settings(cfg)  # the edge: the one DictConfig -> typed conversion of the trainer side
         self.module_attr = module_attr

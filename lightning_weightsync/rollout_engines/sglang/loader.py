@@ -39,7 +39,7 @@ class RankReceiver:
     """This TP rank's receiver and its loop thread, started once per process."""
 
     def __init__(self, device: torch.device, config_path: str | None = None) -> None:
-        from ...config import load_config
+        from ...config import ReceiverSettings, load_config
 
         path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
         if not path:
@@ -52,7 +52,7 @@ class RankReceiver:
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
         overrides = [f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"]
         cfg = load_config(base=cfg, overrides=overrides)
-        self.worker = WorkerReceiver(cfg, device)
+        self.worker = WorkerReceiver(ReceiverSettings.of(cfg), device)  # the edge: this process read the YAML
         self.receiver = self.worker.receiver
         # trainer.lora=adapter: TP rank 0 writes each version to sglang.lora_dir for /load_lora_adapter
         self.adapters = AdapterDirectory(cfg.sglang.lora_dir, "sglang.lora_dir", writes=self.rank == 0)

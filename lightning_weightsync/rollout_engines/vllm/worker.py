@@ -305,7 +305,7 @@ class WeightSyncEngineBody:
 
     # -- receiver life cycle ----------------------------------------------------------------------
     def _start_receiver(self, overrides: list[str]) -> None:
-        from ...config import load_config
+        from ...config import ReceiverSettings, load_config
 
         if not self._config_path and not overrides:
             raise ConfigError(
@@ -319,7 +319,8 @@ class WeightSyncEngineBody:
             base=cfg,
             overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
         )
-        worker = self._worker_receiver = WorkerReceiver(cfg, device)  # its slots before vLLM sizes its KV cache
+        # its slots before vLLM sizes its KV cache; the edge: this process read the YAML
+        worker = self._worker_receiver = WorkerReceiver(ReceiverSettings.of(cfg), device)
         self._adapters = AdapterDirectory(cfg.vllm.lora_dir, LORA_DIR_KNOB, writes=self.rank == 0)
         if RollbackMode(cfg.vllm.rollback) is RollbackMode.host and self._host_copy is None:
             self._host_copy = HostCopy(self.model)  # taken now, before the first version, never during one
