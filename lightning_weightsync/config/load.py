@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..errors import ConfigError
-from .schema import AUTH_TOKEN_ENV, TransportConfig, default_config
+from .schema import AUTH_TOKEN_ENV, TransportConfig, WeightSyncConfig, default_config
 from .validate import check_token, validate_config
 
 logger = logging.getLogger(__name__)
@@ -300,10 +300,12 @@ def _read_token_file(path: Path) -> str:
     return lines[0].strip() if lines else ""
 
 
-def to_yaml(cfg: DictConfig, *, redact: bool = True, drop_token: bool = False) -> str:
-    """The resolved config as YAML; the HMAC secret is masked unless `redact=False` (config dumps
-    end up in logs and bug reports), or left out (null) with `drop_token` (a launcher's file for its
-    server's workers: the token goes by environment instead, `rollout_engines/launch.py`)."""
+def to_yaml(cfg: DictConfig | WeightSyncConfig, *, redact: bool = True, drop_token: bool = False) -> str:
+    """The resolved config (loaded, or typed: `settings()`) as YAML; the HMAC secret is masked unless
+    `redact=False` (config dumps end up in logs and bug reports), or left out (null) with `drop_token` (a
+    launcher's file for its server's workers: the token goes by environment instead, `rollout_engines/launch.py`)."""
+    if isinstance(cfg, WeightSyncConfig):
+        cfg = cast(DictConfig, OmegaConf.structured(cfg))
     if cfg.transport.auth_token and (redact or drop_token):
         masked = None if drop_token else "<redacted>"
         cfg = cast(DictConfig, OmegaConf.merge(cfg, {"transport": {"auth_token": masked}}))

@@ -43,17 +43,14 @@ EDGES: dict[str, set[str]] = {
     "rollout/sinks/module.py": {"ModuleSink.__init__"},
     "rollout/sinks/safetensors.py": {"SafetensorsSink.__init__"},
     "rollout/sinks/callable.py": {"CallableSink.__init__"},
-    # an engine's launcher: the CLI hands it the loaded config, which it writes whole to the YAML its server's
-    # workers read (`write_config`); the server command is built from the engine's section
-    "rollout_engines/launch.py": {"write_config"},
-    "rollout_engines/vllm/launch.py": {"launch", "serve_command"},
-    "rollout_engines/sglang/launch.py": {"launch", "serve_command"},
+    # an engine's launcher: the CLI hands it the loaded config (`write_config` and `serve_command` take typed
+    # config: the whole `WeightSyncConfig` written for the server's workers, the engine's own section)
+    "rollout_engines/vllm/launch.py": {"launch"},
+    "rollout_engines/sglang/launch.py": {"launch"},
 }
 """Module (under the package) -> the functions in it that may take a user's DictConfig."""
 
-OMEGACONF_IMPORTS = {"engine/sender.py", "engine/receiver.py", "rollout_engines/launch.py"} | {
-    f"rollout_engines/{e}/launch.py" for e in ("vllm", "sglang")
-}
+OMEGACONF_IMPORTS = {"engine/sender.py", "engine/receiver.py"}
 """Edges that still name `DictConfig` in their signature (the rest name the `UserConfig` alias)."""
 
 

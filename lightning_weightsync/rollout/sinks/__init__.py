@@ -5,7 +5,7 @@
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
 Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config/schema.py`: config
-lists the choices and sits below this layer); `build_sink(cfg)` imports only the sink it builds. (A rollout
+lists the choices and sits below this layer); `build_sink(config)` imports only the sink it builds. (A rollout
 engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines/__init__.py`.)
 """
 
