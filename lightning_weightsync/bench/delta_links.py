@@ -143,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         off = next(o for o in rows if o["changed"] == r["changed"] and o["mode"] == "off")
-        print(
-            f"| {r['changed']:.0%} | {r['mode']} | {r['seconds']:.2f} | {r['seconds'] / off['seconds']:.2f} | "
-            f"{r['nbytes'] / 1e6:.1f} | {r['nbytes'] / off['nbytes']:.2f} | {r['delta_tensors']} | {r['bitwise']} |"
-        )
+        print(f"| {r['changed']:.0%} | {r['mode']} | {r['seconds']:.2f} | {r['seconds'] / off['seconds']:.2f} | "
+              f"{r['nbytes'] / 1e6:.1f} | {r['nbytes'] / off['nbytes']:.2f} | {r['delta_tensors']} | {r['bitwise']} |")
     return 0
 
 

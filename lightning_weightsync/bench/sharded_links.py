@@ -31,6 +31,7 @@ from lightning_weightsync.bench.netlab import Lab, netlab, skip_reason  # noqa: 
 TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothing else binds there
 
 
+
 def row_shard(tensor: Any, rank: int, world: int) -> Any:
     """Rank `rank`'s rows of `tensor` split `world` ways (torch.chunk), as the `TensorShard` it sends; None
     when it holds no rows (as tests/integration/test_sharded.py cuts them)."""
@@ -44,7 +45,6 @@ def row_shard(tensor: Any, rank: int, world: int) -> Any:
     first = sum(p.shape[0] for p in parts[:rank])
     row_bytes = tensor[0].numel() * tensor.element_size()
     return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
-
 
 def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
     import torch
@@ -116,9 +116,8 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
                 if rank == 0:
                     others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
                     try:
-                        stats = await sender.send_weights(
-                            mine, version=version, sharding=Sharding(0, others=others, on_members=relay)
-                        )
+                        stats = await sender.send_weights(mine, version=version,
+                                                          sharding=Sharding(0, others=others, on_members=relay))
                     finally:
                         relay.finish()
                 else:
@@ -243,12 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mb", type=float, default=4.0)
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument(
-        "--hsdp",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run HSDP on 4 ranks (2 x 2 replicate x shard: each shard from its two replicas)",
-    )
+    parser.add_argument("--hsdp", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run HSDP on 4 ranks (2 x 2 replicate x shard: each shard from its two replicas)")
     args = parser.parse_args(argv)
     reason = skip_reason()
     if reason:

@@ -66,7 +66,9 @@ def build_empty_qwen3(model_dir: str) -> nn.Module:
 
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        model: nn.Module = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model: nn.Module = AutoModelForCausalLM.from_config(
+            config, torch_dtype=torch.float32
+        )
         return model
 
 

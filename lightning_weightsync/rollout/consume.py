@@ -175,7 +175,9 @@ async def consume_version(
     return record
 
 
-def begin_version(sink: VersionSink, version: int, tied: Mapping[str, Sequence[str]], lora: LoraSpec | None) -> None:
+def begin_version(
+    sink: VersionSink, version: int, tied: Mapping[str, Sequence[str]], lora: LoraSpec | None
+) -> None:
     """`sink.begin`, with the version's LoRA spec for a sink that takes one (`takes_lora`). An adapter version
     (`trainer.lora=adapter`) into a sink that does not is refused here, before anything is applied; merged and
     full versions are plain weights under the base model's names, which every sink takes."""

@@ -72,7 +72,9 @@ class TorchProcessGroupBackend(Backend):
         addr = (join.host, join.port)
         if self._store is None or (not self.is_sender and self._store_addr != addr):
             try:
-                self._store = TCPStore(join.host, join.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+                self._store = TCPStore(
+                    join.host, join.port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+                )
             except RuntimeError as exc:
                 raise WeightSyncTimeout(
                     f"{self.name}: could not reach the sender's data-plane store at {join.host}:{join.port} within "
