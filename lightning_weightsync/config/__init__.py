@@ -47,12 +47,14 @@ from .schema import (
     direct_min_bytes,
     mib_to_bytes,
 )
-from .settings import ReceiverSettings, SenderSettings, settings
+from .settings import ReceiverSettings, SenderSettings, UserConfig, settings
 from .sinks import (
     SINK_SECTIONS,
     CallableSinkSection,
     ModuleSinkSection,
     SafetensorsSinkSection,
+    SinkSection,
+    SinkSettings,
     sink_section,
     unread_sink_knobs,
 )
@@ -97,9 +99,12 @@ __all__ = [
     "SendMode",
     "SenderSettings",
     "SinkConfig",
+    "SinkSection",
+    "SinkSettings",
     "SinkType",
     "TrainerConfig",
     "TransportConfig",
+    "UserConfig",
     "VLLMConfig",
     "VerifyMode",
     "WeightSyncConfig",

@@ -10,14 +10,14 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..errors import ConfigError
-from .schema import AUTH_TOKEN_ENV, TransportConfig, default_config
+from .schema import AUTH_TOKEN_ENV, TransportConfig, WeightSyncConfig, default_config
 from .validate import check_token, validate_config
 
 logger = logging.getLogger(__name__)
@@ -300,9 +300,13 @@ def _read_token_file(path: Path) -> str:
     return lines[0].strip() if lines else ""
 
 
-def to_yaml(cfg: DictConfig, *, redact: bool = True) -> str:
-    """The resolved config as YAML; the HMAC secret is masked unless `redact=False` (config dumps
-    end up in logs and bug reports)."""
-    if redact and cfg.transport.auth_token:
-        cfg = OmegaConf.merge(cfg, {"transport": {"auth_token": "<redacted>"}})  # type: ignore[assignment]
+def to_yaml(cfg: DictConfig | WeightSyncConfig, *, redact: bool = True, drop_token: bool = False) -> str:
+    """The resolved config (loaded, or typed: `settings()`) as YAML; the HMAC secret is masked unless
+    `redact=False` (config dumps end up in logs and bug reports), or left out (null) with `drop_token` (a
+    launcher's file for its server's workers: the token goes by environment instead, `rollout_engines/launch.py`)."""
+    if isinstance(cfg, WeightSyncConfig):
+        cfg = cast(DictConfig, OmegaConf.structured(cfg))
+    if cfg.transport.auth_token and (redact or drop_token):
+        masked = None if drop_token else "<redacted>"
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, {"transport": {"auth_token": masked}}))
     return OmegaConf.to_yaml(cfg, resolve=True)

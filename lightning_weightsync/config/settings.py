@@ -6,17 +6,25 @@ engine never reads a `DictConfig` and nothing below the edge re-parses a knob.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeAlias, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from .load import load_config
 from .schema import TransportConfig, WeightSyncConfig, mib_to_bytes
 
+UserConfig: TypeAlias = "DictConfig | WeightSyncConfig | None"
+"""What a public constructor at the edge accepts (the callback, the hook, `SyncDriver`, `RolloutDaemon`, the
+sinks): a `load_config()` result, a `WeightSyncConfig` an outer edge already converted, or None (the
+defaults). Edges name this alias, so only `config/` imports omegaconf (tests/unit/test_layers.py)."""
 
-def settings(cfg: DictConfig | None = None) -> WeightSyncConfig:
+
+def settings(cfg: DictConfig | WeightSyncConfig | None = None) -> WeightSyncConfig:
     """`cfg` (a `load_config()` result; None = the defaults) as typed dataclasses. A DictConfig that is not
-    the structured config (`OmegaConf.create({...})`) is loaded and validated first, as `load_config` would."""
+    the structured config (`OmegaConf.create({...})`) is loaded and validated first, as `load_config` would;
+    a `WeightSyncConfig` (already converted by an outer edge) is returned as it is."""
+    if isinstance(cfg, WeightSyncConfig):
+        return cfg
     if cfg is None or OmegaConf.get_type(cfg) is not WeightSyncConfig:
         cfg = load_config(base=cfg)
     return cast(WeightSyncConfig, OmegaConf.to_object(cfg))

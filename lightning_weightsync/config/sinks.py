@@ -16,7 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .schema import LoraApply, SinkConfig
+from .schema import ApplyMode, LoraApply, SinkConfig
+from .settings import UserConfig, settings
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class CallableSinkSection:
     target: str | None = None
 
 
+SinkSection = ModuleSinkSection | SafetensorsSinkSection | CallableSinkSection
+"""Any sink's own section (what `sink_section` returns)."""
+
 SINK_SECTIONS: dict[str, type[Any]] = {
     "module": ModuleSinkSection,
     "safetensors": SafetensorsSinkSection,
@@ -63,11 +67,41 @@ def _as_dict(sink: DictConfig | SinkConfig) -> dict[str, Any]:
     return {str(k): v for k, v in tree.items()}
 
 
-def sink_section(sink: DictConfig | SinkConfig) -> Any:
-    """The chosen sink's own section of `rollout.sink` (an instance of its `SINK_SECTIONS` dataclass)."""
+def sink_section(sink: DictConfig | SinkConfig, kind: str | None = None) -> Any:
+    """The chosen sink's own section of `rollout.sink` (an instance of its `SINK_SECTIONS` dataclass); `kind`
+    names the sink when it is not `rollout.sink.type` (a sink class built directly, `ModuleSink(cfg)`)."""
     values = _as_dict(sink)
-    section = SINK_SECTIONS[str(values.get("type", "module"))]
+    section = SINK_SECTIONS[kind or str(values.get("type", "module"))]
     return section(**{f.name: values[f.name] for f in fields(section) if f.name in values})
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    """All a sink is built from: its own section of `rollout.sink` and the three knobs outside it that sinks
+    read. Made once, by `SinkSettings.of` at the sink's constructor (the edge: `ModuleSink(cfg)` with a
+    `load_config()` result keeps working), so a sink reads no other part of the config."""
+
+    section: SinkSection
+    """The sink's `SINK_SECTIONS` dataclass."""
+    apply: ApplyMode = ApplyMode.atomic
+    """`rollout.apply`."""
+    device: str = "cpu"
+    """`rollout.device`: where a module sink puts the module its factory built."""
+    timeout_s: float = 600.0
+    """`transport.timeout_s`: how long a callable sink's hand-off waits for the user's function."""
+
+    @classmethod
+    def of(cls, cfg: UserConfig | SinkSettings | SinkSection, kind: str) -> SinkSettings:
+        """`cfg` as the settings of sink `kind`: a user's config (converted here), `SinkSettings`, or the
+        sink's own section alone (the other knobs at their defaults)."""
+        if isinstance(cfg, SinkSettings):
+            return cfg
+        if isinstance(cfg, SINK_SECTIONS[kind]):
+            return cls(cfg)
+        assert not isinstance(cfg, SinkSection), f"a {type(cfg).__name__} is not the {kind} sink's section"
+        typed = settings(cfg)
+        ro = typed.rollout
+        return cls(sink_section(ro.sink, kind), ro.apply, ro.device, typed.transport.timeout_s)
 
 
 def unread_sink_knobs(sink: DictConfig | SinkConfig) -> list[str]:

@@ -36,9 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig
-
-from ..config import ApplyMode
+from ..config import ApplyMode, ReceiverSettings, UserConfig, settings
 from ..engine.receiver import WeightReceiver
 from ..errors import VerifyError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..transport.device import handoff
@@ -60,7 +58,9 @@ class RolloutDaemon:
     """Receives versions and applies them to the configured sink until `stop()` (or a signal).
 
     Args:
-        cfg: the validated config (`load_config`); uses `transport.*` and `rollout.*`.
+        cfg: the validated config (`load_config`; a `WeightSyncConfig`; None = the defaults), converted here,
+            once, to typed sections: the receiver gets its `ReceiverSettings`, the sink its `SinkSettings`,
+            the daemon reads `rollout.*` (metrics, progress) and the transport's address for its log lines.
         sink: a sink to use instead of building one from `rollout.sink` (tests, embedding).
         stats_path: append one JSON line per version outcome to this file.
         dump_path: on shutdown, write what a module sink holds to this safetensors file.
@@ -69,14 +69,14 @@ class RolloutDaemon:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: UserConfig,
         *,
         sink: Sink | None = None,
         stats_path: str | os.PathLike[str] | None = None,
         dump_path: str | os.PathLike[str] | None = None,
         handle_signals: bool = True,
     ) -> None:
-        self.cfg = cfg
+        self.config = settings(cfg)  # the edge: the rollout side's one DictConfig -> typed conversion
         self.handle_signals = handle_signals
         self.sink: Sink | None = sink
         self.stats_path = Path(stats_path) if stats_path else None
@@ -87,7 +87,7 @@ class RolloutDaemon:
         self.records: list[VersionRecord] = []
         self._stop = asyncio.Event()  # not bound to a loop until first awaited (Python >= 3.10)
         self._stop_reason = "the rollout daemon is stopping"
-        self._progress = Progress(bool(cfg.rollout.progress) and sys.stdout.isatty())
+        self._progress = Progress(self.config.rollout.progress and sys.stdout.isatty())
         self._trainer: tuple[bool, float] = (False, 0.0)  # (connected, for how long), see `_watch_trainer`
         self._watcher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the daemon's: /weights reads the sink on it
@@ -135,7 +135,7 @@ class RolloutDaemon:
         once none has been connected for `NO_TRAINER_WARN_S` (again every `NO_TRAINER_REPEAT_S` while that
         lasts: a daemon pointed at the wrong port or token used to wait in silence), one line when one is."""
         assert self.receiver is not None
-        t = self.cfg.transport
+        t = self.config.transport
         warn_at = NO_TRAINER_WARN_S  # seconds without a trainer at which to say so (next)
         was_connected = False
         while True:
@@ -179,19 +179,19 @@ class RolloutDaemon:
 
     async def _setup(self) -> None:
         if self.sink is None:
-            self.sink = build_sink(self.cfg)
-        ro = self.cfg.rollout
+            self.sink = build_sink(self.config)
+        ro = self.config.rollout
         self._loop = asyncio.get_running_loop()
         if ro.metrics_port is not None:
             self.http = HealthServer(
-                str(ro.metrics_host), int(ro.metrics_port), self.metrics, self._health, weights=self._weights
+                ro.metrics_host, ro.metrics_port, self.metrics, self._health, weights=self._weights
             )
             logger.info(
                 "metrics on http://%s:%d/metrics, health on /healthz, held weights on /weights",
                 self.http.host, self.http.port,
             )  # fmt: skip
-        t = self.cfg.transport
-        receiver = self.receiver = WeightReceiver(self.cfg)
+        t = self.config.transport
+        receiver = self.receiver = WeightReceiver(ReceiverSettings.of(self.config))
         receiver.on_bucket = lambda meta: self._progress.bucket(receiver.version, meta.nbytes)
         await receiver.start()
         self._watcher = asyncio.ensure_future(self._watch_trainer())
@@ -314,7 +314,7 @@ def _adopted(adopt: Callable[[], None], fn: Callable[..., T], *args: Any) -> T:
 
 
 def run_daemon(
-    cfg: DictConfig,
+    cfg: UserConfig,
     *,
     stats_path: str | os.PathLike[str] | None = None,
     dump_path: str | os.PathLike[str] | None = None,

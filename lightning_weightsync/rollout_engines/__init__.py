@@ -6,12 +6,13 @@ different machines:
 
 - `config.py`: the `<name>` config section (a dataclass and its `Choice` enums); `config.py` imports it
   into `WeightSyncConfig`, so it imports only `choice.py`.
-- `client.py`: the trainer side. `clients(cfg) -> list[RolloutClient]`, one per server in
-  `cfg.<name>.urls`, each driving the engine's own HTTP routes (pause, open an update, update while our
-  sender broadcasts, close it with the version, resume). It imports nothing of the rollout layer nor the
-  receiving half of this package (only errors, config, engine, transport and its own config section:
-  tests/unit/test_layers.py and tests/unit/test_rollout_engines.py check it), so the trainer, which
-  drives it through `control.py` and loads it by path, does not cross into the rollout side.
+- `client.py`: the trainer side. `clients(section) -> list[RolloutClient]`, one per server in the section's
+  `urls` (the typed `<name>` section, nothing else of the config), each driving the engine's own HTTP routes
+  (pause, open an update, update while our sender broadcasts, close it with the version, resume). It imports
+  nothing of the rollout layer nor the receiving half of this package (only errors, config, engine, transport
+  and its own config section: tests/unit/test_layers.py and tests/unit/test_rollout_engines.py check it), so
+  the trainer, which drives it through `control.py` and loads it by path, does not cross into the rollout
+  side.
 - `launch.py`: the rollout side. `launch(cfg) -> int` runs the engine's server configured to receive
   (`lightning-weightsync rollout rollout.engine=<name>`); the receiving code the server loads lives
   next to it, on the shared pieces beside the folders (`worker.py`, `launch.py`, `host_copy.py`,
@@ -105,9 +106,14 @@ class RolloutEngine:
     def _load(self, module: str, attr: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(f"{self.package}.{module}"), attr)
 
-    def clients(self, cfg: Any) -> list[RolloutClient]:
-        """The trainer-side clients for `cfg.<name>.urls` ([] when none)."""
-        return list(self._load("client", "clients")(cfg))
+    def section(self, config: Any) -> Any:
+        """This engine's own section (`config.<name>`, its `config.py` dataclass) of a typed `WeightSyncConfig`."""
+        return getattr(config, self.name)
+
+    def clients(self, section: Any) -> list[RolloutClient]:
+        """The trainer-side clients for the section's `urls` ([] when none); `section` is this engine's
+        typed section (`section(config)`), the only part of the config its client module reads."""
+        return list(self._load("client", "clients")(section))
 
     def launch(self, cfg: Any) -> int:
         """Run (exec) this engine's server, configured to receive every version."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from omegaconf import OmegaConf
 
+from ..config import SafetensorsSinkSection
 from ..errors import SinkError
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
@@ -56,10 +56,7 @@ class AdapterDirectory:
         if not self.writes:
             return None
         if self._sink is None:
-            cfg = OmegaConf.create(
-                {"rollout": {"apply": "atomic", "sink": {"dir": self.lora_dir, "keep_last": KEEP_LAST}}}
-            )
-            self._sink = SafetensorsSink(cfg)
+            self._sink = SafetensorsSink(SafetensorsSinkSection(dir=self.lora_dir, keep_last=KEEP_LAST))  # atomic
         return self._sink
 
 

@@ -32,8 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig
-
+from ..config import WeightSyncConfig
 from ..engine.verify import weight_problems
 from ..errors import CannotAsk, ConfigError, PeerError
 from ..protocol.messages import LoraSpec
@@ -86,23 +85,25 @@ class RolloutControl:
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * len(self.clients)), thread_name_prefix="rollout-ctl")
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> RolloutControl | None:
+    def from_config(cls, config: WeightSyncConfig) -> RolloutControl | None:
         """The clients of every registered engine with servers in its section (`vllm.urls`,
-        `sglang.urls`, ...); None when there are none."""
+        `sglang.urls`, ...); None when there are none. `config` is typed (`config.settings(cfg)`, done by
+        the integration's edge); each engine's client module is handed only its own section."""
         clients: list[RolloutClient] = []
         timeouts: list[float] = []
         for engine in ROLLOUT_ENGINES.values():
-            made = engine.clients(cfg)
+            section = engine.section(config)
+            made = engine.clients(section)
             if made:
                 clients += made
-                timeouts.append(float(cfg[engine.name].request_timeout_s))
+                timeouts.append(section.request_timeout_s)
         if not clients:
             return None
         return cls(
             clients,
             timeout_s=max(timeouts),
-            receive_timeout_s=float(cfg.transport.timeout_s),
-            min_receivers=int(cfg.trainer.min_receivers),
+            receive_timeout_s=config.transport.timeout_s,
+            min_receivers=config.trainer.min_receivers,
         )
 
     def close(self) -> None:

@@ -15,9 +15,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-from ..config import AUTH_TOKEN_ENV, to_yaml
+from ..config import AUTH_TOKEN_ENV, WeightSyncConfig, to_yaml
 from ..errors import ConfigError
 from ..transport.process import process_alive
 
@@ -36,8 +34,9 @@ def config_dir() -> Path:
     return path
 
 
-def write_config(cfg: DictConfig) -> tuple[str, dict[str, str]]:
-    """The resolved config for the engine's workers, and the environment that carries its token.
+def write_config(config: WeightSyncConfig) -> tuple[str, dict[str, str]]:
+    """The resolved config for the engine's workers (typed: the launcher's edge converted it), and the
+    environment that carries its token.
 
     The token never goes into the file (before: a 0600 copy of it stayed in /tmp for ever). Files that
     servers no longer running left behind are removed."""
@@ -47,13 +46,12 @@ def write_config(cfg: DictConfig) -> tuple[str, dict[str, str]]:
         if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             old.unlink(missing_ok=True)
     env: dict[str, str] = {}
-    if cfg.transport.auth_token is not None:
-        env[AUTH_TOKEN_ENV] = str(cfg.transport.auth_token)
-        cfg = OmegaConf.merge(cfg, {"transport": {"auth_token": None}})  # type: ignore[assignment]
+    if config.transport.auth_token is not None:
+        env[AUTH_TOKEN_ENV] = config.transport.auth_token
     path = directory / f"rollout-{os.getpid()}.yaml"  # the pid the server keeps: exec does not change it
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(to_yaml(cfg, redact=False))
+        f.write(to_yaml(config, redact=False, drop_token=True))
     return str(path), env
 
 

@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import DictConfig
 
+from ..config import ReceiverSettings
 from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError
 from ..protocol.chunks import TensorMeta
@@ -115,17 +115,18 @@ class WorkerReceiver:
     re-registers every `transport.heartbeat_interval_s` on its own; while a version runs it does not
     (a `Register` mid-version would reset what the sender knows of it)."""
 
-    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
+    def __init__(self, own: ReceiverSettings, device: torch.device) -> None:
+        """`own`: the receiver's typed settings, made by the engine's loader from the YAML it read (the edge)."""
         self.loop = LoopThread(device)
-        self.receiver = WeightReceiver(cfg, preallocate=True)
+        self.receiver = WeightReceiver(own, preallocate=True)
         self._receiving = False
         self.registrations = 0  # sent between versions (tests read it)
         try:
-            self.loop.call(self.receiver.start(), timeout_s=float(cfg.transport.timeout_s))
+            self.loop.call(self.receiver.start(), timeout_s=own.transport.timeout_s)
         except BaseException:
             self.loop.stop()
             raise
-        interval_s = float(cfg.transport.heartbeat_interval_s)
+        interval_s = own.transport.heartbeat_interval_s
         asyncio.run_coroutine_threadsafe(self._keep_registered(interval_s), self.loop.loop)
 
     async def _keep_registered(self, interval_s: float) -> None:

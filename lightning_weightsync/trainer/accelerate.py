@@ -24,10 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from ..config import load_config
+from ..config import UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor, is_sharded
@@ -41,7 +40,8 @@ class AccelerateWeightSync(SyncRecordView):
     Args:
         accelerator: the `accelerate.Accelerator` (its process group, device and gradient state).
         model: the model as training uses it (after `accelerator.prepare`, or sharded by hand).
-        cfg: the weightsync config; None means the defaults. Uses `trainer.every_n_steps`,
+        cfg: the weightsync config; None means the defaults. Converted once, here, to the typed
+            `WeightSyncConfig` (`config.settings`). Uses `trainer.every_n_steps`,
             `trainer.sync_on_fit_start` (sync version `initial_step` right away),
             `trainer.on_failure`, `trainer.dtype`, `trainer.include_buffers`, `trainer.names.*`,
             `trainer.min_receivers` and `transport.*`.
@@ -61,7 +61,7 @@ class AccelerateWeightSync(SyncRecordView):
         self,
         accelerator: Any,
         model: nn.Module,
-        cfg: DictConfig | None = None,
+        cfg: UserConfig = None,
         *,
         optimizer: Any | None = None,
         module_attr: str | None = None,
@@ -69,8 +69,8 @@ class AccelerateWeightSync(SyncRecordView):
     ) -> None:
         self.accelerator = accelerator
         self.model = model
-        self.cfg = cfg if cfg is not None else load_config()
-        self.every_n_steps = int(self.cfg.trainer.every_n_steps)
+        self.config = settings(cfg)  # the edge: the one DictConfig -> typed conversion of the trainer side
+        self.every_n_steps = self.config.trainer.every_n_steps
         self.step = int(initial_step)
         self.record = SyncRecord()  # last synced version, failures, last SendStats: kept by SyncDriver
         inner = self._inner_optimizer(optimizer)
@@ -86,7 +86,7 @@ class AccelerateWeightSync(SyncRecordView):
                 getattr(plugin, "fsdp_version", 1),
             )
         self._driver = SyncDriver(
-            self.cfg,
+            self.config,
             rank=int(accelerator.process_index),
             device=torch.device(accelerator.device),
             prefix=module_attr,
@@ -101,7 +101,7 @@ class AccelerateWeightSync(SyncRecordView):
             )  # fmt: skip
         self._driver.start()
         self._hook = inner.register_step_post_hook(self._after_optimizer_step)
-        if self.cfg.trainer.sync_on_fit_start:
+        if self.config.trainer.sync_on_fit_start:
             self.sync(self.step)
 
     def _inner_optimizer(self, optimizer: Any | None) -> torch.optim.Optimizer:

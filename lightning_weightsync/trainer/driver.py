@@ -31,15 +31,14 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
-from ..config import FailurePolicy, SendMode
+from ..config import FailurePolicy, SenderSettings, SendMode, UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
 from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
 from .interrupt import SyncStopWatch, raise_signal, signal_name
@@ -191,7 +190,9 @@ class SyncDriver:
     """One sync at a time: gather everywhere, send from global rank 0, agree, apply the policy.
 
     Args:
-        cfg: the weightsync config (`load_config()`); uses `transport.*` and `trainer.*`.
+        cfg: the weightsync config (`load_config()`, or the `WeightSyncConfig` an integration already
+            converted; None = the defaults): converted once, here, to typed sections (`config/settings.py`);
+            the driver reads `trainer.*`, its sender `transport.*`, its rollouts the engines' sections.
         rank: the integration's global rank of this process (Lightning's `trainer.global_rank`,
             Accelerate's `process_index`); torch.distributed's rank wins when it is initialised
             (`process_rank`). Global rank 0 creates and owns the `BlockingWeightSender`.
@@ -203,23 +204,24 @@ class SyncDriver:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: UserConfig,
         *,
         rank: int,
         device: torch.device | None,
         prefix: str | None,
         record: SyncRecord | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.config = settings(cfg)  # the one conversion; below this, typed sections only
+        self.trainer = tr = self.config.trainer
         self.rank = process_rank(rank)
         self.is_sender = self.rank == SENDER_RANK
         self.device = device
         self.prefix = prefix
-        self.on_failure = FailurePolicy(cfg.trainer.on_failure)
+        self.on_failure: FailurePolicy = tr.on_failure
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
         self.record = record if record is not None else SyncRecord()
-        self.lora = LoraSync(cfg.trainer, self.record)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
+        self.lora = LoraSync(tr, self.record)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
         self._tied_logged = False
         self._syncs = 0  # syncs started: the same count on every rank (names a sync in the store)
         self._failing_since: int | None = None  # first version of the current run of failures (warn)
@@ -232,26 +234,24 @@ class SyncDriver:
         # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])`, rollout_engines/vllm/client.py)
         self.rollouts: RolloutControl | None = None
         # trainer.send_mode=sharded (trainer/sharded.py): every rank has a sender; their endpoints, by rank
-        self.sharded = SendMode(cfg.trainer.send_mode) is SendMode.sharded and _world_size() > 1
+        self.sharded = tr.send_mode is SendMode.sharded and _world_size() > 1
         self.addresses: list[tuple[str, int]] = []
         self._mode_logged = False
         # trainer.overlap: the send of a version runs in the background while training goes on (overlap.py)
         self.overlap: OverlapSync | None = None
-        if bool(cfg.trainer.overlap):
+        if tr.overlap:
             from .overlap import OverlapSync
 
             self.overlap = OverlapSync(self)
 
     # -- life cycle -------------------------------------------------------------------------------
-    def _sender_cfg(self) -> DictConfig:
+    def _sender_settings(self) -> SenderSettings:
         """Rank 0 binds transport.host:port; in sharded mode every other rank its own sender_host:sender_port."""
-        if self.is_sender:
-            return self.cfg
-        from omegaconf import OmegaConf
-
-        t = self.cfg.transport
-        host = os.environ.get("LIGHTNING_WEIGHTSYNC_SENDER_HOST") or t.sender_host or t.host
-        return OmegaConf.merge(self.cfg, {"transport": {"host": host, "port": int(t.sender_port)}})  # type: ignore[return-value]
+        t = self.config.transport
+        if not self.is_sender:
+            host = os.environ.get("LIGHTNING_WEIGHTSYNC_SENDER_HOST") or t.sender_host or t.host
+            t = replace(t, host=host, port=t.sender_port)
+        return SenderSettings(t, self.trainer.min_receivers)
 
     def start(self) -> None:
         """Bind the sender on rank 0 (on every rank in sharded mode); every rank raises if that fails (a bad
@@ -261,23 +261,23 @@ class SyncDriver:
         if (self.is_sender or self.sharded) and self.sender is None:
             from ..engine.sender import BlockingWeightSender
 
-            cfg = self._sender_cfg()
-            sender = BlockingWeightSender(cfg)
+            own = self._sender_settings()
+            sender = BlockingWeightSender(own)
             try:
                 sender.start()
                 self.sender = sender
-                logger.info("weight sender listening on %s:%d", cfg.transport.host, sender.port)
+                logger.info("weight sender listening on %s:%d", own.transport.host, sender.port)
                 if self.rollouts is None and self.is_sender:
                     from ..rollout_engines.control import RolloutControl
 
-                    self.rollouts = RolloutControl.from_config(self.cfg)
+                    self.rollouts = RolloutControl.from_config(self.config)
             except Exception as exc:
                 error = exc
                 sender.close()
                 logger.error(
                     "global rank %d: the weight sender could not start on %s:%s (transport.host / transport.port; "
                     "sender_host / sender_port on ranks but 0 in sharded mode): %s",
-                    self.rank, cfg.transport.host, cfg.transport.port, exc,
+                    self.rank, own.transport.host, own.transport.port, exc,
                 )  # fmt: skip
         if all_ranks_max(FATAL if error is not None else OK, self.device) != OK:
             if error is not None:
@@ -286,7 +286,7 @@ class SyncDriver:
         if self.sharded and self.sender is not None:
             from .sharded import exchange_addresses
 
-            self.addresses = exchange_addresses(str(self._sender_cfg().transport.host), self.sender.port, self.device)
+            self.addresses = exchange_addresses(self._sender_settings().transport.host, self.sender.port, self.device)
         if self.overlap is not None:
             self.overlap.start()
 
@@ -320,16 +320,16 @@ class SyncDriver:
         """The stream a sync sends (names, dtype, exclusions exactly as configured). `defer_gather`: FSDP2
         tensors come as `PendingGather` on every rank (overlap's background gather; not with LoRA, whose
         merge needs whole tensors: `gathers_in_background`)."""
-        tr = self.cfg.trainer
-        if self.lora.applies(module, self.prefix, bool(tr.include_buffers)):
+        tr = self.trainer
+        if self.lora.applies(module, self.prefix, tr.include_buffers):
             assert not defer_gather, "LoRA streams are gathered in place"
             return self.lora.weights(
-                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
+                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
                 keep_on_rank=keep_on_rank, prefix=self.prefix,
             )  # fmt: skip
         return iter_full_parameters(
             module,
-            include_buffers=bool(tr.include_buffers),
+            include_buffers=tr.include_buffers,
             names_cfg=tr.names,
             dtype=tr.dtype,
             keep_on_rank=keep_on_rank,
@@ -340,11 +340,10 @@ class SyncDriver:
     def tied(self, module: nn.Module) -> dict[str, tuple[str, ...]]:
         """{name sent: other names of the same tensor} under this sync's rules (tied embeddings are
         sent once). Local, no collectives; travels in the version's first `BucketMeta.tied`."""
-        tr = self.cfg.trainer
-        if self.lora.applies(module, self.prefix, bool(tr.include_buffers)):
-            buffers = bool(tr.include_buffers)
-            return self.lora.tied(module, include_buffers=buffers, names_cfg=tr.names, prefix=self.prefix)
-        return tied_names(module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, prefix=self.prefix)
+        tr = self.trainer
+        if self.lora.applies(module, self.prefix, tr.include_buffers):
+            return self.lora.tied(module, include_buffers=tr.include_buffers, names_cfg=tr.names, prefix=self.prefix)
+        return tied_names(module, include_buffers=tr.include_buffers, names_cfg=tr.names, prefix=self.prefix)
 
     def sync(self, module: nn.Module, version: int) -> bool:
         """Gather and send `version`; call on every rank. True (on every rank) when it was delivered;
@@ -471,10 +470,10 @@ class SyncDriver:
         from ..protocol.messages import SenderAddress
         from .sharded import LayoutMismatch, MembersRelay, iter_local_shards
 
-        tr = self.cfg.trainer
+        tr = self.trainer
         try:  # on every rank alike, before any rank sends: a bad layout raises ConfigError, drift fails the version
             weights = iter_local_shards(
-                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype,
+                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
                 prefix=self.prefix, device=self.device, version=version,
             )  # fmt: skip
         except LayoutMismatch as exc:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import CAST_DTYPES
+from ..config import CAST_DTYPES, NamesConfig
 from ..errors import ConfigError
 from .names import NameMapper, SentNames, own_tensors, strip_wrapper_prefixes, walk_modules
 
@@ -124,7 +124,7 @@ def iter_full_parameters(
     module: nn.Module,
     *,
     include_buffers: bool = True,
-    names_cfg: Mapping[str, Any] | Any | None = None,
+    names_cfg: NamesConfig | Mapping[str, Any] | None = None,
     dtype: torch.dtype | str | None = None,
     keep_on_rank: int | None = 0,
     prefix: str | None = None,

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from ..config import load_config
+from ..config import UserConfig, settings
 from ..errors import BackendUnavailable, WeightSyncError
 from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
 from .gather import NamedTensor
@@ -59,7 +58,8 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     """Gather the full weights and send them to every registered rollout receiver.
 
     Args:
-        cfg: the weightsync config (`load_config(...)`); None means the defaults. Used keys:
+        cfg: the weightsync config (`load_config(...)`); None means the defaults. Converted once, here, to
+            the typed `WeightSyncConfig` (`config.settings`); the sync reads only its sections. Used keys:
             `trainer.every_n_steps` (1), `trainer.sync_on_fit_start` (True), `trainer.sync_on_train_end` (True),
             `trainer.on_failure` (`raise`), `trainer.dtype`, `trainer.include_buffers`,
             `trainer.names.*`, `trainer.min_receivers` and `transport.*` (for the sender).
@@ -107,11 +107,11 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     State (`state_dict`, saved in Lightning checkpoints): `last_synced_version`, `failures`.
     """
 
-    def __init__(self, cfg: DictConfig | None = None, *, module_attr: str | None = None) -> None:
+    def __init__(self, cfg: UserConfig = None, *, module_attr: str | None = None) -> None:
         super().__init__()
-        self.cfg = cfg if cfg is not None else load_config()
+        self.config = settings(cfg)  # the edge: the one DictConfig -> typed conversion of the trainer side
         self.module_attr = module_attr
-        self.every_n_steps = int(self.cfg.trainer.every_n_steps)
+        self.every_n_steps = self.config.trainer.every_n_steps
         self.record = SyncRecord()  # last synced version, failures, last SendStats (rank 0): see SyncDriver
         self._prefix: str | None = None  # resolved module_attr
         self._driver: SyncDriver | None = None
@@ -123,7 +123,7 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
         if stage != "fit" or self._driver is not None:
             return
         self._driver = SyncDriver(
-            self.cfg,
+            self.config,
             rank=trainer.global_rank,
             device=trainer.strategy.root_device,
             prefix=None,  # resolved at the first sync: configure_model may create the network later
@@ -151,15 +151,15 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     # -- when ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
-        if self.cfg.trainer.sync_on_fit_start:
+        if self.config.trainer.sync_on_fit_start:
             self.sync(trainer, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last steps may not be a multiple of every_n_steps: rollouts should end on the final weights
-        if self.cfg.trainer.sync_on_train_end and trainer.global_step != self._last_attempted:
+        if self.config.trainer.sync_on_train_end and trainer.global_step != self._last_attempted:
             self.sync(trainer, trainer.global_step)
         # trainer.overlap: the last version is sent (or its failure raised) before fit returns
-        final = trainer.global_step if self.cfg.trainer.sync_on_train_end else None
+        final = trainer.global_step if self.config.trainer.sync_on_train_end else None
         driver = self._driver
         # blocking syncs: nothing in flight
         if driver is not None and driver.overlap is not None and driver.finish(self._module(trainer), final):
@@ -206,7 +206,7 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
                 self._prefix = self.module_attr
             else:
                 self._prefix = (
-                    served_child(trainer.lightning_module, include_buffers=bool(self.cfg.trainer.include_buffers)) or ""
+                    served_child(trainer.lightning_module, include_buffers=self.config.trainer.include_buffers) or ""
                 )
                 logger.info(
                     "WeightSyncCallback: no module_attr given; sending %s (pass module_attr to choose)",

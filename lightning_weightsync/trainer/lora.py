@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..config import LoraBase, LoraMode
+from ..config import LoraBase, LoraMode, NamesConfig, TrainerConfig
 from ..errors import ConfigError
 from ..protocol.lora import LORA_PARTS, adapter_name, base_name, merge_weight
 from ..protocol.messages import LoraSpec
@@ -255,9 +255,9 @@ class LoraSync:
     returned iterator is lazy), so `spec` and `tied` describe the version `weights` was last called for.
     """
 
-    def __init__(self, trainer_cfg: Any, record: SyncRecord) -> None:
-        self.mode = LoraMode(trainer_cfg.lora)
-        self.base_policy = LoraBase(trainer_cfg.lora_base)
+    def __init__(self, trainer: TrainerConfig, record: SyncRecord) -> None:
+        self.mode = trainer.lora
+        self.base_policy = trainer.lora_base
         self.record = record
         self._plans: dict[tuple[int, str | None], Plan | None] = {}
         self._base_delivered = self.base_policy is LoraBase.rollout_has
@@ -288,8 +288,8 @@ class LoraSync:
         module: nn.Module,
         *,
         include_buffers: bool,
-        names_cfg: Any,
-        dtype: Any,
+        names_cfg: NamesConfig | None,
+        dtype: torch.dtype | str | None,
         keep_on_rank: int | None,
         prefix: str | None,
     ) -> Iterator[NamedTensor]:
@@ -320,7 +320,7 @@ class LoraSync:
         return _mapped(raw_stream, plan, spec, NameMapper.from_config(names_cfg), resolve_dtype(dtype))
 
     def tied(
-        self, module: nn.Module, *, include_buffers: bool, names_cfg: Any, prefix: str | None
+        self, module: nn.Module, *, include_buffers: bool, names_cfg: NamesConfig | None, prefix: str | None
     ) -> dict[str, tuple[str, ...]]:
         """Tied names of the version `weights` was last called for, under the names sent."""
         plan = self.plan(module, prefix, include_buffers)

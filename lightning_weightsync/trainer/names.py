@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import NamesConfig
 from ..errors import ConfigError
 
 try:
@@ -84,14 +85,17 @@ class NameMapper:
     exclude: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, names_cfg: Mapping[str, Any] | Any | None = None, *, prefix: str | None = None) -> NameMapper:
-        """`names_cfg` is `cfg.trainer.names` (DictConfig, dataclass or plain mapping) or None."""
+    def from_config(
+        cls, names_cfg: NamesConfig | Mapping[str, Any] | None = None, *, prefix: str | None = None
+    ) -> NameMapper:
+        """`names_cfg` is the typed `trainer.names` section (`NamesConfig`), a plain mapping of the same keys
+        (a caller of `iter_full_parameters` outside an integration), or None."""
         if names_cfg is None:
             return cls(prefix=prefix or None)
-        get = names_cfg.get if isinstance(names_cfg, Mapping) or hasattr(names_cfg, "get") else None
+        section = names_cfg
 
         def field(key: str) -> Any:
-            return get(key, None) if get is not None else getattr(names_cfg, key, None)
+            return section.get(key, None) if isinstance(section, Mapping) else getattr(section, key, None)
 
         strip = tuple(str(p) for p in (field("strip_prefixes") or ()))
         if any(not p for p in strip):
@@ -198,7 +202,7 @@ def tied_names(
     module: nn.Module,
     *,
     include_buffers: bool = True,
-    names_cfg: Mapping[str, Any] | Any | None = None,
+    names_cfg: NamesConfig | Mapping[str, Any] | None = None,
     prefix: str | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """{name sent: (other names of the same tensor, as mapped)} for every tensor reachable under

@@ -157,18 +157,18 @@ class OverlapSync:
     """
 
     def __init__(self, driver: SyncDriver) -> None:
-        tr = driver.cfg.trainer
+        tr = driver.trainer
         self.driver = driver
-        self.policy = OverlapPolicy(tr.overlap_policy)
-        kind = OverlapStaging(tr.overlap_staging)
+        self.policy = tr.overlap_policy
+        kind = tr.overlap_staging
         if kind is OverlapStaging.pinned and not torch.cuda.is_available():
             raise ConfigError(
                 "trainer.overlap_staging=pinned needs a CUDA device (page-locked memory speeds up device -> host "
                 "copies only); use trainer.overlap_staging=host or auto"
             )
         self.staging = Staging(kind)
-        self.gather_where = OverlapGather(tr.overlap_gather)
-        self._mirrors = MirrorMeshes(float(driver.cfg.transport.timeout_s), driver.device)
+        self.gather_where = tr.overlap_gather
+        self._mirrors = MirrorMeshes(driver.config.transport.timeout_s, driver.device)
         self.skipped = 0  # versions `latest` skipped because the previous one still sent
         self.snapshot_seconds = 0.0  # the last snapshot's copy (and, gather mode, all-gather) time
         self._pool: ThreadPoolExecutor | None = None
@@ -358,7 +358,7 @@ class OverlapSync:
         The stream is exhausted on every rank whatever fails (the other ranks' all-gathers need this
         one); a ConfigError (raised by the gather on every rank at the same point) propagates."""
         d = self.driver
-        tr = d.cfg.trainer
+        tr = d.trainer
         gathers = not sharded and self.gathers_in_background(module)
         snap = Snapshot(version, sharded=sharded, gathers=gathers)
         error: BaseException | None = None
@@ -366,7 +366,7 @@ class OverlapSync:
             from .sharded import iter_local_shards
 
             stream: Any = iter_local_shards(
-                module, include_buffers=bool(tr.include_buffers), names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix
+                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix
             )
         else:  # sync gather: every rank runs the all-gathers; global rank 0 alone gets tensors
             stream = d.weights(module, defer_gather=gathers)
@@ -412,7 +412,7 @@ class OverlapSync:
             self.gather_where is OverlapGather.background
             and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             and is_sharded(module)
-            and not d.lora.applies(module, d.prefix, bool(d.cfg.trainer.include_buffers))
+            and not d.lora.applies(module, d.prefix, d.trainer.include_buffers)
         )  # fmt: skip
 
     def _stage_shards(self, snap: Snapshot, pending: list[tuple[int, PendingGather]]) -> None:

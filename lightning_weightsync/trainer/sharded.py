@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import NamesConfig
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
 from .gather import DTensor, cast_floating, fsdp1_units, resolve_dtype, walk_tensors
@@ -247,7 +248,7 @@ class LocalShards:
         device: torch.device | None,
         *,
         include_buffers: bool = True,
-        names_cfg: Mapping[str, Any] | Any | None = None,
+        names_cfg: NamesConfig | Mapping[str, Any] | None = None,
         dtype: torch.dtype | str | None = None,
         prefix: str | None = None,
         version: int | None = None,
@@ -328,7 +329,7 @@ def iter_local_shards(
     module: nn.Module,
     *,
     include_buffers: bool = True,
-    names_cfg: Mapping[str, Any] | Any | None = None,
+    names_cfg: NamesConfig | Mapping[str, Any] | None = None,
     dtype: torch.dtype | str | None = None,
     prefix: str | None = None,
     device: torch.device | None = None,

@@ -66,10 +66,10 @@ def test_client_modules_import_nothing_of_the_rollout_layer(name: str) -> None:
 def test_building_clients_loads_no_receiving_side() -> None:
     code = (
         "import sys\n"
-        "from lightning_weightsync.config import load_config\n"
+        "from lightning_weightsync.config import load_config, settings\n"
         "from lightning_weightsync.rollout_engines.control import RolloutControl\n"
         "cfg = load_config(overrides=['vllm.urls=[http://v:1]', 'sglang.urls=[http://s:2]'])\n"
-        "assert len(RolloutControl.from_config(cfg).clients) == 2\n"
+        "assert len(RolloutControl.from_config(settings(cfg)).clients) == 2\n"
         "import json\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('lightning_weightsync.rollout'))))\n"
     )

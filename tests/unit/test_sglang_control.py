@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.config import load_config
+from lightning_weightsync.config import load_config, settings
 from lightning_weightsync.errors import ConfigError, PeerError
 from lightning_weightsync.rollout_engines.control import RolloutControl
 from lightning_weightsync.rollout_engines.sglang import api
@@ -185,7 +185,7 @@ def test_from_config_builds_clients_of_both_engines() -> None:
         "sglang.urls=[http://s:30000/]", "vllm.urls=[http://v:8000]", "sglang.request_timeout_s=900",
         "sglang.pause_mode=abort",
     ])  # fmt: skip
-    ctl = RolloutControl.from_config(cfg)
+    ctl = RolloutControl.from_config(settings(cfg))
     assert ctl is not None
     assert [(c.engine, c.name) for c in ctl.clients] == [("vLLM", "http://v:8000"), ("SGLang", "http://s:30000")]
     assert ctl.timeout_s == 900 and ctl.clients[1].pause_mode is SGLangPauseMode.abort  # type: ignore[attr-defined]

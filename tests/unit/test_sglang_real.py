@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (./dev sglang-contract)", allow_module_level=True)
 
-from lightning_weightsync.config import load_config
+from lightning_weightsync.config import load_config, settings
 from lightning_weightsync.engine.sender import BlockingWeightSender
 from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.rollout_engines.sglang import api, loader
@@ -89,7 +89,7 @@ def test_sglangs_parser_takes_our_launch_flags() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     cfg = load_config(overrides=["sglang.model=m", "sglang.serve_args=[--tp-size,2,--dp-size,1]"])
-    argv, _ = serve_command(cfg, "p", "sglang")
+    argv, _ = serve_command(settings(cfg).sglang, "p", "sglang")
     args = parser.parse_args(argv[2:])  # after `sglang serve`
     assert args.model_path == "m" and args.custom_weight_loader == [api.LOADER]
     assert (args.tp_size, args.dp_size) == (2, 1)

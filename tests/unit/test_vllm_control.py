@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.config import load_config
+from lightning_weightsync.config import load_config, settings
 from lightning_weightsync.errors import ConfigError, PeerError
 from lightning_weightsync.protocol.messages import LoraSpec
 from lightning_weightsync.rollout_engines.control import RolloutControl
@@ -235,11 +235,11 @@ def test_a_failed_send_still_resumes_every_rollout(servers) -> None:
 
 def test_from_config_builds_one_client_per_url() -> None:
     cfg = load_config(overrides=["vllm.urls=[http://a:8000,http://b:8000/]", "vllm.pause_mode=abort"])
-    ctl = RolloutControl.from_config(cfg)
+    ctl = RolloutControl.from_config(settings(cfg))
     assert ctl is not None and [c.name for c in ctl.clients] == ["http://a:8000", "http://b:8000"]
     assert all(c.pause_mode is PauseMode.abort for c in ctl.clients)  # type: ignore[attr-defined]
     assert ctl.receive_timeout_s == cfg.transport.timeout_s
-    assert RolloutControl.from_config(load_config()) is None
+    assert RolloutControl.from_config(settings(load_config())) is None
     with pytest.raises(ConfigError, match=r"vllm\.urls.*not an http"):
         load_config(overrides=["vllm.urls=[rollout-0:8000]"])
 

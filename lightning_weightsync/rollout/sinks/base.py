@@ -29,12 +29,11 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from omegaconf import DictConfig
 
-from ...config import ApplyMode
+from ...config import ApplyMode, SinkSection, SinkSettings, UserConfig
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
 from ...protocol.messages import LoraSpec, alias_sent_twice
@@ -63,9 +62,14 @@ class Sink(ABC):
     #: True when `begin` takes the version's LoRA spec (`lora=`); every local sink does (see `lora_mode`).
     takes_lora: bool = True
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-        self.apply = ApplyMode(cfg.rollout.apply)
+    #: The sink's `rollout.sink.type` name: which section of `rollout.sink` it reads (`config/sinks.py`).
+    kind: ClassVar[str]
+
+    def __init__(self, cfg: UserConfig | SinkSettings | SinkSection) -> None:
+        """`cfg`: a user's config (`load_config()`, None = the defaults; converted here, once), the sink's
+        `SinkSettings`, or its own section alone; the sink reads `self.settings` and nothing else."""
+        self.settings = SinkSettings.of(cfg, self.kind)
+        self.apply: ApplyMode = self.settings.apply
         self.version: int | None = None  # last complete version
         self.state = SinkState.EMPTY
         self.tied: dict[str, tuple[str, ...]] = {}  # the version in flight's {sent name: aliases}

@@ -29,9 +29,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from ...config import ApplyMode
+from ...config import ApplyMode, CallableSinkSection, SinkSection, SinkSettings, UserConfig
 from ...errors import SinkError, VersionAborted, explain
 from ...protocol.chunks import TensorMeta
 from .base import Sink, SinkState, load_callable
@@ -55,17 +54,25 @@ class CallableSink(Sink):
 
     blocking_io = True
 
-    def __init__(self, cfg: DictConfig, fn: Callable[[int, Iterator[tuple[str, torch.Tensor]]], Any] | None = None):
+    kind = "callable"
+
+    def __init__(
+        self,
+        cfg: UserConfig | SinkSettings | SinkSection = None,
+        fn: Callable[[int, Iterator[tuple[str, torch.Tensor]]], Any] | None = None,
+    ):
         super().__init__(cfg)
-        self.target = str(cfg.rollout.sink.target) if fn is None else getattr(fn, "__qualname__", repr(fn))
-        self.fn = fn if fn is not None else load_callable(cfg.rollout.sink.target, "rollout.sink.target")
+        own = self.settings.section
+        assert isinstance(own, CallableSinkSection)
+        self.target = str(own.target) if fn is None else getattr(fn, "__qualname__", repr(fn))
+        self.fn = fn if fn is not None else load_callable(own.target, "rollout.sink.target")
         self._held: list[tuple[str, torch.Tensor]] = []
         self._queue: queue.Queue[object] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._consumed_any = False
-        self.put_timeout_s = float(cfg.transport.timeout_s)
+        self.put_timeout_s = self.settings.timeout_s
 
     # --- streaming plumbing ---------------------------------------------------------------------
     def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,12 +28,10 @@ from __future__ import annotations
 import difflib
 import logging
 import threading
-from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from ...config import ApplyMode, LoraApply
+from ...config import ApplyMode, ModuleSinkSection, SinkSection, SinkSettings, UserConfig
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
 from .base import Sink, SinkState, describe, load_callable
@@ -45,10 +43,16 @@ logger = logging.getLogger(__name__)
 class ModuleSink(Sink):
     """Loads versions into `self.module` in place; see the module docstring for the two policies."""
 
-    def __init__(self, cfg: DictConfig, module: torch.nn.Module | None = None) -> None:
+    kind = "module"
+
+    def __init__(
+        self, cfg: UserConfig | SinkSettings | SinkSection = None, module: torch.nn.Module | None = None
+    ) -> None:
         super().__init__(cfg)
+        own = self.settings.section
+        assert isinstance(own, ModuleSinkSection)
         if module is None:
-            factory_path = cfg.rollout.sink.factory
+            factory_path = own.factory
             if not factory_path:  # the default sink of a bare `lightning-weightsync rollout`
                 raise ConfigError(
                     "rollout.sink.type=module (the default) needs rollout.sink.factory=package.module:function, "
@@ -57,19 +61,15 @@ class ModuleSink(Sink):
                     "`lightning-weightsync rollout --help`)"
                 )
             factory = load_callable(factory_path, "rollout.sink.factory")
-            options = OmegaConf.to_container(cfg.rollout.sink.options, resolve=True) or {}
-            assert isinstance(options, dict)
-            # OmegaConf types keys as any DictKeyType; a non-string key fails in the call, as a ConfigError
-            kwargs = cast(dict[str, Any], options)
             try:
-                module = factory(**kwargs)
+                module = factory(**own.options)
             except Exception as exc:
                 raise ConfigError(f"rollout.sink.factory={factory_path!r} failed: {explain(exc)}") from exc
             if not isinstance(module, torch.nn.Module):
                 raise ConfigError(
                     f"rollout.sink.factory={factory_path!r} returned a {type(module).__name__}, not a torch.nn.Module"
                 )
-            module = module.to(torch.device(cfg.rollout.device))  # a module passed in stays where it is
+            module = module.to(torch.device(self.settings.device))  # a module passed in stays where it is
         self.module: torch.nn.Module = module
         self.lock = threading.Lock()
         # state_dict(keep_vars=True): parameters + persistent buffers under the names a trainer
@@ -83,7 +83,7 @@ class ModuleSink(Sink):
         self._shadows: dict[int, torch.Tensor] = {}  # id(live tensor) -> staging tensor (atomic)
         self._received: dict[str, torch.Tensor] = {}
         self._touched_live = False
-        self._lora = LoraLoader(LoraApply(cfg.rollout.sink.get("lora", "keep")), self.module, self._live)
+        self._lora = LoraLoader(own.lora, self.module, self._live)
 
     # --- helpers --------------------------------------------------------------------------------
     def _name(self, name: str) -> str:

@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from omegaconf import DictConfig
 
+from ...config import SafetensorsSinkSection, SinkSection, SinkSettings, UserConfig
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta, as_bytes
 from ...protocol.messages import LoraSpec
@@ -199,25 +199,27 @@ class SafetensorsSink(Sink):
 
     blocking_io = True
 
-    def __init__(self, cfg: DictConfig) -> None:
+    kind = "safetensors"
+
+    def __init__(self, cfg: UserConfig | SinkSettings | SinkSection = None) -> None:
         super().__init__(cfg)
-        if not cfg.rollout.sink.dir:
+        own = self.settings.section
+        assert isinstance(own, SafetensorsSinkSection)
+        if not own.dir:
             raise ConfigError("rollout.sink.dir is not set; the safetensors sink needs a directory to write into")
-        self.dir = Path(str(cfg.rollout.sink.dir))
+        self.dir = Path(own.dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"rollout.sink.dir={str(self.dir)!r} cannot be created: {exc}") from None
-        self.keep_last = int(cfg.rollout.sink.keep_last)
-        template = cfg.rollout.sink.get("template_dir")
-        self.template: Path | None = Path(str(template)) if template else None
+        self.keep_last = own.keep_last
+        self.template: Path | None = Path(own.template_dir) if own.template_dir else None
         if self.template is not None and not self.template.is_dir():
             raise ConfigError(
                 f"rollout.sink.template_dir={str(self.template)!r} is not a directory; give a checkpoint directory "
                 "holding config.json (and tokenizer files), e.g. the one the trainer's model came from"
             )
-        mode = cfg.rollout.sink.get("file_mode")
-        self.file_mode: int | None = None if mode is None else int(mode)  # None: the umask decides
+        self.file_mode: int | None = own.file_mode  # None: the umask decides
         self._stage: Path | None = None  # the version's temp directory (template mode)
         self._file: BinaryIO | None = None
         self._tmp: Path | None = None

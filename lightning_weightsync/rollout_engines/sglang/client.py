@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import logging
 
-from omegaconf import DictConfig
-
 from ...errors import ConfigError, PeerError
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
 from . import api
-from .config import SGLangPauseMode
+from .config import SGLangConfig, SGLangPauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +38,18 @@ ENGINE = "SGLang"  # how errors name it
 TIMEOUT_KNOB = "sglang.request_timeout_s"
 
 
-def clients(cfg: DictConfig) -> list[SGLangClient]:
-    """One client per `sglang.urls` (the registry's entry point for the trainer side)."""
-    s = cfg.sglang
-    mode, flush, timeout_s = SGLangPauseMode(s.pause_mode), bool(s.flush_cache), float(s.request_timeout_s)
-    lora_name, lora_dir = str(s.lora_name), None if s.lora_dir is None else str(s.lora_dir)
+def clients(s: SGLangConfig) -> list[SGLangClient]:
+    """One client per `sglang.urls` (the registry's entry point for the trainer side); `s` is the typed
+    `sglang` section, all of the config this module reads."""
     return [
-        SGLangClient(str(u), timeout_s, pause_mode=mode, flush_cache=flush, lora_name=lora_name, lora_dir=lora_dir)
+        SGLangClient(
+            u,
+            s.request_timeout_s,
+            pause_mode=s.pause_mode,
+            flush_cache=s.flush_cache,
+            lora_name=s.lora_name,
+            lora_dir=s.lora_dir,
+        )
         for u in s.urls
     ]
 

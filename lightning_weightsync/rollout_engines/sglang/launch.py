@@ -15,12 +15,12 @@ import logging
 import os
 import shutil
 
-from omegaconf import DictConfig
-
+from ...config import UserConfig, settings
 from ...errors import BackendUnavailable, ConfigError
 from ..launch import write_config
 from ..worker import CONFIG_ENV
 from .api import LOADER
+from .config import SGLangConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,14 @@ def _flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
     return None
 
 
-def serve_command(cfg: DictConfig, config_path: str, sglang_exe: str = "sglang") -> tuple[list[str], dict[str, str]]:
-    """The `sglang serve` argv and the environment additions, from `sglang.model` / `sglang.serve_args`."""
-    model = cfg.sglang.model
+def serve_command(s: SGLangConfig, config_path: str, sglang_exe: str = "sglang") -> tuple[list[str], dict[str, str]]:
+    """The `sglang serve` argv and the environment additions, from the `sglang` section's `model` / `serve_args`."""
+    model = s.model
     if not model:
         raise ConfigError(
             "rollout.engine=sglang needs the model to serve: set sglang.model (e.g. sglang.model=Qwen/Qwen3-8B)"
         )
-    args = [str(a) for a in cfg.sglang.serve_args]
+    args = list(s.serve_args)
     for flag in OWN_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in args):
             raise ConfigError(f"sglang.serve_args sets {flag}; the launcher sets it itself (sglang.model), remove it")
@@ -56,21 +56,23 @@ def serve_command(cfg: DictConfig, config_path: str, sglang_exe: str = "sglang")
             "loader runs on) only with dp_size 1; start one server per replica and list each in the trainer's "
             "sglang.urls"
         )
-    argv = [sglang_exe, "serve", "--model-path", str(model), "--custom-weight-loader", LOADER, *args]
+    argv = [sglang_exe, "serve", "--model-path", model, "--custom-weight-loader", LOADER, *args]
     return argv, {CONFIG_ENV: config_path}
 
 
-def launch(cfg: DictConfig) -> int:
-    """Replace this process with `sglang serve` (signals and exit code are SGLang's own)."""
+def launch(cfg: UserConfig) -> int:
+    """Replace this process with `sglang serve` (signals and exit code are SGLang's own). `cfg`: what the
+    CLI loaded, converted here (the edge)."""
+    config = settings(cfg)
     exe = shutil.which("sglang")
     if exe is None:
         raise BackendUnavailable(
             "rollout.engine=sglang needs SGLang (no `sglang` executable on PATH); install SGLang first (it pins "
             "torch), then: pip install 'lightning_weightsync[sglang]'"
         )
-    serve_command(cfg, "", exe)  # validate before writing anything
-    path, secret_env = write_config(cfg)
-    argv, env = serve_command(cfg, path, exe)
+    serve_command(config.sglang, "", exe)  # validate before writing anything
+    path, secret_env = write_config(config)
+    argv, env = serve_command(config.sglang, path, exe)
     os.execvpe(exe, argv, {**os.environ, **secret_env, **env})
     return 0  # pragma: no cover - exec does not return
 

@@ -39,7 +39,7 @@ class RankReceiver:
     """This TP rank's receiver and its loop thread, started once per process."""
 
     def __init__(self, device: torch.device, config_path: str | None = None) -> None:
-        from ...config import load_config
+        from ...config import ReceiverSettings, load_config, settings
 
         path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
         if not path:
@@ -51,11 +51,11 @@ class RankReceiver:
         self.rank = worker_rank()
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
         overrides = [f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"]
-        cfg = load_config(base=cfg, overrides=overrides)
-        self.worker = WorkerReceiver(cfg, device)
+        config = settings(load_config(base=cfg, overrides=overrides))  # the edge: this process read the YAML
+        self.worker = WorkerReceiver(ReceiverSettings.of(config), device)
         self.receiver = self.worker.receiver
         # trainer.lora=adapter: TP rank 0 writes each version to sglang.lora_dir for /load_lora_adapter
-        self.adapters = AdapterDirectory(cfg.sglang.lora_dir, "sglang.lora_dir", writes=self.rank == 0)
+        self.adapters = AdapterDirectory(config.sglang.lora_dir, "sglang.lora_dir", writes=self.rank == 0)
         self.version: int | None = None  # the version the model holds, when whole
         self.last_report: dict[str, Any] = {}
         logger.info("lightning_weightsync SGLang loader: rank %d is %s on %s", self.rank, self.identity, device)

@@ -30,13 +30,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
-
 from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import CannotAsk, ConfigError, PeerError
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
-from .config import PauseMode
+from .config import PauseMode, VLLMConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +51,17 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; `load_inplace` keeps the name's lora_int_
 entrypoints/openai/models/serving.py `load_lora_adapter`)."""
 
 
-def clients(cfg: DictConfig) -> list[HTTPRolloutClient]:
-    """One client per `vllm.urls` (the registry's entry point for the trainer side)."""
-    v = cfg.vllm
-    mode, reset, timeout_s = PauseMode(v.pause_mode), bool(v.reset_prefix_cache), float(v.request_timeout_s)
-    lora_name, lora_dir = str(v.lora_name), None if v.lora_dir is None else str(v.lora_dir)
+def clients(v: VLLMConfig) -> list[HTTPRolloutClient]:
+    """One client per `vllm.urls` (the registry's entry point for the trainer side); `v` is the typed `vllm`
+    section, all of the config this module reads."""
     return [
         HTTPRolloutClient(
-            str(u), timeout_s, pause_mode=mode, reset_prefix_cache=reset, lora_name=lora_name, lora_dir=lora_dir
+            u,
+            v.request_timeout_s,
+            pause_mode=v.pause_mode,
+            reset_prefix_cache=v.reset_prefix_cache,
+            lora_name=v.lora_name,
+            lora_dir=v.lora_dir,
         )
         for u in v.urls
     ]

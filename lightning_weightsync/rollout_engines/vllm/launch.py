@@ -18,11 +18,11 @@ import logging
 import os
 import shutil
 
-from omegaconf import DictConfig
-
+from ...config import UserConfig, settings
 from ...errors import BackendUnavailable, ConfigError
 from ..launch import config_dir, write_config
 from ..worker import CONFIG_ENV
+from .config import VLLMConfig
 from .extension import EXTENSION_CLASS
 from .worker import BACKEND_NAME
 
@@ -31,14 +31,14 @@ logger = logging.getLogger(__name__)
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
-def serve_command(cfg: DictConfig, config_path: str, vllm_exe: str = "vllm") -> tuple[list[str], dict[str, str]]:
-    """The `vllm serve` argv and the environment additions, from `vllm.model` / `vllm.serve_args`."""
-    model = cfg.vllm.model
+def serve_command(v: VLLMConfig, config_path: str, vllm_exe: str = "vllm") -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` argv and the environment additions, from the `vllm` section's `model` / `serve_args`."""
+    model = v.model
     if not model:
         raise ConfigError(
             "rollout.engine=vllm needs the model to serve: set vllm.model (e.g. vllm.model=Qwen/Qwen3-8B)"
         )
-    args = [str(a) for a in cfg.vllm.serve_args]
+    args = list(v.serve_args)
     if any(a == "--weight-transfer-config" or a.startswith("--weight-transfer-config=") for a in args):
         raise ConfigError("vllm.serve_args sets --weight-transfer-config; the launcher sets it itself, remove it")
     if not any(a == "--host" or a.startswith("--host=") for a in args):
@@ -47,7 +47,7 @@ def serve_command(cfg: DictConfig, config_path: str, vllm_exe: str = "vllm") -> 
             "(VLLM_SERVER_DEV_MODE) take no credentials (--api-key covers /v1 only); pass --host <private address> "
             "and let only the trainer reach the port (docs/security.md)"
         )
-    argv = [vllm_exe, "serve", str(model), "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}), *args]
+    argv = [vllm_exe, "serve", model, "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}), *args]
     if any(a == "--worker-extension-cls" or a.startswith("--worker-extension-cls=") for a in args):
         logger.warning(
             "vllm.serve_args sets --worker-extension-cls; vLLM takes one, so the trainer cannot ask the workers which "
@@ -59,8 +59,10 @@ def serve_command(cfg: DictConfig, config_path: str, vllm_exe: str = "vllm") -> 
     return argv, {DEV_MODE_ENV: "1", CONFIG_ENV: config_path}
 
 
-def launch(cfg: DictConfig) -> int:
-    """Replace this process with `vllm serve` (signals and exit code are vLLM's own)."""
+def launch(cfg: UserConfig) -> int:
+    """Replace this process with `vllm serve` (signals and exit code are vLLM's own). `cfg`: what the CLI
+    loaded, converted here (the edge)."""
+    config = settings(cfg)
     exe = shutil.which("vllm")
     if exe is None:
         raise BackendUnavailable(
@@ -74,9 +76,9 @@ def launch(cfg: DictConfig) -> int:
             f"rollout.engine=vllm: this vLLM has no weight-transfer API ({exc}); "
             "pip install 'lightning_weightsync[vllm]' for a tested version"
         ) from None
-    argv, env = serve_command(cfg, "", exe)  # validate before writing anything
-    path, secret_env = write_config(cfg)
-    argv, env = serve_command(cfg, path, exe)
+    argv, env = serve_command(config.vllm, "", exe)  # validate before writing anything
+    path, secret_env = write_config(config)
+    argv, env = serve_command(config.vllm, path, exe)
     os.execvpe(exe, argv, {**os.environ, **secret_env, **env})
     return 0  # pragma: no cover - exec does not return
 

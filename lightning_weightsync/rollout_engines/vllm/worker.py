@@ -305,7 +305,7 @@ class WeightSyncEngineBody:
 
     # -- receiver life cycle ----------------------------------------------------------------------
     def _start_receiver(self, overrides: list[str]) -> None:
-        from ...config import load_config
+        from ...config import ReceiverSettings, load_config, settings
 
         if not self._config_path and not overrides:
             raise ConfigError(
@@ -315,13 +315,21 @@ class WeightSyncEngineBody:
         cfg = load_config(self._config_path or None, overrides)
         self.identity = worker_identity(cfg.rollout.identity, self.rank)
         device = torch.device(self.device)
-        cfg = load_config(
-            base=cfg,
-            overrides=[f"transport.device={device}", f"rollout.device={device}", f"rollout.identity={self.identity}"],
+        # the edge: this process read the YAML; typed from here on
+        config = settings(
+            load_config(
+                base=cfg,
+                overrides=[
+                    f"transport.device={device}",
+                    f"rollout.device={device}",
+                    f"rollout.identity={self.identity}",
+                ],
+            )
         )
-        worker = self._worker_receiver = WorkerReceiver(cfg, device)  # its slots before vLLM sizes its KV cache
-        self._adapters = AdapterDirectory(cfg.vllm.lora_dir, LORA_DIR_KNOB, writes=self.rank == 0)
-        if RollbackMode(cfg.vllm.rollback) is RollbackMode.host and self._host_copy is None:
+        # its slots before vLLM sizes its KV cache
+        worker = self._worker_receiver = WorkerReceiver(ReceiverSettings.of(config), device)
+        self._adapters = AdapterDirectory(config.vllm.lora_dir, LORA_DIR_KNOB, writes=self.rank == 0)
+        if config.vllm.rollback is RollbackMode.host and self._host_copy is None:
             self._host_copy = HostCopy(self.model)  # taken now, before the first version, never during one
             logger.info(
                 "lightning_weightsync engine: worker %d keeps a host copy of its model for rollback (%.0f MiB of host "
@@ -334,8 +342,8 @@ class WeightSyncEngineBody:
             "now; a version adds one merged tensor at a time)",
             self.rank,
             self.identity,
-            cfg.transport.host,
-            cfg.transport.port,
+            config.transport.host,
+            config.transport.port,
             device,
             worker.receiver.preallocated_bytes / 2**20,
         )
