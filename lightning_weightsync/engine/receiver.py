@@ -19,9 +19,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 
 import torch
-from omegaconf import DictConfig
 
-from ..config import ReceiverSettings, VerifyMode, transport_token
+from ..config import ReceiverSettings, UserConfig, VerifyMode, transport_token
 from ..errors import (
     DeltaError,
     PeerError,
@@ -64,7 +63,7 @@ class WeightReceiver(Endpoint):
 
     def __init__(
         self,
-        cfg: DictConfig | ReceiverSettings | None = None,
+        cfg: UserConfig | ReceiverSettings = None,
         *,
         identity: str | None = None,
         preallocate: bool = False,

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import DictConfig
 
-from ..config import DeltaMode, SenderSettings, TransportConfig, VerifyMode, transport_token
+from ..config import DeltaMode, SenderSettings, TransportConfig, UserConfig, VerifyMode, transport_token
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
@@ -299,7 +298,7 @@ class WeightSender(Endpoint):
 
     _control: SenderControl
 
-    def __init__(self, cfg: DictConfig | SenderSettings | None = None) -> None:
+    def __init__(self, cfg: UserConfig | SenderSettings = None) -> None:
         # read per version: a caller may replace it between versions (e.g. lower min_receivers)
         self.settings = SenderSettings.of(cfg)
         t = self.settings.transport
@@ -742,7 +741,7 @@ class BlockingWeightSender:
     runs FSDP collectives executes in the training thread as usual.
     """
 
-    def __init__(self, cfg: DictConfig | SenderSettings | None = None) -> None:
+    def __init__(self, cfg: UserConfig | SenderSettings = None) -> None:
         self._loop = asyncio.new_event_loop()
         self.sender = WeightSender(cfg)
         self._sending: asyncio.Task[Any] | None = None

@@ -50,7 +50,7 @@ EDGES: dict[str, set[str]] = {
 }
 """Module (under the package) -> the functions in it that may take a user's DictConfig."""
 
-OMEGACONF_IMPORTS = {"engine/sender.py", "engine/receiver.py"}
+OMEGACONF_IMPORTS: set[str] = set()
 """Edges that still name `DictConfig` in their signature (the rest name the `UserConfig` alias)."""
 
 
