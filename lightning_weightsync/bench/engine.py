@@ -495,6 +495,10 @@ def run(
         ]
     if "small_tensors" in sections:
         plan.append(("small_tensors", 2, {"kind": "small", "scale": 64, "bucket_mb": 64}))
+    if "layout" in sections:  # the metadata path alone, in-process: what the knob changes, without the copies' noise
+        from .layout import measure
+
+        report["layout_metadata"] = [measure(64, mb) for mb in (0.25, 1.0)]
     progress = CaseProgress("engine", len(plan))
     for section, world, case in plan:
         label = f"{section}: " + ", ".join(f"{k}={v}" for k, v in case.items() if k != "kind")
@@ -557,6 +561,11 @@ def _print(report: dict[str, Any]) -> None:
             )
     for line in layout_summary(report.get("layout", [])):
         print(line)
+    if report.get("layout_metadata"):
+        from .layout import describe
+
+        for row in report["layout_metadata"]:
+            print("== " + describe(row))
     s = report.get("small_tensors")
     if s:
         print(
