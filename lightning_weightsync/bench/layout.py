@@ -64,7 +64,7 @@ def _receive(frames: list[list[bytes]], held: Layout | None, once: bool) -> int:
         meta = expand(msg)
         if recorder is not None:
             recorder.add(meta.nbytes, meta.is_last, meta.entries, held)
-        metas = held.metas(meta) if named and held is not None else None
+        metas = held.buckets[meta.bucket_index].metas if named and held is not None else None
         count += len(metas if metas is not None else [e.to_meta() for e in meta.entries])
     return count
 

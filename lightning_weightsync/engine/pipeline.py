@@ -136,8 +136,8 @@ class BucketPipeline:
                 await self.ahead.acquire()
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
                 named = bool(meta.layout)
-                meta = self.expand(meta)
-                metas = self.layout.metas(meta) if named and self.layout is not None else None
+                meta = self.expand(meta)  # a name this receiver does not hold has raised here
+                metas = self.layout.buckets[index].metas if named and self.layout is not None else None
                 self.layout_buckets += named
                 if self.recorder is not None:
                     self.recorder.add(meta.nbytes, meta.is_last, meta.entries, self.layout)

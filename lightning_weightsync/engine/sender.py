@@ -636,7 +636,7 @@ class WeightSender(Endpoint):
             await self._complete(slot, wire.version)
         if wire.recorder is not None:  # streamed whole: what every peer that takes it will hold
             self._layout = wire.recorder.finish()
-            stats.layout_buckets = wire.recorder.same if wire.held is not None else 0
+            stats.layout_buckets = wire.recorder.same  # 0 without a held layout
         counts = planner.counts
         stats.nbytes, stats.num_tensors = counts.nbytes, counts.tensors
         stats.num_chunked_tensors = counts.chunked_tensors

@@ -62,11 +62,6 @@ class Layout:
         """Whether bucket `index`, cut as given, is this layout's bucket (then it may go as a reference)."""
         return index < len(self.buckets) and self.buckets[index].same(nbytes, is_last, entries)
 
-    def metas(self, meta: BucketMeta) -> tuple[TensorMeta, ...] | None:
-        """The held metas of an expanded bucket that named this layout (None for one that listed its entries)."""
-        bucket = self.buckets[meta.bucket_index] if meta.bucket_index < len(self.buckets) else None
-        return bucket.metas if bucket is not None and bucket.entries is meta.entries else None
-
     def expand(self, meta: BucketMeta) -> BucketMeta:
         """`meta` with its entries: as it came, or from this layout when it names it (checked: see the module)."""
         if not meta.layout:
@@ -102,7 +97,6 @@ class LayoutRecorder:
     """Records a version's buckets as they are streamed; `finish()` names the layout once the last one is in."""
 
     buckets: list[BucketShape] = field(default_factory=list)
-    complete: bool = False
     same: int = 0  # buckets that were the held layout's (the sender named them by its digest)
 
     def add(self, nbytes: int, is_last: bool, entries: list[Entry], held: Layout | None = None) -> bool:
@@ -116,12 +110,11 @@ class LayoutRecorder:
         else:
             encoded = _encoder.encode((nbytes, is_last, entries))
             self.buckets.append(BucketShape(nbytes, is_last, list(entries), encoded))
-        self.complete = is_last
         return same
 
     def finish(self) -> Layout | None:
         """The layout, or None when the version did not reach its last bucket."""
-        if not self.complete:
+        if not self.buckets or not self.buckets[-1].is_last:
             return None
         digest = hashlib.blake2b(digest_size=LAYOUT_DIGEST_LEN // 2)
         for bucket in self.buckets:
