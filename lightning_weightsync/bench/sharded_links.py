@@ -31,21 +31,6 @@ from lightning_weightsync.bench.netlab import Lab, netlab, skip_reason  # noqa: 
 TRAINER_PORT, PORT = 29711, 29712  # inside the lab's private namespaces: nothing else binds there
 
 
-def row_shard(tensor: Any, rank: int, world: int) -> Any:
-    """Rank `rank`'s rows of `tensor` split `world` ways (torch.chunk), as the `TensorShard` it sends; None
-    when it holds no rows (as the sharded tests cut them: tests/support/sharded_senders.py)."""
-    import torch
-
-    from lightning_weightsync.protocol.chunks import TensorShard
-
-    parts = torch.chunk(tensor, world, dim=0)
-    if rank >= len(parts) or parts[rank].numel() == 0:
-        return None
-    first = sum(p.shape[0] for p in parts[:rank])
-    row_bytes = tensor[0].numel() * tensor.element_size()
-    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
-
-
 def stream(version: int, mb: float, tensor_mb: float) -> dict[str, Any]:
     import torch
 
@@ -91,6 +76,7 @@ def bench_sender(rank: int, world: int, master: str, host: str, mb: float, tenso
 
     from lightning_weightsync.config import load_config
     from lightning_weightsync.engine.sender import Sharding, WeightSender
+    from lightning_weightsync.protocol.chunks import row_shard
     from lightning_weightsync.protocol.messages import SenderAddress
     from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
 

@@ -89,6 +89,18 @@ class TensorShard:
             raise ValueError(f"shard [{self.byte_offset}, +{size}) is outside the tensor's {whole} bytes")
 
 
+def row_shard(tensor: torch.Tensor, rank: int, world: int) -> TensorShard | None:
+    """Rank `rank`'s rows of `tensor` split `world` ways as FSDP2's `Shard(0)` cuts them (`torch.chunk`), as a
+    byte range of the whole; None where the rank owns no rows (more ranks than rows). What the sharded tests and
+    `bench.sharded_links` send by hand, without FSDP."""
+    parts = torch.chunk(tensor, world, dim=0)
+    if rank >= len(parts) or parts[rank].numel() == 0:
+        return None
+    first = sum(p.shape[0] for p in parts[:rank])
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
+
+
 async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
     """Iterate a sync or async iterable uniformly."""
     if isinstance(items, AsyncIterable):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_weightsync.engine.sender import Sharding, WeightSender
-from lightning_weightsync.protocol.chunks import TensorShard
+from lightning_weightsync.protocol.chunks import row_shard  # noqa: F401 - the sharded tests import it from here
 from lightning_weightsync.protocol.messages import SenderAddress
 from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
 
@@ -37,17 +37,6 @@ def gloo_group(rank: int, world: int, store_port: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def row_shard(tensor: torch.Tensor, rank: int, world: int) -> TensorShard | None:
-    """Rank `rank`'s `torch.chunk` rows of `tensor` as a byte range of the whole, or None when it owns no
-    rows (more ranks than rows)."""
-    parts = torch.chunk(tensor, world, dim=0)
-    if rank >= len(parts) or parts[rank].numel() == 0:
-        return None
-    first = sum(p.shape[0] for p in parts[:rank])
-    row_bytes = tensor[0].numel() * tensor.element_size()
-    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
 
 
 class ShardedRank:
