@@ -48,6 +48,7 @@ class SendStats(_Stats):
     failed: dict[str, str] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)  # {name: fingerprint hex} sent (transport.verify)
     delta_tensors: int = 0  # tensors sent as a delta of the version every receiver held (transport.delta)
+    replica_drift: int = 0  # sharded mode: tensors every trainer rank holds whole whose copies differed (rank 0's sent)
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -56,6 +57,7 @@ class SendStats(_Stats):
             "receivers": self.receivers,
             "failed_receivers": len(self.failed),
             "delta_tensors": self.delta_tensors,
+            "replica_drift": self.replica_drift,
         }
 
 

@@ -161,7 +161,7 @@ class RecipeConfig:
     lr: float = 3e-3
     devices: int = 2  # processes (CPU) or accelerators
     accelerator: str = "cpu"
-    strategy: str = "model_parallel"  # model_parallel (FSDP2 via fully_shard) | ddp
+    strategy: str = "model_parallel"  # model_parallel (FSDP2 via fully_shard) | model_parallel_defaults | ddp
     seed: int = 0
     accumulate_grad_batches: int = 1
     module_attr: str | None = None  # LightningModule attribute synced; None: its one child holding tensors
@@ -222,8 +222,9 @@ def _save_final_callback(path: str, sync: Any) -> Any:
     return SaveFinalWeights()
 
 
-def train(recipe: RecipeConfig, cfg: DictConfig) -> str | None:
-    """Fit the tiny LM with the weight sync callback; the summary line on global rank 0, else None."""
+def train(recipe: RecipeConfig, cfg: DictConfig, extra_callbacks: Sequence[Any] = ()) -> str | None:
+    """Fit the tiny LM with the weight sync callback; the summary line on global rank 0, else None.
+    `extra_callbacks` run before the sync's at every hook (a test's fault injection, your own logging)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -231,7 +232,7 @@ def train(recipe: RecipeConfig, cfg: DictConfig) -> str | None:
     from ..trainer.lightning import WeightSyncCallback
 
     sync = WeightSyncCallback(cfg, module_attr=recipe.module_attr)
-    callbacks: list[pl.Callback] = [sync]
+    callbacks: list[pl.Callback] = [*extra_callbacks, sync]
     if recipe.save_final:
         callbacks.append(_save_final_callback(recipe.save_final, sync))
     strategy: Any
@@ -241,10 +242,14 @@ def train(recipe: RecipeConfig, cfg: DictConfig) -> str | None:
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,  # one file: simple to resume from, small model
         )
+    elif recipe.strategy == "model_parallel_defaults":  # as a new user writes it: on 2 devices, 1 (dp) x 2 (tp)
+        strategy = ModelParallelStrategy()
     elif recipe.strategy == "ddp":
         strategy = "ddp"
     else:
-        raise ConfigError(f"recipe.strategy={recipe.strategy!r} is not allowed; choose model_parallel or ddp")
+        raise ConfigError(
+            f"recipe.strategy={recipe.strategy!r} is not allowed; choose model_parallel, model_parallel_defaults or ddp"
+        )
     trainer = pl.Trainer(
         accelerator=recipe.accelerator,
         devices=recipe.devices,

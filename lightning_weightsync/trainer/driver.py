@@ -44,6 +44,7 @@ from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable
 from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .lora import LoraSync
 from .names import tied_names
+from .sharded import ReplicaDrift
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender
@@ -152,6 +153,8 @@ class SyncRecord:
             # the training loop's stall
             "weightsync/stall_seconds": float(self.last_stall_seconds),
             **({} if self.overlap_skipped is None else {"weightsync/overlap_skipped": float(self.overlap_skipped)}),
+            # sharded mode: tensors every rank holds whole whose copies differed (sent from global rank 0)
+            "weightsync/replica_drift": float(stats.replica_drift),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,6 +223,7 @@ class SyncDriver:
         self.on_failure: FailurePolicy = tr.on_failure
         self.sender: BlockingWeightSender | None = None
         self.last_stats: SendStats | None = None
+        self.replica_drift = ReplicaDrift()  # sharded mode: replicas that differ, warned once per tensor
         self.record = record if record is not None else SyncRecord()
         self.lora = LoraSync(tr, self.record)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
         self._tied_logged = False
@@ -468,16 +472,14 @@ class SyncDriver:
         others which receivers it gathered. Returns this rank's failure (None: its part went out)."""
         from ..engine.sender import Sharding
         from ..protocol.messages import SenderAddress
-        from .sharded import LayoutMismatch, MembersRelay, iter_local_shards
+        from .sharded import MembersRelay, iter_local_shards
 
         tr = self.trainer
-        try:  # on every rank alike, before any rank sends: a bad layout raises ConfigError, drift fails the version
-            weights = iter_local_shards(
-                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
-                prefix=self.prefix, device=self.device, version=version,
-            )  # fmt: skip
-        except LayoutMismatch as exc:
-            return exc
+        # every rank alike, before any rank sends: a bad layout raises ConfigError; differing replicas go from rank 0
+        weights = iter_local_shards(
+            module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
+            prefix=self.prefix, device=self.device, version=version, drift=self.replica_drift,
+        )  # fmt: skip
         relay = MembersRelay(self.device)
         tied = self.tied(module)
         self.last_stats = None
@@ -492,6 +494,7 @@ class SyncDriver:
                     self.last_stats = self.rollouts.run_version(version, send)
                 else:
                     self.last_stats = send()
+                self.last_stats.replica_drift = self.replica_drift.last
             except ConfigError:
                 raise
             except Exception as exc:

@@ -102,7 +102,8 @@ class WeightSyncCallback(SyncRecordView, pl.Callback):
     rank at the next batch); see `trainer/interrupt.py`.
 
     Logged (global rank 0, through `trainer.loggers`, at step `global_step`): `weightsync/seconds`,
-    `weightsync/GBps`, `weightsync/version`, `weightsync/receivers`.
+    `weightsync/GBps`, `weightsync/version`, `weightsync/receivers`, `weightsync/stall_seconds`,
+    `weightsync/replica_drift` (sharded mode: tensors whose whole copies differed between ranks).
 
     State (`state_dict`, saved in Lightning checkpoints): `last_synced_version`, `failures`.
     """

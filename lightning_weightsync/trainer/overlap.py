@@ -130,6 +130,7 @@ class Snapshot:
     gathers: bool = False  # gather mode, background gather: items hold `StagedShard`s every rank gathers
     lora: Any = None  # gather mode, a PEFT model: the version's `LoraSpec` (rollout engines load adapter versions)
     ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
+    replica_drift: int = 0  # sharded mode: tensors whose whole copies differed between ranks (rank 0's staged)
 
     def sendable(self) -> Iterator[tuple[str, torch.Tensor | TensorShard]]:
         """`iter(items)` as the sender takes it: only background gather stages `StagedShard`s, and it sends
@@ -366,8 +367,10 @@ class OverlapSync:
             from .sharded import iter_local_shards
 
             stream: Any = iter_local_shards(
-                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix
-            )
+                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix,
+                device=d.device, version=version, drift=d.replica_drift,
+            )  # fmt: skip
+            snap.replica_drift = d.replica_drift.last
         else:  # sync gather: every rank runs the all-gathers; global rank 0 alone gets tensors
             stream = d.weights(module, defer_gather=gathers)
         keeps = d.is_sender or sharded or gathers
@@ -530,7 +533,9 @@ class OverlapSync:
             sharding = Sharding(0, others=others, on_members=relay)
 
             def send() -> SendStats:
-                return sender.send_weights(snap.sendable(), version=snap.version, tied=snap.tied, sharding=sharding)
+                stats = sender.send_weights(snap.sendable(), version=snap.version, tied=snap.tied, sharding=sharding)
+                stats.replica_drift = snap.replica_drift
+                return stats
 
             try:
                 return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()

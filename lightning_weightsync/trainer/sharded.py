@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import NamesConfig
-from ..errors import ConfigError, WeightSyncError
+from ..errors import ConfigError
 from ..protocol.chunks import TensorShard
 from .gather import DTensor, cast_floating, fsdp1_units, resolve_dtype, walk_tensors
 from .names import NameMapper, SentNames, own_tensors, walk_modules
@@ -224,8 +224,55 @@ def _copies(meshes: list[list[list[int]]], world: int) -> list[list[tuple[int, .
     return out
 
 
-class LayoutMismatch(WeightSyncError):
-    """Tensors every rank holds whole differ between ranks: the version would mix ranks' values."""
+class ReplicaDrift:
+    """Tensors every trainer rank holds whole whose copies differ. Real replicas drift: two ranks that
+    compute the same step apart (ModelParallelStrategy's defaults on 2 devices: 1 x 2, no TP plan) end
+    a few ulps apart (1.9e-9 on a norm bias after one step). That is the model's, not ours, so it is
+    reported rather than fatal: one WARNING per tensor (the ranks and the largest absolute difference,
+    which costs one broadcast of that tensor the first time), and `last` / `total` counted for
+    `SendStats.replica_drift` and the metrics. The caller keeps one per run, so the warning is once."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+        self.last = 0  # tensors sent from global rank 0 because copies differed, in the latest version
+        self.total = 0
+
+    def seen(self, version: int | None, names: list[str], values: list[list[Any]], locals_: list[torch.Tensor]) -> None:
+        """Called on every rank alike with the same `names` (from the all-gathered fingerprints): the
+        largest-difference collective runs on every rank or on none."""
+        self.last = len(names)
+        self.total += len(names)
+        for name, by_rank, local in zip(names, values, locals_, strict=True):
+            if name in self.warned:
+                continue
+            self.warned.add(name)
+            largest = _largest_differences(local)  # collective: every rank, then global rank 0 says it
+            if _world()[0] != 0:
+                continue
+            groups: dict[Any, list[int]] = {}
+            for rank, value in enumerate(by_rank):
+                groups.setdefault(value, []).append(rank)
+            logger.warning(
+                "version %s: %r, which every trainer rank holds whole, differs between ranks (%s; largest absolute "
+                "difference from global rank 0's copy: %s): trainer.send_mode=sharded sends global rank 0's, as "
+                "gather mode does; counted in SendStats.replica_drift and weightsync/replica_drift (this warning is "
+                "once per tensor)",
+                version, name, ", ".join(f"ranks {ranks}" for ranks in groups.values()),
+                ", ".join(f"rank {r}: {d:.3g}" for r, d in enumerate(largest)),
+            )  # fmt: skip
+
+
+def _largest_differences(local: torch.Tensor) -> list[float]:
+    """Per rank, max |its copy - global rank 0's| (a broadcast of the tensor, then an all-gather of one
+    float; call on every rank)."""
+    _rank, world = _world()
+    reference = local.detach().clone()
+    dist.broadcast(reference, src=0)
+    mine = (local.detach().double() - reference.double()).abs().max() if local.numel() else torch.zeros(())
+    out = mine.reshape(1).to(local.device)
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out)
+    return [float(p.item()) for p in parts]
 
 
 class LocalShards:
@@ -236,11 +283,14 @@ class LocalShards:
        ConfigError here, on every rank, before any collective or socket;
     2. one small all-gather (JSON): each rank's meshes (so every rank knows the copies of a mesh that
        covers a subset of the ranks) and the fingerprint of every tensor it holds whole;
-    3. a tensor held whole by every rank must be the same everywhere, or `LayoutMismatch` fails the
-       version on every rank (naming the tensor and the ranks);
+    3. a tensor held whole by every rank whose copies differ (replicas drift by rounding: two ranks
+       that compute the same step apart) goes whole from global rank 0, the rank gather mode reads it
+       from, so the version never mixes ranks' values; `ReplicaDrift` warns once per tensor and counts;
     4. `__iter__`: of a box held by R ranks, each sends one of R stripes (the box split along its first
        dim of more than one element, stripe p from replica (p + i) mod R for the i-th tensor, so small
-       tensors spread over the ranks too): exactly one rank sends each byte, and every rank sends."""
+       tensors spread over the ranks too): exactly one rank sends each byte, and every rank sends.
+       Copies proven equal in 3 may be striped; shards of a box held by several replicas (HSDP's
+       replicate dim) are not fingerprinted and are striped too (docs/concepts.md says why that is safe)."""
 
     def __init__(
         self,
@@ -252,9 +302,11 @@ class LocalShards:
         dtype: torch.dtype | str | None = None,
         prefix: str | None = None,
         version: int | None = None,
+        drift: ReplicaDrift | None = None,
     ) -> None:
         from ..protocol.fingerprint import fingerprint
 
+        self.drift = drift if drift is not None else ReplicaDrift()
         named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
         self.cast = resolve_dtype(dtype)
         self.rank, self.world = _world()
@@ -280,24 +332,20 @@ class LocalShards:
         self._check_same(everyone, version)  # 3
 
     def _check_same(self, everyone: list[Any], version: int | None) -> None:
-        for index, held in enumerate(self.items):
-            values = [e["fingerprints"][index] for e in everyone]
-            if None in values or len(set(values)) == 1:
-                continue
-            by_value: dict[int, list[int]] = {}
-            for rank, value in enumerate(values):
-                by_value.setdefault(value, []).append(rank)
-            groups = "; ".join(f"ranks {ranks} hold fingerprint {value:016x}" for value, ranks in by_value.items())
-            raise LayoutMismatch(
-                f"version {version}: {held.name!r} (every trainer rank holds it whole) differs between ranks: "
-                f"{groups}; a sharded version would mix ranks' values (keep it in step, e.g. shard or broadcast "
-                f"it, or use {GATHER_KNOB}, which sends global rank 0's)"
-            )
+        values = [[e["fingerprints"][index] for e in everyone] for index in range(len(self.items))]
+        differ = [i for i, v in enumerate(values) if None not in v and len(set(v)) > 1]
+        self.drift.seen(version, [self.items[i].name for i in differ], [values[i] for i in differ],
+                        [self.items[i].local for i in differ])  # fmt: skip
+        self.first_rank_only = set(differ)
 
     def __iter__(self) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:  # 4
         for index, (held, (replicas, replica)) in enumerate(zip(self.items, self.holders, strict=True)):
             if held.local.numel() == 0:
                 continue  # fewer rows than ranks: this rank holds none of it
+            if index in self.first_rank_only:
+                if self.rank == 0:
+                    yield held.name, cast_floating(held.local, self.cast)
+                continue
             split = next((d for d, n in enumerate(held.sizes) if n > 1), None)
             length = held.sizes[split] if split is not None else 1
             step = -(-length // replicas)
@@ -334,17 +382,21 @@ def iter_local_shards(
     prefix: str | None = None,
     device: torch.device | None = None,
     version: int | None = None,
+    drift: ReplicaDrift | None = None,
 ) -> Iterable[tuple[str, TensorShard | torch.Tensor]]:
     """This rank's part of every tensor `iter_full_parameters` would send (same names, same exclusions,
     same cast), as `(name, TensorShard)` for a part or `(name, tensor)` for a whole tensor this rank sends.
-    Call on every rank: FSDP2 / DTensor models are planned at once (`LocalShards`: one small collective,
-    and a layout it cannot send raises ConfigError here); FSDP1 needs no collective."""
+    Call on every rank: the plan is made at once, with one small collective (the fingerprints of what
+    every rank holds whole, and for FSDP2 / DTensor models the meshes), and a layout it cannot send
+    raises ConfigError here. `drift`: one per run, so replicas that differ are warned about once."""
+    drift = drift if drift is not None else ReplicaDrift()
     if fsdp1_units(module):
         rank, world = _world()
         named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
-        return _fsdp1_local_shards(module, include_buffers, named, resolve_dtype(dtype), rank, world)
+        return _fsdp1_local_shards(module, include_buffers, named, resolve_dtype(dtype), rank, world,
+                                   device=device, version=version, drift=drift)  # fmt: skip
     return LocalShards(module, device, include_buffers=include_buffers, names_cfg=names_cfg, dtype=dtype,
-                       prefix=prefix, version=version)  # fmt: skip
+                       prefix=prefix, version=version, drift=drift)  # fmt: skip
 
 
 class _WholeOwner:
@@ -360,16 +412,19 @@ class _WholeOwner:
 
 
 def _fsdp1_local_shards(
-    module: nn.Module, include_buffers: bool, named: SentNames, cast: torch.dtype | None, rank: int, world: int
-) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
+    module: nn.Module, include_buffers: bool, named: SentNames, cast: torch.dtype | None, rank: int, world: int,
+    *, device: torch.device | None, version: int | None, drift: ReplicaDrift,
+) -> Iterator[tuple[str, TensorShard | torch.Tensor]]:  # fmt: skip
     """FSDP1: each unit's flat parameter holds, on this rank, a slice of the concatenation of its original
     parameters; `_shard_param_infos` says which elements of which parameter it is. Those slices go as
     shards; tied aliases (`_shared_param_infos`) are the primary's bytes, sent once under the primary's
     name (the first in module order, as the gather does); everything FSDP does not manage (buffers, ignored
-    parameters) goes whole from one owner, as for FSDP2."""
+    parameters) goes whole, spread over the ranks where every rank's copy is the same, else from global
+    rank 0, as for FSDP2. Planned eagerly (the fingerprint all-gather runs here, on every rank); the bytes
+    are read and cast as the stream is consumed."""
     paths = {id(mod): path for path, mod in walk_modules(module, (), lambda _: False)}
     managed: set[tuple[int, str]] = set()  # (module, attribute) of every parameter a flat parameter holds
-
+    parts: list[tuple[str, tuple[int, ...], int, torch.Tensor]] = []  # name, whole shape, first element, data
     for _, unit in fsdp1_units(module):
         handle = getattr(unit, "_handle", None)
         if handle is None:
@@ -390,18 +445,54 @@ def _fsdp1_local_shards(
             name = named(".".join((*paths[id(info.module)], info.param_name)))
             if name is None or not shard.in_shard or not shard.numel_in_shard:
                 continue
-            data = cast_floating(local[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard], cast)
-            yield name, TensorShard(tuple(shape), data.dtype, shard.intra_param_start_idx * data.element_size(), data)
-    mine, seen = _WholeOwner(rank, world), set()
+            span = local[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+            parts.append((name, tuple(shape), shard.intra_param_start_idx, span))
+    wholes: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
     for path, mod in walk_modules(module, (), lambda _: False):
         for attr, tensor in own_tensors(mod, include_buffers):
             if (id(mod), attr) in managed or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             name = named(".".join((*path, attr)))
-            if name is None or not mine():
-                continue
-            yield name, cast_floating(tensor.detach(), cast)
+            if name is not None:
+                wholes.append((name, tensor.detach()))
+    first_rank_only = _drifted(wholes, device, version, drift, world)
+
+    def stream() -> Iterator[tuple[str, TensorShard | torch.Tensor]]:
+        for name, shape, first, span in parts:
+            data = cast_floating(span, cast)
+            yield name, TensorShard(shape, data.dtype, first * data.element_size(), data)
+        mine = _WholeOwner(rank, world)
+        for index, (name, tensor) in enumerate(wholes):
+            owns = mine()
+            if (rank == 0) if index in first_rank_only else owns:
+                yield name, cast_floating(tensor, cast)
+
+    return stream()
 
 
-__all__ = ["LayoutMismatch", "LocalShards", "MembersRelay", "exchange_addresses", "iter_local_shards"]
+def _drifted(
+    wholes: list[tuple[str, torch.Tensor]], device: torch.device | None, version: int | None, drift: ReplicaDrift,
+    world: int,
+) -> set[int]:  # fmt: skip
+    """Indices into `wholes` (held whole on every rank, in the same order) whose copies differ between
+    ranks: one all-gather of their fingerprints (none on a single rank); `drift` reports them."""
+    from ..protocol.fingerprint import fingerprint
+
+    if world == 1:
+        drift.seen(version, [], [], [])
+        return set()
+    everyone = _all_gather_json([fingerprint(t) for _, t in wholes], device)
+    if len({len(e) for e in everyone}) != 1:
+        raise ConfigError(
+            f"trainer.send_mode=sharded: the trainer ranks hold different numbers of unsharded tensors "
+            f"({[len(e) for e in everyone]}, by rank); use {GATHER_KNOB}"
+        )
+    values = [[e[i] for e in everyone] for i in range(len(wholes))]
+    differ = [i for i, v in enumerate(values) if len(set(v)) > 1]
+    drift.seen(version, [wholes[i][0] for i in differ], [values[i] for i in differ], [wholes[i][1] for i in differ])
+    return set(differ)
+
+
+__all__ = ["LocalShards", "MembersRelay", "ReplicaDrift", "exchange_addresses", "iter_local_shards"]
