@@ -20,6 +20,8 @@ writes a JSON + text report to $OUT (else ./out/device_check/):
                    nixl-cu13, lightning_weightsync/bench/nixl_wheel.py)
   lightning_fsdp   a 1-GPU Lightning FSDP2 (ModelParallelStrategy) run with WeightSyncCallback into a cuda_ipc
                    receiver in another process (the GPU gather path), final weights compared bitwise
+  overlap_steps    1-GPU FSDP2 training of a 0.5 B-parameter LM, no sync vs blocking vs trainer.overlap into a
+                   rollout daemon on the host, same run: the stall a sync and the time of N steps
   nccl             the same stream as cuda_ipc_stream over NCCL between cuda:0 and cuda:1; skipped with the
                    reason on a 1-GPU machine (one GPU cannot hold two NCCL ranks)
 
@@ -262,6 +264,7 @@ STEPS = [  # quick ones first: a step that hangs to its timeout costs the later 
     Step("pytest_gpu", 110, 60, "pytest -m gpu, then tests/integration/test_backends.py"),
     Step("pack_merge", 60, 30, "split+pack and merge into= on the GPU vs device memcpy"),
     Step("event_fence", 45, 20, "CUDA-event buffer reuse in NcclBackend.broadcast, with a negative control"),
+    Step("overlap_steps", 150, 90, "1-GPU FSDP2 training: no sync vs blocking vs trainer.overlap, stall and N steps"),
     Step("cuda_ipc_stream", 200, 60, "cuda_ipc, 2 processes on 1 GPU, Qwen3-8B-shaped bf16 stream, bitwise + ratio"),
     Step("nixl_stream", 120, 60, "nixl, VRAM to VRAM, 2 processes on 1 GPU, vs raw NIXL READ of the same bytes"),
     Step("lightning_fsdp", 150, 60, "1-GPU Lightning FSDP2 + WeightSyncCallback -> cuda_ipc receiver, bitwise"),
@@ -341,6 +344,14 @@ def _params(name: str, dry: bool) -> dict[str, Any]:
             "total_bytes": 2 * GiB,
             "repeats": 3,
         }
+    if name == "overlap_steps":
+        if dry:
+            return {"device": "cpu", "dim": 64, "layers": 2, "vocab_size": 512, "heads": 4, "batch": 2, "seq": 16,
+                    "steps": 3, "bucket_mb": 1.0, "timeout_s": 80}  # fmt: skip
+        # ~0.54 B parameters (2.1 GB fp32), 16 x 512 tokens a step: a step's compute and a version's send
+        # over the host link are of the same order, which is where overlap matters
+        return {"device": "cuda", "dim": 2048, "layers": 8, "vocab_size": 32768, "heads": 16, "batch": 16,
+                "seq": 512, "steps": 6, "bucket_mb": 256.0, "timeout_s": 140}  # fmt: skip
     if name == "lightning_fsdp":
         if dry:
             return {"accelerator": "cpu", "backend": "shm", "device": "cpu", "steps": 2, "train_timeout_s": 40}
@@ -1151,6 +1162,36 @@ def step_lightning(params: dict[str, Any], dry: bool) -> dict[str, Any]:
             shutil.rmtree(tmp)
 
 
+# -------------------------------------------------------------------------------------- overlap
+
+
+def step_overlap(params: dict[str, Any], dry: bool) -> dict[str, Any]:
+    """What CPU cannot show (issue 33's last measurement): N training steps with `trainer.overlap` closer to
+    no sync at all than to a blocking sync, when training runs on the GPU and the send on the host link
+    (gloo to a rollout daemon on the host: the bytes leave the GPU as they would for a NIC). One trainer
+    rank, FSDP2 over NCCL, the three modes in one process on the same model (bench/stall.py run_overlap)."""
+    import torch
+
+    if not dry and not torch.cuda.is_available():
+        raise Skip("needs a CUDA GPU")
+    from .stall import run_overlap
+
+    keys = ("dim", "layers", "vocab_size", "heads", "batch", "seq", "steps", "bucket_mb")
+    progress(f"overlap: {params['steps']} steps per mode on {params['device']}, dim {params['dim']}")
+    out = run_overlap(world=1, device=params["device"], modes=("no sync", "blocking", "overlap"),
+                      timeout_s=float(params["timeout_s"]), **{k: params[k] for k in keys})  # fmt: skip
+    modes = out["modes"]
+    none, blocking, overlap = (modes[m]["total_s"] for m in ("no sync", "blocking", "overlap"))
+    out["overlap_share_of_sync_cost"] = (overlap - none) / (blocking - none) if blocking > none else None
+    out["overlap_closer_to_no_sync"] = (overlap - none) < (blocking - overlap)
+    for mode, m in modes.items():
+        stall_ms = m["median_stall_s"] * 1e3
+        progress(f"overlap: {mode}: {params['steps']} steps {m['total_s']:.2f}s, stall {stall_ms:.0f}ms")
+    # measured, not asserted: the step passes when every mode ran to its last delivered version
+    out.update(check_results({"ran_every_mode": sorted(modes) == sorted(("no sync", "blocking", "overlap"))}))
+    return out
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -1165,6 +1206,7 @@ _STEP_FUNCS: dict[str, Callable[[dict[str, Any], bool], dict[str, Any]]] = {
     "pack_merge": step_pack_merge,
     "event_fence": step_event_fence,
     "lightning_fsdp": step_lightning,
+    "overlap_steps": step_overlap,
     "nccl": step_nccl,
 }
 
@@ -1287,6 +1329,14 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
                 f"bitwise {str(r['bitwise']).lower()}; {r['num_tensors']} tensors, {_size(r['nbytes'])}, "
                 f"{raw['mem_type']}; raw NIXL READ {raw['read_gbps']:.3g} GB/s "
                 f"(bitwise {str(raw['bitwise']).lower()}); {rounds}"
+            )
+        if name == "overlap_steps":
+            m = r["modes"]
+            share = r["overlap_share_of_sync_cost"]
+            return (
+                f"{r['model_mb']:.0f} MiB, {r['steps']} steps: "
+                + ", ".join(f"{k} {v['total_s']:.2f}s (stall {v['median_stall_s'] * 1e3:.0f} ms)" for k, v in m.items())
+                + f"; overlap pays {'-' if share is None else f'{share:.2f}'} of blocking's sync cost"
             )
         if name == "pack_merge":
             return (

@@ -164,10 +164,11 @@ OVERLAP_MODES = ("no sync", "blocking", "overlap sync gather", "overlap", "overl
 "overlap" gather mode with the default background gather."""
 
 
-def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any], steps: int, bucket_mb: float,
-                    out: Any) -> None:  # fmt: skip
+def _overlap_worker(rank: int, world: int, store_port: int, port: int, run: dict[str, Any], out: Any) -> None:
     """One trainer rank: FSDP2 tiny LM, a plain loop (forward, backward, AdamW step, then the sync the
-    Lightning callback would run, through the same `SyncDriver`), timed per step for every mode."""
+    Lightning callback would run, through the same `SyncDriver`), timed per step for every mode. On a GPU
+    (`run["device"] == "cuda"`) the loop trains on `cuda:<rank>` over NCCL and each step's compute is
+    synchronized before its clock stops, so a step's time is its kernels', not their launch."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -178,20 +179,27 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
     from ..examples.tiny_lm import build_model
     from ..trainer.driver import SyncDriver
 
-    torch.set_num_threads(1)
-    store = TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    net = build_model(model)
+    cuda = run["device"] == "cuda"
+    device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    model = run["model"]
+    store = TCPStore("127.0.0.1", store_port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    net = build_model(model).to(device)
     for layer in net.layers:
         fully_shard(layer)
     fully_shard(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
-    batch = torch.randint(0, int(model["vocab_size"]), (2, 33), generator=gen)
+    batch = torch.randint(0, int(model["vocab_size"]), (run["batch"], run["seq"] + 1), generator=gen).to(device)
     report: dict[str, Any] = {}
-    for index, mode in enumerate(OVERLAP_MODES):
+    for index, mode in enumerate(run["modes"]):
         cfg = load_config(
-            overrides=[f"transport.port={port}", f"transport.bucket_size_mb={bucket_mb}", "transport.timeout_s=120",
+            overrides=[f"transport.port={port}", f"transport.bucket_size_mb={run['bucket_mb']}",
+                       "transport.timeout_s=120",
                        f"trainer.overlap={'overlap' in mode}",
                        f"trainer.overlap_gather={'sync' if 'sync gather' in mode else 'background'}",
                        f"trainer.send_mode={'sharded' if 'sharded' in mode else 'gather'}"]
@@ -199,20 +207,22 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
         driver = None
         base = 1000 * index  # versions keep increasing from mode to mode
         if mode != "no sync":
-            driver = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
+            driver = SyncDriver(cfg, rank=rank, device=device, prefix=None)
             driver.start()
             driver.sync(net, base)  # forms the data-plane group: not timed
             driver.finish(net, None)
         compute, stall, snapshot = [], [], []
         dist.barrier()
         began = time.perf_counter()
-        for step in range(1, steps + 1):
+        for step in range(1, run["steps"] + 1):
             t0 = time.perf_counter()
             logits = net(batch[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize(device)
             t1 = time.perf_counter()
             if driver is not None:
                 driver.sync(net, base + step)
@@ -222,6 +232,8 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
                 snapshot.append(driver.overlap.snapshot_seconds)
         if driver is not None:
             driver.finish(net, None)  # the last version is delivered before the clock stops
+        if cuda:
+            torch.cuda.synchronize(device)
         total = time.perf_counter() - began
         if driver is not None:
             driver.close()
@@ -231,13 +243,31 @@ def _overlap_worker(rank: int, store_port: int, port: int, model: dict[str, Any]
     dist.destroy_process_group()
 
 
-def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: float = 16.0) -> dict[str, Any]:
-    """Blocking against overlap (gather and sharded) and against no sync at all: the same 2-rank FSDP2 model,
+def run_overlap(
+    *,
+    dim: int = 512,
+    layers: int = 8,
+    steps: int = 6,
+    bucket_mb: float = 16.0,
+    world: int = 2,
+    device: str = "cpu",
+    modes: tuple[str, ...] = OVERLAP_MODES,
+    vocab_size: int = 8192,
+    heads: int = 8,
+    batch: int = 2,
+    seq: int = 32,
+    timeout_s: float = 1200,
+) -> dict[str, Any]:
+    """Blocking against overlap (gather and sharded) and against no sync at all: the same FSDP2 model,
     loop and rollout daemon, in one run. Per mode: the median stall a sync (what the step boundary holds
     training), the total of `steps` steps (the last version delivered), and the median compute time of a
-    step (with overlap: while a background send runs; against no sync: what the send steals)."""
-    model = {"dim": dim, "n_layers": layers, "vocab_size": 8192, "n_heads": 8, "max_seq_len": 64}
+    step (with overlap: while a background send runs; against no sync: what the send steals).
+    `world` trainer ranks on `device` ("cpu": gloo; "cuda": one GPU a rank, NCCL for training); the rollout
+    is a daemon on the host (module sink, gloo transport: the bytes leave the trainer as over a NIC)."""
+    model = {"dim": dim, "n_layers": layers, "vocab_size": vocab_size, "n_heads": heads, "max_seq_len": max(64, seq)}
     model_arg = "{" + ", ".join(f"{k}: {v}" for k, v in model.items()) + "}"
+    run = {"model": model, "steps": steps, "bucket_mb": bucket_mb, "modes": modes, "device": device,
+           "batch": batch, "seq": seq}  # fmt: skip
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port, store_port = free_port(), free_port()
@@ -251,13 +281,13 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
         ]  # fmt: skip
         stack.enter_context(process_group(daemon_cmd, stdout=daemon_log, stderr=subprocess.STDOUT))
         procs = [
-            ctx.Process(target=_overlap_worker, args=(r, store_port, port, model, steps, bucket_mb, queue), daemon=True)
-            for r in (0, 1)
+            ctx.Process(target=_overlap_worker, args=(r, world, store_port, port, run, queue), daemon=True)
+            for r in range(world)
         ]
         for p in procs:
             p.start()
         try:
-            report: dict[str, Any] = queue.get(timeout=1200)
+            report: dict[str, Any] = queue.get(timeout=timeout_s)
         finally:
             for p in procs:
                 p.join(timeout=30)
@@ -265,8 +295,8 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
                     p.kill()
     nbytes = sum(p.numel() * p.element_size() for p in _model_params(model))
     base = report["no sync"]
-    out: dict[str, Any] = {"model_mb": nbytes / MiB, "steps": steps, "modes": {}}
-    for mode in OVERLAP_MODES:
+    out: dict[str, Any] = {"model_mb": nbytes / MiB, "steps": steps, "world": world, "device": device, "modes": {}}
+    for mode in modes:
         r = report[mode]
         out["modes"][mode] = {
             "median_stall_s": _median(r["stall_s"]),
@@ -276,14 +306,15 @@ def run_overlap(*, dim: int = 512, layers: int = 8, steps: int = 6, bucket_mb: f
             "step_slowdown": _median(r["compute_s"]) / _median(base["compute_s"]),
         }
     blocking = out["modes"]["blocking"]["median_stall_s"]
-    for mode in OVERLAP_MODES[2:]:
+    for mode in modes[2:]:
         out["modes"][mode]["stall_over_blocking"] = out["modes"][mode]["median_stall_s"] / blocking
     return out
 
 
 def print_overlap(out: dict[str, Any]) -> None:
     print(
-        f"overlap, 2-rank FSDP2 (gloo) tiny LM of {out['model_mb']:.0f} MiB, {out['steps']} steps, one rollout:\n"
+        f"overlap, {out.get('world', 2)}-rank FSDP2 ({out.get('device', 'cpu')}) tiny LM of {out['model_mb']:.0f} MiB, "
+        f"{out['steps']} steps, one rollout:\n"
         f"  {'mode':<20} {'stall/sync':>11} {'of it copy':>11} {'x blocking':>11} {'N steps':>9} {'step compute':>13} "
         f"{'x no sync':>10}"
     )

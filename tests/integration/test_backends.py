@@ -226,6 +226,35 @@ def test_nccl_two_processes_two_gpus():
     assert sender == 1 and received == len(stream(1))
 
 
+@needs_cupy
+def test_nccl_backend_at_world_size_one_on_one_gpu():
+    """What one GPU can show of the cupy NCCL backend (two NCCL ranks need two GPUs): the unique id, a real
+    1-rank communicator, a packed slot broadcast on NCCL's own stream after the packing event (fence), and a
+    caller's tensor broadcast in place; the bytes come through unchanged and the slots stay reusable."""
+    from lightning_weightsync.transport.backends import NO_SLOT, NUM_SLOTS
+
+    backend = build_backend("nccl", **_kwargs(device=torch.device("cuda:0"), bucket_size=1 << 20))
+    try:
+        backend.setup("127.0.0.1", 0)
+        group = _group(backend.join_spec(1), backend="nccl", bucket_size=1 << 20, members=())
+        backend.join(group, 0, 1)
+        assert backend.world_size == 1
+        data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+        for version in range(3):
+            for slot in range(NUM_SLOTS):
+                piece = data.roll(version * 7 + slot)
+                backend.pack(slot, 0, piece)
+                backend.fence(slot)
+                backend.broadcast(slot, piece.numel(), version)
+                assert torch.equal(backend.view(slot, piece.numel()), piece)
+        direct = data.flip(0).contiguous()
+        backend.fence(NO_SLOT)
+        backend.broadcast(NO_SLOT, direct.numel(), 0, buffer=direct)
+        assert torch.equal(direct, data.flip(0))
+    finally:
+        backend.close()
+
+
 @needs_npu
 def test_hccl_two_processes():  # pragma: no cover - no NPU in CI
     port = free_port()

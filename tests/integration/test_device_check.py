@@ -45,7 +45,7 @@ def test_dry_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert steps["pytest_gpu"]["status"] in ("ok", "fail"), steps["pytest_gpu"]
     assert steps["pytest_gpu"]["marked_gpu"]["exit_code"] in (0, 5)
     assert sum(steps["pytest_gpu"]["backends"]["counts"].values()) > 0
-    for name in ("env", "cuda_ipc_stream", "pack_merge", "lightning_fsdp", "nccl"):
+    for name in ("env", "cuda_ipc_stream", "pack_merge", "lightning_fsdp", "overlap_steps", "nccl"):
         assert steps[name]["status"] == "ok", (name, steps[name].get("error"), steps[name].get("log_tail"))
     # the stream steps: bitwise per version, ratios against the copy baseline of the same run
     for name, backend in (("cuda_ipc_stream", "shm"), ("nccl", "gloo")):
@@ -72,6 +72,11 @@ def test_dry_run_writes_a_complete_report(tmp_path: Path) -> None:
         assert nixl["status"] == "skipped" and "NIXL" in nixl["reason"]
     fsdp = steps["lightning_fsdp"]
     assert fsdp["bitwise"] is True and fsdp["versions"] == [0, 1, 2] and fsdp["failed_checks"] == []
+    # the overlap step: the three modes timed in one run, each with its stall and its N steps
+    overlap = steps["overlap_steps"]
+    assert sorted(overlap["modes"]) == ["blocking", "no sync", "overlap"] and overlap["failed_checks"] == []
+    assert all(m["total_s"] > 0 for m in overlap["modes"].values())
+    assert overlap["modes"]["no sync"]["median_stall_s"] < overlap["modes"]["blocking"]["median_stall_s"]
     # no GPU here: the CUDA-event check says why it did not run
     assert steps["event_fence"]["status"] == "skipped" and "CUDA" in steps["event_fence"]["reason"]
     assert rc == (0 if report["ok"] else 1)
