@@ -63,11 +63,21 @@ class NcclBackend(Backend):
         assert isinstance(group.join, NcclJoin)  # checked by Backend.join
         try:
             with torch.cuda.device(self.device):
-                self._comm = self._nccl.NcclCommunicator(group.world_size, tuple(group.join.unique_id), rank)
+                self._comm = self._communicator(group.world_size, group.join.unique_id, rank)
         except RuntimeError as exc:  # cupy's NcclError
             raise PeerError(
                 f"{self.name} group (generation {group.generation}, {group.world_size} ranks) did not form: {exc}"
             ) from exc
+
+    def _communicator(self, world_size: int, unique_id: list[int], rank: int) -> Any:
+        """cupy up to 13 takes the unique id as the tuple of 128 chars `get_unique_id()` returns; cupy 14
+        (seen on the GPU machine: `TypeError: Argument 'commId' has incorrect type (expected bytes, got
+        tuple)`) takes bytes (where its `get_unique_id()` returns bytes, the wire carries 0..255). Feature, not
+        version: the tuple first, bytes when cupy refuses it."""
+        try:
+            return self._nccl.NcclCommunicator(world_size, tuple(unique_id), rank)
+        except TypeError:
+            return self._nccl.NcclCommunicator(world_size, bytes(b & 0xFF for b in unique_id), rank)
 
     def _drop_group(self) -> None:
         if self._comm is not None:
