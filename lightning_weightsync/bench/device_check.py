@@ -1462,6 +1462,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--install" in sys.argv[1:]:
+        # run by path (`python lightning_weightsync/bench/device_check.py --install`): importing the package
+        # would import omegaconf, pyzmq and msgspec, which are what this installs (seen on the GPU machine)
+        sys.exit(main())
     # run as the importable module, so spawned workers find their functions by name
     import lightning_weightsync.bench.device_check as _module
 

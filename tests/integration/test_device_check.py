@@ -94,3 +94,18 @@ def test_a_broken_step_is_recorded_and_the_others_still_run(tmp_path: Path) -> N
     assert "RuntimeError" in broken["traceback"]
     assert report["steps"]["event_fence"]["status"] == "skipped"
     assert report["summary"] == {"ok": 0, "skipped": 1, "fail": 1}
+
+
+def test_install_runs_where_the_package_s_dependencies_are_missing(tmp_path: Path) -> None:
+    """`./dev device-check` on the GPU machine installs omegaconf, pyzmq and msgspec first: the installer
+    must run by path without importing the package (which imports them). Here omegaconf is made
+    unimportable; the installer still starts and says what it lacks (no prepared wheels)."""
+    script = REPO / "lightning_weightsync" / "bench" / "device_check.py"
+    code = (
+        "import runpy, sys; sys.modules['omegaconf'] = None; sys.modules['zmq'] = None; "
+        f"sys.argv = [{str(script)!r}, '--install']; runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    with popen([PYTHON, "-c", code], cwd=str(tmp_path)) as proc:
+        output = output_of(proc, 60, "install")
+    assert "ModuleNotFoundError" not in output and "ImportError" not in output, output
+    assert proc.returncode in (0, 2) and ("present on this machine" in output or "--prepare" in output), output
