@@ -188,6 +188,7 @@ def adapter_config(spec: LoraSpec) -> dict[str, object]:
         "use_dora": spec.use_dora,
         "fan_in_fan_out": spec.fan_in_fan_out,
         "bias": spec.bias,
+        "lora_bias": spec.lora_bias,
         "modules_to_save": spec.modules_to_save or None,
         "rank_pattern": spec.rank_pattern,
         "alpha_pattern": spec.alpha_pattern,
