@@ -318,7 +318,7 @@ def _assert_holds(rollout: torch.nn.Module, want: dict[str, torch.Tensor]) -> No
     assert not differ, differ[:5]
 
 
-async def test_lora_bias_is_refused_where_it_cannot_be_merged_and_sent_as_peft_saves_it() -> None:
+async def test_lora_bias_is_refused_where_it_cannot_be_merged_and_sent_as_peft_saves_it(tmp_path: Any) -> None:
     """`lora_bias=True`: PEFT merges `lora_B.bias * scaling` into the base layer's bias; `merged`/`full` and
     the merge sink do not, so they refuse it naming the knob (never weights silently without the bias); the
     adapter mode sends the biases under PEFT's names, and a keep rollout built alike holds them bitwise."""
@@ -343,6 +343,11 @@ async def test_lora_bias_is_refused_where_it_cannot_be_merged_and_sent_as_peft_s
     keep = build_peft(seed=7, lora_seed=8, lora_bias=True)
     await drive(ModuleSink(load_config(), module=keep), driver(), model, 0)
     _assert_holds(keep, model.state_dict())
+    files = load_config(overrides=["rollout.sink.type=safetensors", f"rollout.sink.dir={tmp_path}"])
+    await drive(SafetensorsSink(files), driver("trainer.lora_base=rollout_has"), model, 0)
+    assert json.loads((tmp_path / "step_0" / "adapter_config.json").read_text())["lora_bias"] is True
+    loaded = adapter_state(peft.PeftModel.from_pretrained(build_base(), str(tmp_path / "step_0")))
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
 
 
 def test_a_resumed_run_sends_the_base_until_a_version_with_it_was_delivered() -> None:

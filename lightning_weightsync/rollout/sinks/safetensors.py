@@ -175,7 +175,7 @@ def _fsync_dir(path: Path) -> None:
 
 def adapter_config(spec: LoraSpec) -> dict[str, object]:
     """The `adapter_config.json` of an adapter version: PEFT's `LoraConfig` fields, from the version's spec."""
-    return {
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": spec.task_type,
         "base_model_name_or_path": None,
@@ -188,11 +188,13 @@ def adapter_config(spec: LoraSpec) -> dict[str, object]:
         "use_dora": spec.use_dora,
         "fan_in_fan_out": spec.fan_in_fan_out,
         "bias": spec.bias,
-        "lora_bias": spec.lora_bias,
         "modules_to_save": spec.modules_to_save or None,
         "rank_pattern": spec.rank_pattern,
         "alpha_pattern": spec.alpha_pattern,
     }
+    if spec.lora_bias:  # only when set: a PEFT before 0.14 (no such field) still loads every other adapter
+        config["lora_bias"] = True
+    return config
 
 
 class SafetensorsSink(Sink):
