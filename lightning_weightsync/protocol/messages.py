@@ -184,6 +184,7 @@ class LoraSpec(msgspec.Struct, frozen=True):
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
     task_type: str | None = None
+    lora_bias: bool = False  # PEFT's `lora_bias`: each lora_B has a bias (adapter versions carry ``lora_B.bias``)
 
 
 class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):

@@ -182,6 +182,44 @@ VERSION_MESSAGES = {"Ack", "Abort", "BucketMeta", "Plan", "Prepare", "Ready"}
 VERSION_STATE = {"last_version", "group_generation", "delta_base", "version", "last_complete"}
 
 
+async def test_a_consumer_that_keeps_nothing_holds_no_delta_base_and_gets_every_version_whole() -> None:
+    """`receive_weights()` without `base`: the consumer keeps nothing the receiver could apply a delta to, so its
+    Ready says -1 after every version, acked or not, and a `transport.delta=always` sender sends whole tensors.
+    Were the version it acked advertised as its delta base, the next version would come as deltas it cannot
+    apply (fails), the one after whole again: every other version lost. The control: a consumer that passes
+    `base` gets deltas from the second version on, so the sender would send them."""
+    weights = [("a", _tensor(4 * KIB, 0)), ("b", _tensor(KIB, 1))]
+    sender, receiver = await _pair(transport__delta="always")
+    try:
+        for version in range(3):
+            weights = [(n, t + 1) for n, t in weights]  # a few elements would do; every one changes here
+            weights[0][1][7:] = weights[0][1][7:] - 1  # only a[:7] and b change: a delta would pay
+            got, stats = await with_timeout(
+                asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=version)), 30
+            )
+            assert not stats.failed, (version, stats.failed)
+            assert_bitwise(got, weights)
+            assert receiver.delta_base is None and stats.delta_tensors == 0, version
+        mine = {n: t.clone() for n, t in weights}
+        deltas = []
+        for version in range(3, 5):
+            weights = [(n, t.clone()) for n, t in weights]
+            weights[1][1][0] += 1
+            got, stats = await with_timeout(
+                asyncio.gather(
+                    receive_once(receiver, into=lambda m: mine[m.name], base=lambda m: mine[m.name]),
+                    sender.send_weights(weights, version=version),
+                ),
+                30,
+            )
+            assert not stats.failed and receiver.delta_base == version, (version, stats.failed)
+            assert_bitwise(got, weights)
+            deltas.append(stats.delta_tensors)
+        assert deltas == [0, 2], deltas  # version 3 whole (nothing held before it), version 4 as deltas
+    finally:
+        await _close(sender, receiver)
+
+
 def test_the_control_plane_knows_no_version_policy() -> None:
     control = Path(__file__).resolve().parents[2] / "lightning_weightsync" / "transport" / "control"
     for path in sorted(control.glob("*.py")):

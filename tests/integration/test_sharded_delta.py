@@ -12,9 +12,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_weightsync import WeightReceiver, load_config
+from lightning_weightsync.engine.delta import encode
+from lightning_weightsync.engine.sharded import ShardDeltas
+from lightning_weightsync.errors import ProtocolError
+from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
+from lightning_weightsync.protocol.tiling import TilingMerger
 from tests.support.mp import free_port, run_workers
 from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
 
@@ -108,3 +114,49 @@ def test_sharded_delta_at_one_percent_sends_under_a_tenth_of_the_bytes_bitwise()
     assert sent[0] == whole and sent[2] == whole, (sent, whole)  # whole versions: every byte, once
     assert deltas == [0, 2 * len(_weights(0)), 0], deltas
     assert sent[1] < whole / 10, f"a 1% change sent {sent[1]} of {whole} bytes"
+
+
+# -- one sender's payload chunks, stitched in order or refused (engine/sharded.py ShardDeltas) --------------
+
+
+class _Stream:
+    """What `ShardDeltas` reads of a sender's `BucketPipeline`: the tensors its buckets said arrive as a delta
+    (name -> the tensor's meta, the base version) and the byte range each payload rebuilds."""
+
+    def __init__(self, whole: TensorMeta, start: int, size: int) -> None:
+        self.delta_metas = {whole.name: (whole, 0)}
+        self.delta_ranges = {whole.name: (start, size)}
+
+
+def _payload_chunks() -> tuple[torch.Tensor, torch.Tensor, TensorMeta, list[tuple[TensorMeta, torch.Tensor]]]:
+    """(old, new, the tensor's meta, the payload of rows 32..63 as the pipeline yields it, in three chunks)."""
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(64, 8, generator=gen)
+    new = old.clone()
+    new.view(-1)[torch.randperm(256, generator=gen)[:12] + 256] += 1.0  # 12 elements of rows 32..63
+    payload = encode(new[32:].contiguous(), old[32:].contiguous(), 1024)
+    assert payload is not None and payload.numel() == 16 + 256 // 8 + 12 * 4  # the bitmask format
+    whole = TensorMeta("w", (64, 8), torch.float32, 0, 2048)
+    cuts = [(0, 40), (40, 40), (80, 16)]
+    chunks = [(TensorMeta("w", (96,), torch.uint8, at, n), payload[at : at + n].clone()) for at, n in cuts]
+    return old, new, whole, chunks
+
+
+@pytest.mark.parametrize("order", ["in-order", "swapped", "repeated"])
+def test_a_delta_payload_chunk_out_of_order_or_repeated_is_refused_not_stitched(order: str) -> None:
+    """One sender's chunks of one payload come in order (its bucket stream); a chunk at another byte than the
+    next one expected (a hostile or broken sender) fails the version, never lands at the wrong place."""
+    old, new, whole, chunks = _payload_chunks()
+    deltas = ShardDeltas([_Stream(whole, 1024, 1024)], lambda meta, based_on: old)  # type: ignore[list-item]
+    merger = TilingMerger(4096, None, "cpu", ["rank0"])
+    merger.push(0, TensorMeta("w", (64, 8), torch.float32, 0, 1024), as_bytes(old[:32].contiguous()))  # rows 0..31
+    sequence = {"in-order": chunks, "swapped": [chunks[0], chunks[2], chunks[1]], "repeated": [chunks[0], *chunks]}
+    if order == "in-order":
+        assert deltas.push(0, *chunks[0], merger) is None and deltas.push(0, *chunks[1], merger) is None
+        name, got = deltas.push(0, *chunks[2], merger)  # type: ignore[misc]
+        assert name == "w" and torch.equal(got, new) and deltas.applied == 1
+        return
+    with pytest.raises(ProtocolError, match=r"delta of 'w' from sender 0: chunk at byte (80|0) of its payload, 40"):
+        for meta, data in sequence[order]:
+            deltas.push(0, meta, data, merger)
+    assert deltas.applied == 0

@@ -66,6 +66,27 @@ def build_peft(seed: int = 0, lora_seed: int = 1, **extra: Any) -> torch.nn.Modu
         return get_peft_model(model, lora_config(init_lora_weights=False, **extra))
 
 
+def build_gpt2_base(seed: int = 0) -> torch.nn.Module:
+    """A tiny GPT-2 (its linear layers are `Conv1D`: weights stored [in, out], PEFT's `fan_in_fan_out`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config)
+
+
+def build_gpt2_peft(seed: int = 0, lora_seed: int = 1, **extra: Any) -> torch.nn.Module:
+    """`build_gpt2_base` with LoRA on c_attn [32, 96], c_proj [32, 32] / [128, 32] and c_fc [32, 128]."""
+    from peft import get_peft_model
+
+    model = build_gpt2_base(seed)
+    fields = {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True, **extra}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora_seed)
+        return get_peft_model(model, lora_config(init_lora_weights=False, **fields))
+
+
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 

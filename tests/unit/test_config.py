@@ -184,6 +184,17 @@ def test_timeouts_must_be_positive(key: str, value: str) -> None:
     _fails([f"transport.{key}={value}"], rf"transport\.{key}", "> 0")
 
 
+@pytest.mark.parametrize("value", ["0.001", "0.19", "3601", "604800", "inf"])
+def test_liveness_s_is_bounded_naming_the_knob_and_the_range(value: str) -> None:
+    """A peer declared gone after a millisecond fails healthy versions; after a week, a dead one is never noticed."""
+    _fails([f"transport.liveness_s={value}"], r"transport\.liveness_s", re.escape("[0.2, 3600]"))
+
+
+@pytest.mark.parametrize("value", [0.2, 5.0, 3600.0])
+def test_liveness_s_edges_accepted(value: float) -> None:
+    assert load_config(overrides=[f"transport.liveness_s={value}"]).transport.liveness_s == value
+
+
 @pytest.mark.parametrize("key", ["transport.port", "transport.store_port", "rollout.metrics_port"])
 @pytest.mark.parametrize("value", ["-1", "65536", "100000"])
 def test_port_out_of_range(key: str, value: str) -> None:

@@ -83,26 +83,62 @@ def test_no_payload_when_it_would_not_be_smaller_than_the_limit() -> None:
     assert encode(old.clone(), old, max_payload=4000).numel() == HEADER_BYTES  # nothing changed: a header
 
 
+@pytest.mark.parametrize("always", [True, False], ids=["always", "auto"])
+def test_a_payload_exactly_at_the_limit_goes_whole_and_one_byte_under_goes_as_a_delta(always: bool) -> None:
+    """The documented rule (engine/delta.py): `always` sends a delta only when the payload is smaller than the
+    tensor, `auto` only when it is below AUTO_MAX_PAYLOAD_FRACTION of it; at the limit the tensor goes whole
+    (the wire refuses a payload not smaller than its tensor: protocol/messages.py). 32 float32 elements are 128
+    bytes; a bitmask payload is 16 + 4 + 4 * changed bytes: 27 changes make 128 bytes, 11 make 64."""
+    old = torch.zeros(32, dtype=torch.float32)
+    at_limit = 27 if always else 11
+    assert AUTO_MAX_PAYLOAD_FRACTION == 0.5 and payload_size(32, at_limit, 4) == (FORMAT_BITMASK, 128 if always else 64)
+    limit = 128 if always else 64
+    for changes, goes_whole in ((at_limit, True), (at_limit - 1, False)):
+        new = old.clone()
+        new[:changes] = 1.0
+        assert (encode(new, old, limit) is None) is goes_whole, changes
+        base = DeltaBase()
+        first = VersionDelta(base, DeltaPolicy(keep=True, base_version=None, always=always))
+        assert first.encode("w", old)[1] == -1
+        first.finish(0, ok=True)
+        sent, size = VersionDelta(base, DeltaPolicy(keep=True, base_version=0, always=always)).encode("w", new)
+        if goes_whole:
+            assert size == -1 and sent is new, f"a payload of exactly {limit} bytes was sent as a delta"
+        else:
+            assert size == limit - 4 and torch.equal(apply_delta(sent, meta_of(new), old, None, CPU), new)
+
+
 def _payload(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     payload = encode(new, old, 10**9)
     assert payload is not None
     return payload
 
 
-@pytest.mark.parametrize("hostile", ["truncated", "count-over-numel", "index-out-of-range", "bad-format", "mask-tail"])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "truncated", "count-over-numel", "index-out-of-range", "bad-format", "mask-tail", "index-repeated",
+        "index-decreasing",
+    ],
+)  # fmt: skip
 def test_hostile_payloads_are_refused_never_written_out_of_bounds(hostile: str) -> None:
     old = torch.zeros(1001, dtype=torch.float32)  # 1001 elements: 7 spare bits at the bitmask's end
     new = old.clone()
-    new[2] = 1.0  # one change: the index format
+    new[2], new[5] = 1.0, 2.0  # two changes: the index format
     payload = _payload(old, new).clone()
     assert payload[0] == FORMAT_INDICES
     head = payload[:HEADER_BYTES].view(torch.int64)
-    if hostile == "truncated":
+    indices = payload[HEADER_BYTES : HEADER_BYTES + 8].view(torch.int32)
+    if hostile == "index-repeated":  # [2, 2]: one element written twice, with the second value
+        indices[1] = 2
+    elif hostile == "index-decreasing":  # [5, 2]
+        indices[0], indices[1] = 5, 2
+    elif hostile == "truncated":
         payload = payload[:-1]
     elif hostile == "count-over-numel":
         head[1] = 1002
     elif hostile == "index-out-of-range":
-        payload[HEADER_BYTES : HEADER_BYTES + 4].view(torch.int32)[0] = 1001
+        indices[1] = 1001
     elif hostile == "bad-format":
         head[0] = 7
     else:

@@ -49,6 +49,21 @@ def test_what_cannot_be_restored_is_named() -> None:
     assert copy.restore(model) == ["2.bias"]
 
 
+def test_a_tensor_whose_dtype_changed_is_named_not_restored_with_a_cast() -> None:
+    """Same shape, another dtype (a layer re-created in bf16): the fp32 copy cannot be put back bitwise; a copy_
+    would cast it silently. It is reported lost and left as it is; the others are restored."""
+    model = _model()
+    copy = HostCopy(model)
+    copy.take(model)
+    before = model[2].weight.detach().clone()
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    model[2].bias = torch.nn.Parameter(torch.full((50,), 3.0, dtype=torch.bfloat16))
+    assert copy.restore(model) == ["2.bias"]
+    assert model[2].bias.dtype == torch.bfloat16 and torch.equal(model[2].bias, torch.full((50,), 3.0).bfloat16())
+    assert torch.equal(model[2].weight, before)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned host memory and async copies")
 def test_restore_on_a_gpu_with_pinned_memory() -> None:

@@ -5,7 +5,7 @@ tests/integration/test_hostile_network.py."""
 
 from __future__ import annotations
 
-from lightning_weightsync.transport.control.inbox import MESSAGE_OVERHEAD, Inbox, message_cost
+from lightning_weightsync.transport.control.inbox import MESSAGE_OVERHEAD, TRIM_TO, Inbox, message_cost
 
 
 def _msg(route: bytes, n: int, size: int = 10) -> list[bytes]:
@@ -77,6 +77,27 @@ def test_past_the_total_the_largest_queues_are_cut_and_small_ones_kept() -> None
     for route in (b"f1", b"f2", b"f3"):
         kept = [n for r, n in got if r == route]
         assert kept and kept == list(range(80 - len(kept), 80)), (route, kept)  # the newest are kept
+
+
+def test_a_trim_frees_an_eighth_of_the_cap_so_the_next_messages_drop_nothing() -> None:
+    """Past the total the queues are cut to TRIM_TO of it, not just under it: the messages that follow, up to an
+    eighth of the cap, are all kept (a trim that freed only what was over would drop on nearly every message)."""
+    size = 1000
+    cost = message_cost(_msg(b"f1", 0, size))
+    cap = 160 * cost
+    inbox = Inbox(messages_per_connection=1000, bytes_per_connection=1000 * cost, total_bytes=cap)
+    routes = [b"f1", b"f2", b"f3", b"f4"]
+    n = 0
+    while inbox.overflowed == 0:
+        inbox.put(_msg(routes[n % 4], n, size))
+        n += 1
+    assert n == 161 and inbox.nbytes <= cap * TRIM_TO, (n, inbox.nbytes / cost)
+    dropped = inbox.overflowed
+    assert dropped >= 20, dropped  # 161 messages down to at most 140
+    for _ in range(cap // 8 // cost - 1):  # another eighth of the cap, less one message: kept whole
+        inbox.put(_msg(routes[n % 4], n, size))
+        n += 1
+    assert inbox.overflowed == dropped and inbox.nbytes <= cap
 
 
 def test_a_message_costs_its_bytes_and_its_objects() -> None:

@@ -3,12 +3,17 @@ names a layout: takes the held entries, or fails the version when the reference 
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
+import torch
 
+from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.errors import ProtocolError
 from lightning_weightsync.protocol.layout import Layout, LayoutRecorder, no_layout
 from lightning_weightsync.protocol.messages import BucketMeta, Entry, Ready, decode, encode, validate
+from tests.support.engine import assert_bitwise, engine_cfg, receive_once, with_timeout
 
 BUCKETS = [
     (96, False, [Entry("a", [4, 4], "float32", 0, 64, 0), Entry("b", [8], "float32", 0, 32, 64)]),
@@ -62,6 +67,42 @@ def test_the_recorder_counts_the_buckets_the_held_layout_stands_for() -> None:
     assert recorder.add(64, False, [Entry("c", [16, 16], "bfloat16", 0, 60, 0)], held) is False  # cut otherwise
     assert recorder.add(*BUCKETS[2], held) is True
     assert recorder.same == 2
+
+
+def test_a_bucket_that_was_last_and_no_longer_is_or_the_reverse_is_not_the_held_bucket() -> None:
+    """Same size, same entries, is_last flipped: not a reference (the receiver's held bucket says otherwise)."""
+    held = _layout([(96, True, BUCKETS[0][2])])  # the version was this one bucket
+    assert held.reference(0, 96, True, BUCKETS[0][2])
+    assert not held.reference(0, 96, False, BUCKETS[0][2])  # now a bucket follows it
+    recorder = LayoutRecorder()
+    assert recorder.add(96, False, BUCKETS[0][2], held) is False
+    longer = _layout(BUCKETS)  # bucket 0 was not last; now it is
+    assert not longer.reference(0, 96, True, BUCKETS[0][2]) and recorder.add(96, True, BUCKETS[0][2], longer) is False
+    assert recorder.same == 0
+
+
+async def test_a_version_whose_first_bucket_stops_or_starts_being_the_last_lists_its_entries_end_to_end() -> None:
+    """A sender and a receiver (gloo, in process): version 1 is one full bucket (two tensors, 8 KiB each, a
+    16 KiB bucket); version 2 adds a tensor, so bucket 0 is cut the same but is no longer the last; version 3
+    drops it again. A sender that named bucket 0 by the held layout would fail each of 2 and 3 on the
+    receiver (its held bucket's is_last differs); version 4, cut as version 3, is named by reference."""
+    a, b = torch.arange(2048, dtype=torch.float32), torch.ones(2048)
+    versions = {
+        1: [("a", a), ("b", b)],
+        2: [("a", a + 1), ("b", b + 1), ("c", torch.zeros(10))],
+        3: [("a", a + 2), ("b", b + 2)],
+        4: [("a", a + 3), ("b", b + 3)],
+    }
+    async with WeightSender(engine_cfg(0, bucket_size_mb=1 / 64)) as sender:
+        receiver = WeightReceiver(engine_cfg(sender.port, bucket_size_mb=1 / 64), identity="r0")
+        async with receiver:
+            for version, weights in versions.items():
+                got, stats = await with_timeout(
+                    asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=version)), 30
+                )
+                assert not stats.failed, (version, stats.failed)
+                assert_bitwise(got, weights)
+                assert stats.layout_buckets == receiver.last_stats.layout_buckets == (version == 4), version
 
 
 def test_expand_takes_the_held_entries_and_checks_what_the_version_says_of_them() -> None:

@@ -19,7 +19,7 @@ from lightning_weightsync.rollout.sinks.callable import CallableSink
 from lightning_weightsync.rollout.sinks.module import ModuleSink
 from lightning_weightsync.rollout.sinks.safetensors import SafetensorsSink
 from lightning_weightsync.trainer.driver import SyncDriver
-from tests.support.lora import RANK, TOKENS, adapter_state, build_base, build_peft
+from tests.support.lora import RANK, TOKENS, adapter_state, build_base, build_gpt2_base, build_gpt2_peft, build_peft
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -304,3 +304,120 @@ async def test_safetensors_writes_adapter_directories_peft_loads(tmp_path: Any) 
     )
     with pytest.raises(SinkError, match=r"trainer.lora_base=rollout_has"):
         await drive(with_base, driver(), trainer_model, 0)
+
+
+# -- the variants PEFT users run (issue 43): each bitwise against PEFT's own merge_and_unload /
+# get_peft_model_state_dict, on the trainer's stream and through the rollout's merge sink ----------------------
+def _merge_sink(rollout: torch.nn.Module) -> ModuleSink:
+    return ModuleSink(load_config(overrides=["rollout.sink.lora=merge"]), module=rollout)
+
+
+def _assert_holds(rollout: torch.nn.Module, want: dict[str, torch.Tensor]) -> None:
+    held = rollout.state_dict()
+    differ = [n for n, t in want.items() if not (held[n].dtype == t.dtype and torch.equal(held[n], t))]
+    assert not differ, differ[:5]
+
+
+async def test_lora_bias_is_refused_where_it_cannot_be_merged_and_sent_as_peft_saves_it(tmp_path: Any) -> None:
+    """`lora_bias=True`: PEFT merges `lora_B.bias * scaling` into the base layer's bias; `merged`/`full` and
+    the merge sink do not, so they refuse it naming the knob (never weights silently without the bias); the
+    adapter mode sends the biases under PEFT's names, and a keep rollout built alike holds them bitwise."""
+    model = build_peft(lora_bias=True)
+    for mode in ("merged", "full"):
+        with pytest.raises(ConfigError, match=rf"trainer.lora={mode}: LoRA layer .*lora_bias.*trainer.lora=adapter"):
+            stream(driver(f"trainer.lora={mode}"), model)
+    d = driver("trainer.lora_base=rollout_has")
+    sent = stream(d, model)
+    saved = adapter_state(model)
+    assert d.lora.spec.lora_bias and any(n.endswith(".lora_B.bias") for n in saved)
+    assert set(sent) == set(saved) and all(torch.equal(sent[n], saved[n]) for n in saved)
+    rollout = build_base(seed=7)
+    before = {n: t.clone() for n, t in rollout.state_dict().items()}
+    sink = _merge_sink(rollout)
+    with pytest.raises(SinkError, match=r"lora_bias=True.*sink.lora=merge does not merge; set rollout.sink.lora=keep"):
+        await drive(sink, driver("trainer.lora_base=rollout_has"), model, 0)
+    _assert_holds(rollout, before)
+    assert sink.version is None
+    with pytest.raises(SinkError, match=r"lora_bias: trainer True, rollout False"):  # a keep model built without it
+        await drive(ModuleSink(load_config(), module=build_peft(seed=7)), driver(), model, 0)
+    keep = build_peft(seed=7, lora_seed=8, lora_bias=True)
+    await drive(ModuleSink(load_config(), module=keep), driver(), model, 0)
+    _assert_holds(keep, model.state_dict())
+    files = load_config(overrides=["rollout.sink.type=safetensors", f"rollout.sink.dir={tmp_path}"])
+    await drive(SafetensorsSink(files), driver("trainer.lora_base=rollout_has"), model, 0)
+    assert json.loads((tmp_path / "step_0" / "adapter_config.json").read_text())["lora_bias"] is True
+    loaded = adapter_state(peft.PeftModel.from_pretrained(build_base(), str(tmp_path / "step_0")))
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
+
+
+def test_a_resumed_run_sends_the_base_until_a_version_with_it_was_delivered() -> None:
+    """The record says version 5 was delivered (a checkpoint of an earlier run): the new run's first version
+    carries the base; when it fails, the next one carries it again, until one is delivered."""
+    model = build_peft()
+    d = driver()
+    d.record.load_state_dict({"last_synced_version": 5, "failures": 0})
+    for _failed in range(2):
+        assert set(stream(d, model)) > set(adapter_state(model)) and d.lora.spec.base  # sent, never delivered
+    d.record.delivered(8, None)
+    assert set(stream(d, model)) == set(adapter_state(model)) and not d.lora.spec.base
+
+
+async def test_a_resumed_run_whose_first_base_version_failed_brings_the_base_to_a_merge_rollout() -> None:
+    trainer_model = build_peft()
+    d = driver()
+    d.record.load_state_dict({"last_synced_version": 5, "failures": 1})
+    stream(d, trainer_model)  # version 6, with the base: its send failed
+    rollout = build_base(seed=7)  # never got the base: holds other weights
+    await drive(_merge_sink(rollout), d, trainer_model, 7)
+    _assert_holds(rollout, copy.deepcopy(trainer_model).merge_and_unload().state_dict())
+
+
+async def test_bf16_merge_with_a_scaling_that_rounds_is_peft_s_fp32_product_on_both_sides() -> None:
+    """PEFT multiplies bf16 factors on a CPU in fp32 and casts the product back (its `get_delta_weight`); with
+    alpha 20 over r 16 (scaling 1.25, not a power of two) that differs from a bf16 product, so only PEFT's way
+    matches `merge_and_unload` bitwise."""
+    model = build_peft(lora_alpha=20).to(torch.bfloat16)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    a, b, scaling = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    assert scaling == 1.25 and not torch.equal((b @ a) * scaling, ((b.float() @ a.float()) * scaling).bfloat16())
+    ref = copy.deepcopy(model).merge_and_unload().state_dict()
+    full = stream(driver("trainer.lora=full"), model)
+    assert set(full) == set(ref) and all(full[n].dtype == torch.bfloat16 and torch.equal(full[n], ref[n]) for n in ref)
+    rollout = build_base(seed=7).to(torch.bfloat16)
+    await drive(_merge_sink(rollout), driver(), model, 0)
+    _assert_holds(rollout, ref)
+
+
+async def test_rslora_merges_with_alpha_over_sqrt_r_on_both_sides() -> None:
+    model = build_peft(use_rslora=True, lora_alpha=20)
+    assert model.base_model.model.model.layers[0].mlp.down_proj.scaling["default"] == 20 / 4  # not 20 / 16
+    trainer_model = copy.deepcopy(model)
+    d = driver()
+    rollout = build_base(seed=7)
+    sink = _merge_sink(rollout)
+    for version in range(2):
+        await drive(sink, d, trainer_model, version)
+        ref = copy.deepcopy(trainer_model).merge_and_unload().state_dict()
+        _assert_holds(rollout, ref)
+        full = stream(driver("trainer.lora=full"), trainer_model)
+        assert all(torch.equal(full[n], ref[n]) for n in ref)
+        train_step(trainer_model, version)
+
+
+async def test_fan_in_fan_out_conv1d_gpt2_merges_bitwise_on_both_sides() -> None:
+    """GPT-2's `Conv1D` stores weights [in, out] (PEFT's `fan_in_fan_out=True`): lora_A [r, in] and lora_B
+    [out, r] fit the transposed weight (c_attn [32, 96], mlp.c_fc [32, 128], mlp.c_proj [128, 32]); the merge
+    sink accepts them and holds merge_and_unload's weights, and so does the trainer's merged stream."""
+    trainer_model = build_gpt2_peft()
+    d = driver()
+    rollout = build_gpt2_base(seed=7)
+    sink = _merge_sink(rollout)
+    for version in range(2):
+        await drive(sink, d, trainer_model, version)
+        merged = copy.deepcopy(trainer_model).merge_and_unload()
+        _assert_holds(rollout, merged.state_dict())
+        tokens = TOKENS[:, :6]  # eval: no dropout
+        assert torch.equal(rollout.eval()(input_ids=tokens).logits, merged.eval()(input_ids=tokens).logits)
+        full = stream(driver("trainer.lora=full"), trainer_model)
+        assert all(torch.equal(t, merged.state_dict()[n]) for n, t in full.items())
+        train_step(trainer_model, version)

@@ -863,7 +863,7 @@ def _largest_lora() -> LoraSpec:
     return LoraSpec(
         "adapter", True, MAX_LORA_RANK, 1e308, names[:quarter], 0.999, True, True, True, "lora_only",
         names[quarter : 2 * quarter], {n: MAX_LORA_RANK for n in names[2 * quarter : 3 * quarter]},
-        {n: 1e308 for n in names[3 * quarter :]}, _wide(64),
+        {n: 1e308 for n in names[3 * quarter :]}, _wide(64), lora_bias=True,
     )  # fmt: skip
 
 

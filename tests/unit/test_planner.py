@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_weightsync.config import VerifyMode, direct_min_bytes, load_config
@@ -193,6 +193,15 @@ def test_a_packed_bucket_holding_part_of_a_tensor_goes_out_before_a_direct_chunk
     assert [(b.direct, [e[0] for e in layout(b)]) for b in flushes(steps)] == [
         (False, ["s", "cut"]), (False, ["cut"]), (True, ["big"]), (True, ["big"]), (False, ["t"])
     ]  # fmt: skip
+    # the same with a whole tensor packed after the tail: the bucket [tail of cut, whole y] still holds part of a
+    # tensor (its last chunk being whole does not make the bucket whole), so it goes out before `big` too; the
+    # last flush is the empty terminator after a direct bucket
+    weights = [("s", raw(30, 1)), ("cut", raw(40, 2)), ("y", raw(4, 5)), ("big", raw(100, 3))]
+    steps = plan(BucketPlanner(64, direct_min=100, direct_device=CPU), weights)
+    assert [(b.direct, [e[0] for e in layout(b)]) for b in flushes(steps)] == [
+        (False, ["s", "cut"]), (False, ["cut", "y"]), (True, ["big"]), (True, ["big"]), (False, [])
+    ]  # fmt: skip
+    assert_bitwise(merged(execute(steps, 64), 64), weights)
     whole = plan(BucketPlanner(64, direct_min=100, direct_device=CPU), [("s", raw(30, 1)), ("big", raw(100, 3))])
     assert [(b.direct, [e[0] for e in layout(b)]) for b in flushes(whole)] == [
         (True, ["big"]), (True, ["big"]), (False, ["s"])
@@ -271,6 +280,9 @@ def streams(draw: st.DrawFn) -> list[tuple[str, torch.Tensor]]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(  # a packed bucket [tail of t0, whole t1] before a direct t2: not a bucket of whole tensors (issue 43)
+    weights=[("t0", raw(100)), ("t1", raw(3, 1)), ("t2", raw(333, 2))], bucket_size=64, direct_min=300, direct=True
+)
 @given(
     weights=streams(),
     bucket_size=st.sampled_from([3, 7, 64, 256, 4096]),

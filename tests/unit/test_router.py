@@ -78,3 +78,43 @@ async def test_a_blocking_send_to_a_peer_that_stops_reading_fails_after_the_send
         assert waited < send_wait_s + 5, f"the send to a peer that does not read took {waited:.1f}s"
     finally:
         assert await asyncio.to_thread(thread.stop)
+
+
+class _Descheduled(RouterThread):
+    """A socket thread that never gets to read (as when the OS does not schedule it for a while): every message
+    is then read by a send on the event loop's own thread (`submit` reads what is pending, for the fd's edge)."""
+
+    def _run(self) -> None:
+        while not self._stopping:
+            time.sleep(0.005)
+
+
+async def test_a_message_read_by_a_send_on_the_loop_wakes_a_waiting_receive_at_once(pair) -> None:
+    """The waiter sleeps on the arrival event; a message that a send on the loop read is in the inbox with no
+    socket-thread notification to come, so that read itself must wake the waiter (else it waits out its whole
+    timeout with a message queued: a `Ready` missed, a version failed)."""
+    router_sock, dealer = pair
+    thread = _Descheduled(router_sock, Inbox(), send_wait_s=2.0)
+    thread.start(asyncio.get_running_loop())
+    try:
+        dealer.send(b"hello")
+        deadline = time.monotonic() + 5
+        while not thread.inbox and time.monotonic() < deadline:
+            thread.submit([b"no-such-route", b"x"], zmq.NOBLOCK)  # each send reads what is pending
+            await asyncio.sleep(0.01)
+        route, _ = thread.take()  # type: ignore[misc]
+        for n in range(3):
+            waiter = asyncio.ensure_future(thread.wait(10))
+            await asyncio.sleep(0.05)  # the waiter is asleep on the event, the inbox empty
+            assert not waiter.done()
+            dealer.send(b"m%d" % n)
+            started = time.monotonic()
+            while not thread.inbox and time.monotonic() - started < 5:  # the loop's sends read it
+                await thread.send_multipart([route, b"ping"])
+                await asyncio.sleep(0.01)
+            assert thread.inbox, "the message never arrived"
+            assert await asyncio.wait_for(waiter, 2), "the wait ended without a message"
+            assert time.monotonic() - started < 2, "the waiter slept past a message a send on the loop had read"
+            assert thread.take()[1] == b"m%d" % n  # type: ignore[index]
+    finally:
+        assert await asyncio.to_thread(thread.stop)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_weightsync import ProtocolError
-from lightning_weightsync.protocol.chunks import TensorShard, as_bytes, split_weight_chunks
+from lightning_weightsync.protocol.chunks import TensorMeta, TensorShard, as_bytes, split_weight_chunks
 from lightning_weightsync.protocol.tiling import TilingMerger
 from tests.unit.test_chunks import assert_bitwise, make_tensor
 
@@ -111,6 +111,27 @@ def test_a_gap_names_the_tensor_the_bytes_and_the_senders() -> None:
     with pytest.raises(ProtocolError, match=r"gap in 'w': bytes \[4224, 6336\)") as info:
         merger.finish()
     assert "a:1" in str(info.value) and "d:4" in str(info.value) and "c:3" not in str(info.value)
+
+
+def test_a_chunk_at_a_negative_offset_is_refused_before_anything_is_written() -> None:
+    merger = TilingMerger(512, None, "cpu", ["a", "b"])
+    meta = TensorMeta("w", (16,), torch.float32, -4, 8)  # bytes [-4, 4): would land at the tensor's tail
+    with pytest.raises(ProtocolError, match=r"chunk \[-4, 4\) of 'w' from sender 1 \(b\) is outside its 64 bytes"):
+        merger.push(1, meta, torch.full((8,), 7, dtype=torch.uint8))
+    assert not merger.open  # nothing claimed
+
+
+@pytest.mark.parametrize("missing", [(63, 64), (0, 1), (31, 32)], ids=["last-byte", "first-byte", "middle-byte"])
+def test_a_one_byte_gap_anywhere_is_named_in_the_error(missing: tuple[int, int]) -> None:
+    """The gap check counts every byte: a single byte nobody sent at the end of a tensor is a gap too."""
+    data = torch.arange(64, dtype=torch.uint8)
+    merger = TilingMerger(512, None, "cpu", ["a", "b"])
+    for sender, (start, end) in enumerate([(0, missing[0]), (missing[1], 64)]):
+        if end > start:
+            merger.push(sender, TensorMeta("w", (16,), torch.float32, start, end - start), data[start:end].clone())
+    assert merger.gaps("w") == [missing]
+    with pytest.raises(ProtocolError, match=rf"gap in 'w': bytes \[{missing[0]}, {missing[1]}\) of 64"):
+        merger.finish()
 
 
 def test_a_sender_claiming_another_senders_range_is_an_overlap() -> None:

@@ -14,7 +14,7 @@ adapter config against the rollout's model before anything is applied.
   from a copy of the base weight the sink keeps (taken from the version that carried the base, or from
   the factory's model at the first version), with `protocol/lora.py`'s merge, which is bitwise PEFT's own
   (`merge_and_unload()` on the trainer). Memory: one extra copy of every targeted weight. `modules_to_save`
-  copies replace their module's tensors. Not supported here: DoRA, rank/alpha patterns (use `keep`).
+  copies replace their module's tensors. Not supported here: DoRA, `lora_bias`, rank/alpha patterns (use `keep`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class LoraLoader:
             "target_modules": _targets(config.target_modules),
             "use_rslora": bool(config.use_rslora),
             "use_dora": bool(config.use_dora),
+            "lora_bias": bool(getattr(config, "lora_bias", False)),
             "rank_pattern": {str(k): int(v) for k, v in (config.rank_pattern or {}).items()},
             "alpha_pattern": {str(k): float(v) for k, v in (config.alpha_pattern or {}).items()},
         }
@@ -105,6 +106,12 @@ class LoraLoader:
             raise SinkError(
                 "rollout.sink.lora=merge merges adapters into a plain model, but rollout.sink.factory built a PEFT "
                 "model; return the base model there, or set rollout.sink.lora=keep"
+            )
+        if spec.lora_bias:
+            raise SinkError(
+                "the adapter has lora_bias=True (a bias on every lora_B), which rollout.sink.lora=merge does not "
+                "merge; set rollout.sink.lora=keep (rollout.sink.factory builds the PEFT model with the trainer's "
+                "LoraConfig)"
             )
         if spec.use_dora or spec.rank_pattern or spec.alpha_pattern:
             raise SinkError(

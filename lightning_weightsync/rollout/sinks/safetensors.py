@@ -175,7 +175,7 @@ def _fsync_dir(path: Path) -> None:
 
 def adapter_config(spec: LoraSpec) -> dict[str, object]:
     """The `adapter_config.json` of an adapter version: PEFT's `LoraConfig` fields, from the version's spec."""
-    return {
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": spec.task_type,
         "base_model_name_or_path": None,
@@ -192,6 +192,9 @@ def adapter_config(spec: LoraSpec) -> dict[str, object]:
         "rank_pattern": spec.rank_pattern,
         "alpha_pattern": spec.alpha_pattern,
     }
+    if spec.lora_bias:  # only when set: a PEFT before 0.14 (no such field) still loads every other adapter
+        config["lora_bias"] = True
+    return config
 
 
 class SafetensorsSink(Sink):
