@@ -238,18 +238,33 @@ def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path
     os.unlink(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"])
 
 
-def test_vllms_own_plugin_discovery_registers_our_engine() -> None:
+def test_vllms_own_plugin_discovery_registers_our_engine_and_its_factory_builds_it() -> None:
     """Through the entry point vLLM itself loads in every process (`load_general_plugins` reads the
-    `vllm.general_plugins` group of the installed distributions), not a direct `plugin.register()`."""
+    `vllm.general_plugins` group of the installed distributions), not a direct `plugin.register()`; then
+    vLLM's factory builds our engine from the name alone, as a worker's `init_weight_transfer_engine` does."""
+    import os
     import subprocess
     import sys
 
     code = (
+        "from types import SimpleNamespace\n"
+        "import torch\n"
         "from vllm.plugins import load_general_plugins\n"
+        "from vllm.config.weight_transfer import WeightTransferConfig\n"
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
         "load_general_plugins()\n"
         "print('lightning_weightsync' in F._registry)\n"
+        "cfg = SimpleNamespace(parallel_config=SimpleNamespace(), speculative_config=None, offload_config=None,\n"
+        "                      model_config=SimpleNamespace(quantization=None, enable_sleep_mode=False))\n"
+        "engine = F.create_engine(WeightTransferConfig(backend='lightning_weightsync'), cfg, torch.device('cpu'),\n"
+        "                         torch.nn.Linear(2, 2))\n"
+        "print(type(engine).__module__ + '.' + type(engine).__name__)\n"
+        "engine.shutdown()\n"
     )  # a fresh interpreter: nothing of ours imported before vLLM's discovery runs
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_WEIGHTSYNC_CONFIG"}  # built bare: no receiver
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == [
+        "True",
+        "lightning_weightsync.rollout_engines.vllm.engine.LightningWeightSyncEngine",
+    ], out.stdout[-2000:]
