@@ -194,6 +194,7 @@ def _optional(module: str, name: str) -> Any:
 
 
 def reload_hooks() -> ReloadHooks:
+    """The installed vLLM's `ReloadHooks` (imports its model loader: call it when the engine is built)."""
     from vllm.model_executor.model_loader import reload
 
     start_reload = getattr(reload, "start_reload", None)
@@ -201,8 +202,7 @@ def reload_hooks() -> ReloadHooks:
     if start_reload is not None and finish_reload is not None:
         begin, finish = start_reload, finish_reload
     else:
-        initialize, finalize = reload.initialize_layerwise_reload, reload.finalize_layerwise_reload
-        begin = initialize
+        begin, finalize = reload.initialize_layerwise_reload, reload.finalize_layerwise_reload
 
         def finish(model: torch.nn.Module, model_config: Any, device: torch.device) -> None:
             finalize(model, model_config)
