@@ -1,6 +1,6 @@
 """vLLM rollouts end to end on CPU: a 2-process Lightning trainer drives two STAND-IN `vllm serve`
 processes (tests/support/vllm_standin.py: vLLM's real routes and engine base, checked against
-tests/data/vllm_api.json) that each run OUR engine body. Generation keeps running between versions,
+tests/data/vllm_api-<version>.json) that each run OUR engine body. Generation keeps running between versions,
 is paused only around each transfer, the final weights equal the trainer's bitwise, and the version
 number reaches vLLM's `weight_version`."""
 

@@ -1,10 +1,13 @@
 """The vLLM API surface we rely on, read from vLLM's source with `ast` (nothing of vLLM is imported).
 
-`tests/data/vllm_api.json` is this, taken from vLLM 0.33.0. The default test run checks the
-stand-in (tests/support/vllm_standin.py) against the JSON; `./dev vllm-contract` re-derives it from
-the installed vLLM and compares, then runs our engine on vLLM's real base class.
+One snapshot per supported vLLM release, `tests/data/vllm_api-<version>.json` (0.33.0 and 0.34.0 today;
+the `vllm` extra in pyproject.toml is the range they span). The default test run checks the stand-ins
+(tests/support/vllm_standin.py, tests/unit/test_vllm_control.py) against every snapshot; `./dev
+vllm-contract` (VLLM_VERSION=...) re-derives the installed release's snapshot and compares, then runs our
+engine on vLLM's real base class. A function a release lacks is recorded as `null`, so the diff of two
+snapshots says what a release removed, renamed or added.
 
-    python -m tests.support.vllm_api <path to the vllm package>   # prints the JSON
+    python -m tests.support.vllm_api <path to the vllm package> <version>   # prints the JSON
 """
 
 from __future__ import annotations
@@ -62,6 +65,39 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ),
     # --worker-extension-cls is mixed in here; /collective_rpc's method names resolve through __getattr__
     ("v1/worker/worker_base.py", "WorkerWrapperBase", ["init_worker", "__getattr__"]),
+    # what engine.py re-derives after a rollback (the hook's arguments changed in 0.34.0)
+    ("model_executor/layers/attention/attention.py", "Attention", ["process_weights_after_loading"]),
+    ("model_executor/layers/attention/mla_attention.py", "MLAAttention", ["process_weights_after_loading"]),
+]
+# (file under vllm/, functions): module-level functions our engine (rollout_engines/vllm/engine.py) or its
+# contract test calls, where vLLM defines them; one a release lacks is recorded as null, which engine.py
+# handles by feature (ReloadHooks), never by version
+FUNCTIONS: list[tuple[str, list[str]]] = [
+    (
+        "model_executor/model_loader/reload/layerwise.py",
+        ["record_metadata_for_reloading", "initialize_layerwise_reload", "finalize_layerwise_reload"],
+    ),
+    ("model_executor/model_loader/reload/lifecycle.py", ["start_reload", "finish_reload", "weight_update_active"]),
+    ("model_executor/model_loader/mtp_validation.py", ["disable_mtp_completeness_check"]),
+    ("model_executor/model_loader/weight_utils.py", ["finalize_model_weights"]),
+    ("model_executor/utils.py", ["weights_already_processed"]),
+    ("model_executor/layers/attention/__init__.py", ["is_deferred_attention_layer"]),
+    ("distributed/parallel_state.py", ["get_world_group"]),
+    ("plugins/__init__.py", ["load_general_plugins"]),
+]
+# (package __init__ under vllm/, names): what engine.py imports from the package, present in its __all__
+EXPORTS: list[tuple[str, list[str]]] = [
+    (
+        "model_executor/model_loader/reload/__init__.py",
+        [
+            "record_metadata_for_reloading",
+            "initialize_layerwise_reload",
+            "finalize_layerwise_reload",
+            "start_reload",
+            "finish_reload",
+            "weight_update_active",
+        ],
+    ),
 ]
 ROUTE_FILES = [
     "entrypoints/rl/online/api_router.py",
@@ -139,8 +175,38 @@ def _model_fields(vllm_root: Path, name: str) -> list[str]:
     return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
 
 
+def _module(rel: str) -> str:
+    return "vllm." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _functions(vllm_root: Path) -> list[dict[str, Any]]:
+    out = []
+    for rel, names in FUNCTIONS:
+        path = vllm_root / rel
+        tree = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[], type_ignores=[])
+        defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+        for name in names:
+            fn = defs.get(name)
+            out.append({"module": _module(rel), "function": name, "params": _params(fn) if fn else None})
+    return out
+
+
+def _exports(vllm_root: Path) -> list[dict[str, Any]]:
+    out = []
+    for rel, names in EXPORTS:
+        exported: set[str] = set()
+        for node in ast.parse((vllm_root / rel).read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                assert isinstance(node, ast.Assign) and isinstance(node.value, ast.List | ast.Tuple)
+                exported = {str(e.value) for e in node.value.elts if isinstance(e, ast.Constant)}
+        out.append({"module": _module(rel), "names": [n for n in names if n in exported]})
+    return out
+
+
 def extract(vllm_root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"methods": [], "routes": []}
+    out["functions"], out["exports"] = _functions(vllm_root), _exports(vllm_root)
     for rel, cls, methods in METHODS:
         tree = ast.parse((vllm_root / rel).read_text())
         node = _find_class(tree, cls)
@@ -149,7 +215,7 @@ def extract(vllm_root: Path) -> dict[str, Any]:
             fn = defs[m]
             out["methods"].append(
                 {
-                    "module": "vllm." + rel[:-3].replace("/", "."),
+                    "module": _module(rel),
                     "class": cls,
                     "method": m,
                     "params": _params(fn),
@@ -182,6 +248,41 @@ def extract(vllm_root: Path) -> dict[str, Any]:
                     {"path": dec.args[0].value, "method": dec.func.attr.upper(), "query": query, "body": body}
                 )
     out["routes"].sort(key=lambda r: r["path"])
+    return out
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def snapshot_path(version: str) -> Path:
+    return DATA / f"vllm_api-{version}.json"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+def supported_versions() -> list[str]:
+    """The vLLM releases a snapshot is pinned for, oldest first."""
+    found = [p.name.removeprefix("vllm_api-").removesuffix(".json") for p in DATA.glob("vllm_api-*.json")]
+    return sorted(found, key=_version_key)
+
+
+def snapshot(version: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(snapshot_path(version).read_text())
+    return data
+
+
+def routes_on_every_version() -> dict[str, dict[str, Any]]:
+    """path -> {"method", "query", "body"}: the parameters every supported release's route declares (what a
+    client may send to any of them)."""
+    out: dict[str, dict[str, Any]] = {}
+    for version in supported_versions():
+        for r in snapshot(version)["routes"]:
+            seen = out.setdefault(r["path"], {"method": r["method"], "query": r["query"], "body": r["body"]})
+            assert seen["method"] == r["method"], (r["path"], version)
+            seen["query"] = [q for q in seen["query"] if q in r["query"]]
+            seen["body"] = [b for b in seen["body"] if b in r["body"]]
     return out
 
 

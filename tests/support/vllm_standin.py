@@ -1,13 +1,15 @@
 """STAND-IN for a `vllm serve` rollout (vLLM cannot run on this CPU machine). Clearly not vLLM.
 
-It mirrors only API that vLLM 0.33.0 really has, and tests/unit/test_vllm_contract.py checks its
-signatures and routes against tests/data/vllm_api.json (taken from vLLM's source):
+It mirrors only API that vLLM 0.33.0 and 0.34.0 both really have (each method cites the vLLM file:line it
+mirrors, as "0.33.0 / 0.34.0" where they differ), and tests/unit/test_vllm_contract.py checks its signatures
+and routes against every tests/data/vllm_api-<version>.json (taken from vLLM's source):
 
 - `StandInWeightTransferEngine`: vLLM's `WeightTransferEngine` base (distributed/weight_transfer/
   base.py): `__init__(config, vllm_config, device, model)` sets the same attributes, `update_weights`
   parses the dict and calls `receive_weights` (the accelerator sync is a no-op on CPU).
 - `StandInWorker`: the weight-update methods of vLLM's GPU `Worker` (v1/worker/gpu_worker.py): the
-  one-session-at-a-time flag, a failed update ending the session.
+  one-session-at-a-time flag, a failed update ending the session (0.34.0 also lends the KV cache to the
+  update and, with VLLM_RELOAD_MODE=direct, ends the session on a failed finish: neither is mirrored).
 - `StandInServer`: the RL routes (entrypoints/rl/online/api_router.py) and `/reset_prefix_cache`
   (entrypoints/serve/dev/cache/api_router.py) with their query and body parameters. An exception in
   a handler is an HTTP 500, as FastAPI makes it.
@@ -44,7 +46,9 @@ from lightning_weightsync.rollout_engines.vllm.worker import WeightSyncEngineBod
 
 
 class StandInModel(TinyLM):
-    """The tiny LM with vLLM's model interface for weight loading: `load_weights(weights)`."""
+    """The tiny LM with vLLM's model interface for weight loading: `load_weights(weights)` (every vLLM model
+    has one, e.g. model_executor/models/qwen3.py:346 / 352; a parameter without a loader is copied as
+    model_loader/weight_utils.py:1529 / 1588 default_weight_loader does)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
@@ -65,19 +69,21 @@ class StandInModel(TinyLM):
 
 @dataclass
 class StandInWeightTransferConfig:
-    """vllm.config.weight_transfer.WeightTransferConfig: one field."""
+    """vllm.config.weight_transfer.WeightTransferConfig (config/weight_transfer.py:9 in both): one field."""
 
     backend: str = "nccl"
 
 
 class StandInWeightTransferEngine:
-    """vLLM's `WeightTransferEngine` base, the parts our engine uses (signatures as in 0.33.0)."""
+    """vLLM's `WeightTransferEngine` base, the parts our engine uses (distributed/weight_transfer/base.py:428;
+    the file is the same in 0.33.0 and 0.34.0, so each line cited is both)."""
 
     init_info_cls: type[Any]
     update_info_cls: type[Any]
     supports_draft_weight_update: bool = True
     defers_processing: bool = False
 
+    # base.py:478
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         self.config = config
         self.vllm_config = vllm_config
@@ -88,40 +94,50 @@ class StandInWeightTransferEngine:
         self._default_model_config = self.model_config
         self._default_model = model
 
+    # base.py:503
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         self.model, self.model_config = model, model_config
 
+    # base.py:512
     def reset_weight_update_target(self) -> None:
         self.model, self.model_config = self._default_model, self._default_model_config
 
+    # base.py:517
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         try:
             return self.init_info_cls(**init_dict)
         except TypeError as e:
             raise ValueError(f"Invalid init_info for {self.__class__.__name__}: {e}") from e
 
+    # base.py:537
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
         try:
             return self.update_info_cls(**update_dict)
         except TypeError as e:
             raise ValueError(f"Invalid update_info for {self.__class__.__name__}: {e}") from e
 
+    # base.py:558
     def init_transfer_engine(self, init_info: Any) -> None:
         raise NotImplementedError
 
+    # base.py:569
     def start_weight_update(self) -> None:
         raise NotImplementedError
 
+    # base.py:579
     def finish_weight_update(self) -> None:
         raise NotImplementedError
 
+    # base.py:587
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
         # vLLM: torch.accelerator.synchronize() here; nothing to wait for on CPU
 
+    # base.py:601
     def receive_weights(self, update_info: Any) -> None:
         raise NotImplementedError
 
+    # base.py:612
     def shutdown(self) -> None:
         raise NotImplementedError
 
@@ -136,16 +152,19 @@ class StandInEngine(WeightSyncEngineBody, StandInWeightTransferEngine):
 
 
 class StandInWorker:
-    """vLLM's GPU `Worker`, its weight-update methods (one session at a time, a failed update ends it)."""
+    """vLLM's GPU `Worker` (v1/worker/gpu_worker.py), its weight-update methods (one session at a time, a failed
+    update ends it)."""
 
     def __init__(self, engine: StandInEngine) -> None:
         self.weight_transfer_engine = engine
         self._weight_update_active = False
 
+    # gpu_worker.py:1519 / 1629
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         engine = self.weight_transfer_engine
         engine.init_transfer_engine(engine.parse_init_info(init_info))
 
+    # gpu_worker.py:1542 / 1655
     def start_weight_update(self) -> None:
         if self._weight_update_active:
             raise RuntimeError(
@@ -154,6 +173,7 @@ class StandInWorker:
         self.weight_transfer_engine.start_weight_update()
         self._weight_update_active = True
 
+    # gpu_worker.py:1592 / 1718 (a failure: 1624-1631 / 1750-1752, _end_weight_update 1754)
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if not self._weight_update_active:
             raise RuntimeError("start_weight_update must be called before update_weights.")
@@ -164,6 +184,7 @@ class StandInWorker:
             self.weight_transfer_engine.reset_weight_update_target()
             raise
 
+    # gpu_worker.py:1633 / 1764
     def finish_weight_update(self) -> None:
         if not self._weight_update_active:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
@@ -173,7 +194,12 @@ class StandInWorker:
 
 
 class StandInServer:
-    """The routes of `vllm serve` with VLLM_SERVER_DEV_MODE=1 that weight sync uses, over one worker."""
+    """The routes of `vllm serve` with VLLM_SERVER_DEV_MODE=1 that weight sync uses, over one worker. Where each
+    is declared (the same line in 0.33.0 and 0.34.0): entrypoints/rl/online/api_router.py /pause :31, /resume :78,
+    /init_weight_transfer_engine :162, /start_weight_update :181, /update_weights :195, /finish_weight_update
+    :207, /get_world_size :269; entrypoints/serve/dev/cache/api_router.py /reset_prefix_cache :20;
+    entrypoints/serve/dev/rpc/api_router.py /collective_rpc :23; entrypoints/serve/lora/api_router.py
+    /v1/load_lora_adapter :63 (checked as entrypoints/openai/models/serving.py:167 load_lora_adapter)."""
 
     ROUTES = {
         "/pause": (["mode", "clear_cache"], []),

@@ -1,5 +1,5 @@
-"""`RolloutControl` over real HTTP (a recording server with vLLM 0.33.0's routes): the order of the
-calls, their query and body parameters (checked against tests/data/vllm_api.json), update_weights
+"""`RolloutControl` over real HTTP (a recording server with vLLM's routes): the order of the calls, their
+query and body parameters (checked against every supported release's tests/data/vllm_api-<version>.json), update_weights
 running while the sender sends, failures named by URL, and resume always."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import re
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +20,9 @@ from lightning_weightsync.rollout_engines.control import RolloutControl
 from lightning_weightsync.rollout_engines.vllm.client import EngineRolloutClient, HTTPRolloutClient
 from lightning_weightsync.rollout_engines.vllm.config import PauseMode
 from tests.support.mp import free_port
+from tests.support.vllm_api import routes_on_every_version
 
-API = json.loads((Path(__file__).resolve().parents[1] / "data" / "vllm_api.json").read_text())
-ROUTES = {r["path"]: r for r in API["routes"]}
+ROUTES = routes_on_every_version()  # what every supported vLLM release's routes declare
 
 
 class Recorder:
@@ -135,7 +134,7 @@ def test_one_version_calls_vllm_routes_in_order_with_their_real_parameters(serve
         assert calls["/finish_weight_update"][1] == {"weight_version": "7"}  # vLLM's weight_version is a str
         # kept requests hold their KV blocks: vLLM resets only if they are preempted and re-prefilled
         assert calls["/reset_prefix_cache"][0] == {"reset_running_requests": "true"}
-        for path, query, body in r.calls:  # only parameters vLLM 0.33.0's routes declare
+        for path, query, body in r.calls:  # only parameters every supported vLLM's routes declare
             assert set(query) <= set(ROUTES[path]["query"]) and set(body) <= set(ROUTES[path]["body"]), path
     assert ctl.last_timings is not None and ctl.last_timings.paused_s >= ctl.last_timings.update_s
     ctl.close()
@@ -245,27 +244,34 @@ def test_from_config_builds_one_client_per_url() -> None:
 
 
 class FakeAsyncLLM:
-    """STAND-IN for `AsyncLLM`'s weight-update methods (coroutines, names and parameters as in vLLM
-    0.33.0; test_vllm_contract checks them against the snapshot)."""
+    """STAND-IN for `AsyncLLM`'s weight-update methods (coroutines, names and parameters as in vLLM 0.33.0 and
+    0.34.0, vllm/v1/engine/async_llm.py, lines cited per method as 0.33.0 / 0.34.0; test_vllm_contract checks
+    them against every snapshot)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
+    # async_llm.py:989 / 1003
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(("pause_generation", mode))
 
+    # async_llm.py:1026 / 1040
     async def resume_generation(self) -> None:
         self.calls.append(("resume_generation", None))
 
+    # async_llm.py:1413 / 1436
     async def start_weight_update(self) -> None:
         self.calls.append(("start_weight_update", None))
 
+    # async_llm.py:1421 / 1444
     async def update_weights(self, request: Any) -> None:
         self.calls.append(("update_weights", request.update_info))
 
+    # async_llm.py:1432 / 1455
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish_weight_update", weight_version))
 
+    # async_llm.py:1188 / 1202
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True

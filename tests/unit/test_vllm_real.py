@@ -1,10 +1,11 @@
-"""Against the REAL vLLM (skipped without it; `./dev vllm-contract` runs it in .venv-vllm on CPU):
-the API snapshot equals what the installed vLLM's source says, the plugin registers our engine with
-vLLM's real factory, the factory builds it, and vLLM's own `update_weights` (base class) drives our
-`receive_weights` through a real version from a real sender over gloo, bitwise."""
+"""Against the REAL vLLM (skipped without it; `./dev vllm-contract` runs it in .venv-vllm-<version> on CPU,
+for each supported release): the installed release's API snapshot equals what its source says, the plugin
+registers our engine with vLLM's real factory, the factory builds it, and vLLM's own `update_weights` (base
+class) drives our `receive_weights` through a real version from a real sender over gloo, bitwise."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import threading
@@ -29,21 +30,54 @@ from lightning_weightsync.rollout_engines.vllm import plugin
 from lightning_weightsync.rollout_engines.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
 from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
-from tests.support.vllm_api import extract
+from tests.support.vllm_api import extract, snapshot, snapshot_path, supported_versions
 from tests.support.vllm_standin import StandInModel
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_snapshot_matches_the_installed_vllm_source() -> None:
-    import vllm
-
-    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # type: ignore[union-attr]
-    snapshot = json.loads((REPO / "tests" / "data" / "vllm_api.json").read_text())
-    assert {"vllm_version": snapshot["vllm_version"], **extract(root)} == snapshot, (
-        f"vLLM {vllm.__version__} differs from the snapshot of {snapshot['vllm_version']}: "
-        "re-check rollout_engines/vllm and rollout_engines/control.py, then regenerate tests/data/vllm_api.json"
+    installed = importlib.metadata.version("vllm")
+    assert installed in supported_versions(), (
+        f"vLLM {installed} has no snapshot (supported: {supported_versions()}): check rollout_engines/vllm and "
+        f"rollout_engines/control.py against its source, then pin {snapshot_path(installed).relative_to(REPO)} "
+        "(python -m tests.support.vllm_api <its vllm package> <version>) and widen the vllm extra"
     )
+    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # type: ignore[union-attr]
+    assert {"vllm_version": installed, **extract(root)} == snapshot(installed), (
+        f"vLLM {installed} differs from its snapshot: re-check rollout_engines/vllm and rollout_engines/control.py, "
+        f"then regenerate {snapshot_path(installed).relative_to(REPO)}"
+    )
+
+
+def test_the_engine_picks_the_installed_releases_model_loader_hooks_by_feature() -> None:
+    """0.34.0 removed mtp_validation and renamed the reload lifecycle (start_reload / finish_reload); the
+    engine asks the installed vLLM what it has. The check here is of behaviour: while our engine loads a
+    version, vLLM's MTP completeness check is off (0.33.0: the scoped flag; 0.34.0: an update is active)."""
+    from vllm.model_executor.model_loader import reload
+
+    from lightning_weightsync.rollout_engines.vllm.engine import reload_hooks
+
+    hooks = reload_hooks()
+    renamed = hasattr(reload, "start_reload")
+    has_mtp_validation = importlib.util.find_spec("vllm.model_executor.model_loader.mtp_validation") is not None
+    assert renamed != has_mtp_validation  # one or the other in each supported release
+    assert hooks.begin is (reload.start_reload if renamed else reload.initialize_layerwise_reload)
+    model = StandInModel(build_model().config)
+    reload.record_metadata_for_reloading(model)
+    hooks.begin(model)
+    with hooks.load_context():
+        if renamed:
+            assert reload.weight_update_active()
+        else:
+            from vllm.model_executor.model_loader.mtp_validation import is_mtp_completeness_check_enabled
+
+            assert not is_mtp_completeness_check_enabled()
+        model.load_weights(build_model(seed=2).state_dict().items())
+    hooks.finish(model, SimpleNamespace(dtype=torch.float32), torch.device("cpu"))
+    assert not any(p.is_meta for p in model.parameters())
+    if renamed:
+        assert not reload.weight_update_active()
 
 
 def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,6 +102,7 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
     torch.manual_seed(3)
     model = StandInModel(build_model().config)
+    model.post_load = PostLoadHook()  # a layer that derives state after loading (no tensors of its own)
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
     record_metadata_for_reloading(model)  # as vLLM's model loader does for every model it builds
@@ -137,6 +172,7 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
             return loads(weights)
 
         model.load_weights = failing  # type: ignore[method-assign]
+        model.post_load.calls.clear()
         thread = threading.Thread(target=rollout, args=(2,))
         thread.start()
         with pytest.raises(PeerError, match=r"norm\.weight"):
@@ -146,10 +182,32 @@ def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, m
         state = model.state_dict()
         assert all(torch.equal(state[k], v) for k, v in expected.items())
         assert engine.version == 1 and not engine.incomplete and not engine._reload_active
+        # after the rollback, layers re-derive their state from the restored kernel-format tensors: 0.34.0 runs
+        # every module's post-load hook (no argument) under weights_already_processed, as its own kernel-format
+        # reload does (model_loader/reload/inplace.py:112-114); 0.33.0 re-processes deferred attention layers only
+        from vllm.model_executor.model_loader import weight_utils
+
+        if hasattr(weight_utils, "finalize_model_weights"):
+            assert model.post_load.calls[-1] is True
         assert not any(p.is_meta for p in model.parameters())
     finally:
         engine.shutdown()
         sender.close()
+
+
+class PostLoadHook(torch.nn.Module):
+    """A module with vLLM's post-load hook, as 0.34.0 calls it (`process_weights_after_loading()`,
+    model_executor/layers/attention/attention.py:620 in 0.34.0); records whether weights were marked
+    already processed (kernel format) when it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bool] = []
+
+    def process_weights_after_loading(self) -> None:
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        self.calls.append(is_weights_pre_processed())
 
 
 def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path) -> None:
@@ -180,18 +238,33 @@ def test_the_launcher_execs_vllm_serve_with_our_engine_and_config(tmp_path: Path
     os.unlink(got["env"]["LIGHTNING_WEIGHTSYNC_CONFIG"])
 
 
-def test_vllms_own_plugin_discovery_registers_our_engine() -> None:
+def test_vllms_own_plugin_discovery_registers_our_engine_and_its_factory_builds_it() -> None:
     """Through the entry point vLLM itself loads in every process (`load_general_plugins` reads the
-    `vllm.general_plugins` group of the installed distributions), not a direct `plugin.register()`."""
+    `vllm.general_plugins` group of the installed distributions), not a direct `plugin.register()`; then
+    vLLM's factory builds our engine from the name alone, as a worker's `init_weight_transfer_engine` does."""
+    import os
     import subprocess
     import sys
 
     code = (
+        "from types import SimpleNamespace\n"
+        "import torch\n"
         "from vllm.plugins import load_general_plugins\n"
+        "from vllm.config.weight_transfer import WeightTransferConfig\n"
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
         "load_general_plugins()\n"
         "print('lightning_weightsync' in F._registry)\n"
+        "cfg = SimpleNamespace(parallel_config=SimpleNamespace(), speculative_config=None, offload_config=None,\n"
+        "                      model_config=SimpleNamespace(quantization=None, enable_sleep_mode=False))\n"
+        "engine = F.create_engine(WeightTransferConfig(backend='lightning_weightsync'), cfg, torch.device('cpu'),\n"
+        "                         torch.nn.Linear(2, 2))\n"
+        "print(type(engine).__module__ + '.' + type(engine).__name__)\n"
+        "engine.shutdown()\n"
     )  # a fresh interpreter: nothing of ours imported before vLLM's discovery runs
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_WEIGHTSYNC_CONFIG"}  # built bare: no receiver
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == [
+        "True",
+        "lightning_weightsync.rollout_engines.vllm.engine.LightningWeightSyncEngine",
+    ], out.stdout[-2000:]

@@ -16,7 +16,11 @@ module binds it to vLLM's base classes and model-loading hooks, and is only impo
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,9 +79,7 @@ class LightningWeightSyncEngine(
         super().__init__(config, vllm_config, device, model)
         # imported here, not on the first version: a cold import inside receive_weights would delay
         # the worker's Ready past transport.ready_timeout_s
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        self._no_mtp_check = disable_mtp_completeness_check
+        self._reload = reload_hooks()
         self._weightsync_setup()
 
     # -- vLLM model hooks ---------------------------------------------------------------------------
@@ -122,22 +124,18 @@ class LightningWeightSyncEngine(
 
     def _needs_layerwise_reload(self) -> bool:
         # Every model, as vLLM's own checkpoint-format engines do (distributed/weight_transfer/nccl_engine.py
-        # start/finish_weight_update, ipc_engine.py likewise, in 0.33.0): not only quantized layers derive
-        # weights after loading (FP8 scales) but unquantized ones too (MLA's W_UK/W_UV from kv_b_proj,
+        # start/finish_weight_update, ipc_engine.py likewise, in 0.33.0 and 0.34.0): not only quantized layers
+        # derive weights after loading (FP8 scales) but unquantized ones too (MLA's W_UK/W_UV from kv_b_proj,
         # unquantized MoE on the FlashInfer TRTLLM/CUTLASS paths, CPU/ROCm repacking); loading raw
         # checkpoint tensors in place would leave those stale. The reload re-creates each layer, loads and
         # re-processes it. The one exception is CPU offload, which the reload does not compose with.
         return not self._cpu_offloaded()
 
     def _begin_layerwise_reload(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        self._reload.begin(self.model)
 
     def _finish_layerwise_reload(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        self._reload.finish(self.model, self.model_config, self.device)
 
     def _server_group(self) -> Any:
         # every worker of this server: vLLM's world group spans TP x PP x PCP and, with data parallelism, the DP
@@ -151,20 +149,89 @@ class LightningWeightSyncEngine(
         return world.cpu_group if world.world_size > 1 else None
 
     def _after_restore(self) -> None:
-        # As vLLM's reload ends (model_loader/reload/layerwise.py _finalize_attention_layer): attention layers
-        # re-derive what they keep outside their kernel tensors (MLA's W_UK_T / W_UV from kv_b_proj) from the
-        # restored weights.
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-        dtype = getattr(self.model_config, "dtype", None)
-        for layer in self.model.modules():
-            if is_deferred_attention_layer(layer):
-                # vLLM's layer method; torch types a Module's attributes as Tensor | Module
-                layer.process_weights_after_loading(dtype)  # type: ignore[operator]
+        # HostCopy.restore put kernel-format tensors back: re-derive what layers keep outside them (MLA's
+        # W_UK_T / W_UV from kv_b_proj), as vLLM's own reload of kernel-format weights ends
+        self._reload.after_kernel_format_restore(self.model, getattr(self.model_config, "dtype", None))
 
     def _load_context(self) -> Any:
-        # As vLLM's NCCL engine: a checkpoint stream may omit MTP layers the target does not load.
-        return self._no_mtp_check()
+        # A version's stream may omit MTP layers the target does not load: vLLM's NCCL engine skips their
+        # completeness check around load_weights (0.33.0; 0.34.0 skips it between start_reload and finish_reload)
+        return self._reload.load_context()
 
 
-__all__ = ["LightningWeightSyncEngine", "LightningWeightSyncInitInfo", "LightningWeightSyncUpdateInfo"]
+@dataclass(frozen=True)
+class ReloadHooks:
+    """The model-loader calls of the vLLM release installed, found by what it has, never by its version string:
+
+    - begin / finish a checkpoint-format update: 0.34.0's `start_reload` / `finish_reload(model, model_config,
+      device)` (model_loader/reload/lifecycle.py:26,36; they honour `VLLM_RELOAD_MODE` and mark the update
+      active, which is what turns off the MTP completeness checks there), else 0.33.0's
+      `initialize_layerwise_reload` / `finalize_layerwise_reload(model, model_config)` (reload/layerwise.py:83,287)
+    - `load_context`: 0.33.0's `disable_mtp_completeness_check()` (model_loader/mtp_validation.py:20), a module
+      0.34.0 removed (a null context there)
+    - after a kernel-format restore: 0.34.0's `finalize_model_weights` under `weights_already_processed`
+      (model_loader/weight_utils.py:1549, reload/inplace.py:112-114: every module's post-load hook, taking no
+      argument), else 0.33.0's `process_weights_after_loading(dtype)` of each deferred attention layer
+      (reload/layerwise.py:303)
+    """
+
+    begin: Callable[[torch.nn.Module], None]
+    finish: Callable[[torch.nn.Module, Any, torch.device], None]
+    load_context: Callable[[], AbstractContextManager[Any]]
+    after_kernel_format_restore: Callable[[torch.nn.Module, Any], None]
+
+
+def _optional(module: str, name: str) -> Any:
+    """`module.name`, or None where this vLLM has no such module or attribute (an error inside a module that
+    exists is raised)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+            return None
+        raise
+    return getattr(mod, name, None)
+
+
+def reload_hooks() -> ReloadHooks:
+    """The installed vLLM's `ReloadHooks` (imports its model loader: call it when the engine is built)."""
+    from vllm.model_executor.model_loader import reload
+
+    start_reload = getattr(reload, "start_reload", None)
+    finish_reload = getattr(reload, "finish_reload", None)
+    if start_reload is not None and finish_reload is not None:
+        begin, finish = start_reload, finish_reload
+    else:
+        begin, finalize = reload.initialize_layerwise_reload, reload.finalize_layerwise_reload
+
+        def finish(model: torch.nn.Module, model_config: Any, device: torch.device) -> None:
+            finalize(model, model_config)
+
+    no_mtp_check = _optional("vllm.model_executor.model_loader.mtp_validation", "disable_mtp_completeness_check")
+    finalize_model_weights = _optional("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights")
+    if finalize_model_weights is not None:
+        from vllm.model_executor.utils import weights_already_processed
+
+        def after_restore(model: torch.nn.Module, dtype: Any) -> None:
+            with weights_already_processed():
+                finalize_model_weights(model)
+
+    else:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        def after_restore(model: torch.nn.Module, dtype: Any) -> None:
+            for layer in model.modules():
+                if is_deferred_attention_layer(layer):
+                    # vLLM's layer method; torch types a Module's attributes as Tensor | Module
+                    layer.process_weights_after_loading(dtype)  # type: ignore[operator]
+
+    return ReloadHooks(begin, finish, no_mtp_check or contextlib.nullcontext, after_restore)
+
+
+__all__ = [
+    "LightningWeightSyncEngine",
+    "LightningWeightSyncInitInfo",
+    "LightningWeightSyncUpdateInfo",
+    "ReloadHooks",
+    "reload_hooks",
+]
