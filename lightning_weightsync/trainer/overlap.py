@@ -387,9 +387,10 @@ class OverlapSync:
                 if isinstance(item, TensorShard):
                     staged = self.staging.copy(name, item.data)
                     snap.items.append((name, TensorShard(item.shape, item.dtype, item.byte_offset, staged)))
-                elif isinstance(item, PendingGather):
+                elif isinstance(item, PendingGather):  # given its mirror mesh once staged (`_stage_shards`)
+                    local = self.staging.copy(name, item.tensor.to_local(), item.dtype)
                     pending.append((len(snap.items), item))
-                    snap.items.append((name, self.staging.copy(name, item.tensor.to_local(), item.dtype)))
+                    snap.items.append((name, local))
                 else:
                     snap.items.append((name, self.staging.copy(name, item)))
             except Exception as exc:  # e.g. out of memory for the staging buffers

@@ -5,6 +5,13 @@ are sent in the background while training goes on, into a real WeightReceiver th
 The trainer keeps a reference copy of its weights right after every optimizer step (a callback ahead of
 the sync's, gathering on every rank); every version the rollout holds must equal its step's bitwise: a
 send that read the live parameters instead of the snapshot would hold a later step's (or a mix).
+
+The failure paths (issue 43: each of these bugs passed the suite) run in one set of processes of their own,
+a case after another, each on `SyncDriver` with real FSDP2 steps in a 2-rank gloo group and its own real
+rollout (tests/support/overlap.py): the ranks' agreement on skip or settle under `latest`; a tensor whose
+shape or dtype changes between versions; `close()` with a version in flight; a snapshot that fails on one
+rank (gathering at the sync point, and in the background); the sending rank's send failing mid-version while
+the other rank gathers in the background. Every wait is bounded; a case that hangs fails its own test.
 """
 
 from __future__ import annotations
@@ -18,13 +25,23 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load, save
 
-pl = pytest.importorskip("lightning.pytorch")
-
-from safetensors.torch import load, save  # noqa: E402
-
-from lightning_weightsync import WeightReceiver, load_config  # noqa: E402
-from tests.support.mp import LOAD_SLACK_S, free_port, run_workers  # noqa: E402
+from lightning_weightsync import WeightReceiver, load_config
+from tests.support.mp import LOAD_SLACK_S, free_port, run_workers
+from tests.support.overlap import (
+    TIMEOUT_S,
+    Rollout,
+    applied,
+    fsdp2_net,
+    full_weights,
+    init_rank,
+    overlap_cfg,
+    rollouts_main,
+    touch,
+    train_step,
+    wait_for_file,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +66,7 @@ def _cfg(port: int, *extra: str) -> Any:
 
 
 def _fit(rank: int, port: int, steps: int, extra: list[str]) -> dict[str, Any]:
+    import lightning.pytorch as pl  # here, not at the top: the failure-path workers below do without it
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
@@ -242,6 +260,7 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """One set of processes for every case (process start-up dominates on a loaded machine): four fits."""
+    pytest.importorskip("lightning.pytorch")
     fits = [
         (STEPS, ["trainer.send_mode=gather", "trainer.overlap_policy=wait"]),
         (STEPS + 1, ["trainer.send_mode=sharded", "trainer.overlap_policy=latest"]),
@@ -293,3 +312,286 @@ def test_a_rollout_killed_during_a_background_version_warn_trains_on_raise_stops
     assert "SyncFailed" in rank1[1]["error"] and "version 2" in rank1[1]["error"], rank1[1]["error"]
     assert raised["last_synced"] == 1
     assert raised["seconds"] < 3 + LOAD_SLACK_S  # transport.liveness_s, not transport.timeout_s (60 s)
+
+
+# -- the failure paths: one set of processes, a case after another (SyncDriver, no Lightning) -------------
+FAIL_WORKER_TIMEOUT_S = 120.0
+GROUP_TIMEOUT_S = 45.0  # the training group's; past the mirror groups' (transport.timeout_s): a hung gather is slow
+CASES = ("agree", "staging", "close", "snapshot_sync", "snapshot_background", "send_fails")
+AGREE_STEPS = 6
+AGREE_STEP_S = 0.15  # a step: longer than rank 1's share of the background gather, much shorter than the send
+AGREE_DELAY_S = 0.8  # the rollout's time per version
+
+
+def _driver(port: int, *extra: str) -> Any:
+    import torch.distributed as dist
+
+    from lightning_weightsync.trainer.driver import SyncDriver
+
+    driver = SyncDriver(overlap_cfg(port, *extra), rank=dist.get_rank(), device=torch.device("cpu"), prefix=None)
+    driver.start()
+    return driver
+
+
+def _outcome(call: Any) -> tuple[str | None, float]:
+    """(the exception `call()` raised, as "Type: message", or None; seconds it took)."""
+    started = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return error, time.monotonic() - started
+
+
+def _agree(rank: int, port: int, flags: str) -> dict[str, Any]:
+    """`latest` with rank 0's background send (slow rollout) outlasting rank 1's part of the gather: at the
+    boundaries in between, rank 0 still sends and rank 1 is idle; both must skip (or settle) alike."""
+    net = fsdp2_net()
+    driver = _driver(port, "trainer.overlap_policy=latest")
+    try:
+        outcomes = [driver.sync(net, 0)]
+        for step in range(1, AGREE_STEPS + 1):
+            train_step(net, step)
+            time.sleep(AGREE_STEP_S)
+            outcomes.append(driver.sync(net, step))
+        finished = driver.finish(net, AGREE_STEPS)
+    finally:
+        driver.close()
+    record = driver.record
+    return {
+        "outcomes": outcomes, "finished": finished, "skipped": record.overlap_skipped,
+        "last": record.last_synced_version,
+    }  # fmt: skip
+
+
+def _staging(rank: int, port: int, flags: str) -> dict[str, Any]:
+    """Two buffers change between versions 0 and 1: one its shape ([4, 3] -> [1, 3], which the old staging
+    buffer would take by broadcasting), one its dtype (fp32 -> fp64, a value fp32 cannot hold)."""
+    net = fsdp2_net()
+    net.register_buffer("stat", torch.arange(12.0).reshape(4, 3))
+    net.register_buffer("count", torch.zeros(2))
+    driver = _driver(port)
+    try:
+        refs = [full_weights(driver, net)]
+        driver.sync(net, 0)
+        train_step(net, 1)
+        net.stat = torch.full((1, 3), 7.0)
+        net.count = torch.tensor([1.0 + 2**-40, 3.0], dtype=torch.float64)
+        refs.append(full_weights(driver, net))
+        driver.sync(net, 1)
+        finished = driver.finish(net, 1)
+    finally:
+        driver.close()
+    return {"refs": refs, "finished": finished}
+
+
+def _close(rank: int, port: int, flags: str) -> dict[str, Any]:
+    """Version 0 handed off; the rollout holds it (after its first tensor) until released; the trainer closes.
+    3.5 MiB in 64 KiB buckets: most of the version is still to be sent when the rollout starts holding it."""
+    net = fsdp2_net(width=384, depth=6)
+    driver = _driver(port, "transport.bucket_size_mb=0.0625")
+    try:
+        driver.sync(net, 0)
+        held = wait_for_file(str(Path(flags, "close-holding")), 30)
+    finally:
+        started = time.monotonic()
+        driver.close()
+        close_s = time.monotonic() - started
+        if rank == 0:
+            touch(str(Path(flags, "close-released")))
+    return {"held": held, "close_s": close_s}
+
+
+def _snapshot_fails(rank: int, port: int, where: str, failing: int) -> dict[str, Any]:
+    """The staging memory of rank `failing` runs out at its second tensor of version 0 (the allocation fails,
+    as an OOM would); then the memory is back and version 1 goes as usual."""
+    from lightning_weightsync.trainer.overlap import Staging
+
+    class BudgetStaging(Staging):
+        """Staging memory that runs out after `budget` bytes (None: no limit)."""
+
+        budget: int | None = None
+
+        def _allocate(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            need = src.numel() * dtype.itemsize
+            if self.budget is not None and self.nbytes + need > self.budget:
+                raise torch.OutOfMemoryError(f"staging: {need} more bytes do not fit in {self.budget}")
+            return super()._allocate(src, dtype)
+
+    net = fsdp2_net()
+    driver = _driver(port, f"trainer.overlap_gather={where}", "trainer.on_failure=raise")
+    staging = driver.overlap.staging = BudgetStaging(driver.overlap.staging.kind)
+    first = next(iter(net.parameters()))
+    if rank == failing:  # what the first item takes: the full tensor (gathered at the sync), or the local shard
+        staging.budget = (first.numel() if where == "sync" else first.to_local().numel()) * first.element_size()
+    try:
+        error, seconds = _outcome(lambda: driver.sync(net, 0))
+        staging.budget = None
+        train_step(net, 1)
+        driver.sync(net, 1)
+        finished = driver.finish(net, 1)
+    finally:
+        driver.close()
+    return {"error": error, "seconds": seconds, "finished": finished, "last": driver.record.last_synced_version}
+
+
+def _send_fails(rank: int, port: int, flags: str) -> dict[str, Any]:
+    """3.5 MiB a version in 64 KiB buckets: the rollout dies at version 1's first tensor, long before rank 0's
+    sender has taken the last one, so most of the background gather is still to run when the send fails."""
+    net = fsdp2_net(width=384, depth=6)
+    driver = _driver(port, "trainer.on_failure=raise", "transport.bucket_size_mb=0.0625")
+    try:
+        driver.sync(net, 0)
+        train_step(net, 1)
+        driver.sync(net, 1)  # version 0 was delivered; version 1 goes out and its rollout dies in it
+        train_step(net, 2)
+        error, seconds = _outcome(lambda: driver.sync(net, 2))
+    finally:
+        driver.close()
+    return {"error": error, "seconds": seconds}
+
+
+def _failure_cases(rank: int, master_port: int, ports: dict[str, int], flags: str) -> dict[str, dict[str, Any]]:
+    init_rank(rank, master_port, worker_timeout_s=FAIL_WORKER_TIMEOUT_S, group_timeout_s=GROUP_TIMEOUT_S)
+    run: dict[str, Any] = {
+        "agree": lambda: _agree(rank, ports["agree"], flags),
+        "staging": lambda: _staging(rank, ports["staging"], flags),
+        "close": lambda: _close(rank, ports["close"], flags),
+        "snapshot_sync": lambda: _snapshot_fails(rank, ports["snapshot_sync"], "sync", failing=0),
+        "snapshot_background": lambda: _snapshot_fails(rank, ports["snapshot_background"], "background", failing=1),
+        "send_fails": lambda: _send_fails(rank, ports["send_fails"], flags),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    broken = None
+    for case in CASES:
+        if broken is not None:  # the group may be out of step: the later cases would only add noise
+            results[case] = {"not_run": f"case {broken} failed first", "seconds_case": 0.0}
+            continue
+        started = time.monotonic()
+        try:
+            results[case] = run[case]()
+        except Exception:
+            import traceback
+
+            results[case], broken = {"crashed": traceback.format_exc()}, case
+        finally:
+            results[case]["seconds_case"] = time.monotonic() - started
+            if rank == 0:
+                touch(str(Path(flags, f"{case}.done")))
+    return results
+
+
+def _failure_role(role: int, master_port: int, ports: dict[str, int], flags: str) -> Any:
+    """0, 1: the trainer ranks; 2: the rollouts of every case but the last; 3: the last case's, which dies."""
+    if role < 2:
+        return _failure_cases(role, master_port, ports, flags)
+    done = {case: str(Path(flags, f"{case}.done")) for case in CASES}
+    if role == 3:
+        return rollouts_main([Rollout(ports["send_fails"], "rollout-doomed", done["send_fails"], die_in=1)], 100)
+    hold = (str(Path(flags, "close-holding")), str(Path(flags, "close-released")))
+    return rollouts_main(
+        [
+            Rollout(ports["agree"], "rollout-agree", done["agree"], delay_s=AGREE_DELAY_S),
+            Rollout(ports["staging"], "rollout-staging", done["staging"], keep=True),
+            Rollout(ports["close"], "rollout-close", done["close"], hold=hold),
+            Rollout(ports["snapshot_sync"], "rollout-snapshot-sync", done["snapshot_sync"]),
+            Rollout(ports["snapshot_background"], "rollout-snapshot-background", done["snapshot_background"]),
+        ],
+        100,
+    )
+
+
+@dataclass
+class Failures:
+    ranks: list[dict[str, dict[str, Any]]]
+    rollouts: dict[str, list[Any]]
+
+    def case(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        broken = [
+            f"rank {rank}: {result[name].get('crashed') or result[name]['not_run']}"
+            for rank, result in enumerate(self.ranks)
+            if "crashed" in result[name] or "not_run" in result[name]
+        ]
+        if broken:
+            pytest.fail(f"case {name} did not run to its end:\n" + "\n".join(broken))
+        return self.ranks[0][name], self.ranks[1][name]
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory: pytest.TempPathFactory) -> Failures:
+    flags = str(tmp_path_factory.mktemp("overlap-failures"))
+    master = free_port()
+    ports = {case: free_port() for case in CASES}
+    started = time.monotonic()
+    rank0, rank1, rollouts, _ = run_workers(
+        _failure_role, [(r, master, ports, flags) for r in range(4)], timeout_s=FAIL_WORKER_TIMEOUT_S, doomed=[3]
+    )
+    print(f"failure cases: {time.monotonic() - started:.1f} s;", {c: round(rank0[c]["seconds_case"], 1) for c in CASES})
+    return Failures([rank0, rank1], rollouts)
+
+
+def test_latest_ranks_agree_on_skip_or_settle_while_only_the_sending_rank_still_sends(failures: Failures) -> None:
+    r0, r1 = failures.case("agree")
+    assert r0["outcomes"] == r1["outcomes"], (r0["outcomes"], r1["outcomes"])  # settled (True) or not, alike
+    assert r0["skipped"] == r1["skipped"] > 0, (r0["skipped"], r1["skipped"])
+    assert r0["finished"] is True and r1["finished"] is True
+    assert r0["last"] == r1["last"] == AGREE_STEPS
+    events = failures.rollouts["rollout-agree"]
+    versions = applied(events)
+    assert len(versions) == len(events), events  # nothing half-sent
+    assert versions[0] == 0 and versions[-1] == AGREE_STEPS and versions == sorted(set(versions)), versions
+    assert len(versions) + r0["skipped"] == AGREE_STEPS + 1, (versions, r0["skipped"])
+
+
+def test_a_tensor_that_changes_shape_or_dtype_between_versions_gets_new_staging_and_arrives_bitwise(
+    failures: Failures,
+) -> None:
+    r0, r1 = failures.case("staging")
+    assert r0["finished"] is True and r1["finished"] is True
+    events = failures.rollouts["rollout-staging"]
+    assert applied(events) == [0, 1], events
+    for version, (_, _, blob) in enumerate(events):
+        got, want = load(blob), load(r0["refs"][version])
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            assert (got[name].dtype, got[name].shape) == (tensor.dtype, tensor.shape), (version, name)
+            assert torch.equal(got[name], tensor), (version, name)
+    assert load(events[1][2])["count"].dtype == torch.float64 and load(events[1][2])["stat"].shape == (1, 3)
+
+
+def test_close_with_a_version_in_flight_interrupts_it_at_once_and_the_rollout_never_applies_it(
+    failures: Failures,
+) -> None:
+    from lightning_weightsync.trainer.overlap import CLOSE_JOIN_S
+
+    r0, r1 = failures.case("close")
+    assert r0["held"] and r1["held"], "the rollout never held version 0: the case did not run as planned"
+    assert r0["close_s"] < CLOSE_JOIN_S / 2 and r1["close_s"] < CLOSE_JOIN_S / 2, (r0["close_s"], r1["close_s"])
+    events = failures.rollouts["rollout-close"]
+    assert applied(events) == [] and [v for v, _, _ in events] == [0], events  # v0 ended there, never applied
+
+
+@pytest.mark.parametrize("where", ["sync", "background"])
+def test_a_snapshot_that_fails_on_one_rank_fails_the_sync_on_every_rank_at_once_then_the_next_version_goes(
+    failures: Failures, where: str
+) -> None:
+    r0, r1 = failures.case(f"snapshot_{where}")
+    failing, other = (r0, r1) if where == "sync" else (r1, r0)  # sync: rank 0 stages full tensors; else every rank
+    assert failing["error"] is not None and failing["error"].startswith("OutOfMemoryError"), failing["error"]
+    assert other["error"] is not None and other["error"].startswith("SyncFailed"), other["error"]
+    assert "snapshot of version 0 failed" in other["error"], other["error"]
+    assert max(r0["seconds"], r1["seconds"]) < TIMEOUT_S / 2, (r0["seconds"], r1["seconds"])  # no rank waited it out
+    # the ranks stayed in step: the next version goes, on every rank alike
+    assert r0["finished"] is True and r1["finished"] is True and r0["last"] == r1["last"] == 1
+    assert applied(failures.rollouts[f"rollout-snapshot-{where}"]) == [1]
+
+
+def test_the_sending_ranks_send_failing_mid_version_drains_the_background_gather_and_every_rank_fails_in_seconds(
+    failures: Failures,
+) -> None:
+    r0, r1 = failures.case("send_fails")
+    assert r0["error"] is not None and "version 1" in r0["error"], r0["error"]
+    assert r1["error"] is not None and r1["error"].startswith("SyncFailed") and "version 1" in r1["error"], r1["error"]
+    # the rank that only gathered finished its part (the sender drained the stream): no mirror-group timeout
+    assert max(r0["seconds"], r1["seconds"]) < TIMEOUT_S / 2, (r0["seconds"], r1["seconds"])
