@@ -43,6 +43,8 @@ CHECKS = "tests/unit/test_control_checks.py"
 HOSTILE = "tests/integration/test_hostile_network.py"
 FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
 LORA_UNIT = "tests/unit/test_lora.py"
+OVERLAP = f"{PKG}/trainer/overlap.py"
+OVERLAP_TESTS = "tests/integration/test_overlap.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -570,6 +572,31 @@ PLANTS = [
           "if copy is None or copy.shape != tensor.shape:", ("tests/unit/test_host_copy.py",)),
     Plant("config: transport.liveness_s unbounded (0.001 s or a week)", f"{PKG}/config/validate.py",
           '    "transport.liveness_s": (0.2, 3600.0),\n', "", ("tests/unit/test_config.py", "-k", "liveness")),
+    # -- issue 43: overlap and the side gather, each failure path in real processes (one run, a case each)
+    Plant("overlap: each rank skips or settles on its own busy flag, not the agreed one", OVERLAP,
+          "        if busy_any:\n            if signum:", "        if busy:\n            if signum:",
+          (OVERLAP_TESTS, "-k", "ranks_agree")),
+    Plant("overlap: a staging buffer reused after its tensor's shape or dtype changed", OVERLAP,
+          "if buf is None or buf.shape != src.shape or buf.dtype != dtype:", "if buf is None:",
+          (OVERLAP_TESTS, "-k", "changes_shape_or_dtype")),
+    Plant("overlap: a rank whose snapshot copy failed stops consuming the gather stream", OVERLAP,
+          "                continue  # still join the other ranks' all-gathers",
+          "                break  # still join the other ranks' all-gathers", (OVERLAP_TESTS, "-k", "snapshot_that")),
+    Plant("overlap: a failed copy's shard still handed to the mirror exchange (background gather)", OVERLAP,
+          "                    local = self.staging.copy(name, item.tensor.to_local(), item.dtype)\n"
+          "                    pending.append((len(snap.items), item))\n",
+          "                    pending.append((len(snap.items), item))\n"
+          "                    local = self.staging.copy(name, item.tensor.to_local(), item.dtype)\n",
+          (OVERLAP_TESTS, "-k", "snapshot_that")),
+    Plant("overlap: the sending rank stops gathering when its send fails mid-version", OVERLAP,
+          "            drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's",
+          "            pass", (OVERLAP_TESTS, "-k", "send_failing")),
+    Plant("overlap: close() waits for a send in flight instead of interrupting it", OVERLAP,
+          '            self._interrupt("the trainer closed (training ended or failed) while',
+          "            pass  # (", (OVERLAP_TESTS, "-k", "close_with")),
+    Plant("side gather: a rank with no new mesh skips the collective group exchange", f"{PKG}/trainer/side_gather.py",
+          "        if not int(flag.item()):", "        if not needed:",
+          ("tests/integration/test_side_gather.py", "-k", "new_to_one_rank")),
 ]  # fmt: skip
 
 
