@@ -590,7 +590,7 @@ PLANTS = [
           (OVERLAP_TESTS, "-k", "snapshot_that")),
     Plant("overlap: the sending rank stops gathering when its send fails mid-version", OVERLAP,
           "            drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's",
-          "            pass", (OVERLAP_TESTS, "-k", "send_failing")),
+          "            pass", (OVERLAP_TESTS, "-k", "send_failing")),  # seen before the sender takes the stream
     Plant("overlap: close() waits for a send in flight instead of interrupting it", OVERLAP,
           '            self._interrupt("the trainer closed (training ended or failed) while',
           "            pass  # (", (OVERLAP_TESTS, "-k", "close_with")),

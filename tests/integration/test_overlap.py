@@ -317,7 +317,7 @@ def test_a_rollout_killed_during_a_background_version_warn_trains_on_raise_stops
 # -- the failure paths: one set of processes, a case after another (SyncDriver, no Lightning) -------------
 FAIL_WORKER_TIMEOUT_S = 120.0
 GROUP_TIMEOUT_S = 45.0  # the training group's; past the mirror groups' (transport.timeout_s): a hung gather is slow
-CASES = ("agree", "staging", "close", "snapshot_sync", "snapshot_background", "send_fails")
+CASES = ("agree", "staging", "close", "snapshot_sync", "snapshot_background", "send_unpausable", "send_fails")
 AGREE_STEPS = 6
 AGREE_STEP_S = 0.15  # a step: longer than rank 1's share of the background gather, much shorter than the send
 AGREE_DELAY_S = 0.8  # the rollout's time per version
@@ -452,6 +452,20 @@ def _send_fails(rank: int, port: int, flags: str) -> dict[str, Any]:
     return {"error": error, "seconds": seconds}
 
 
+def _send_unpausable(rank: int, port: int, dead_url: str) -> dict[str, Any]:
+    """Rank 0's rollout (a vLLM server that is not there) cannot be paused: its background send fails before
+    the sender takes the stream, so the sender drains nothing of it; rank 1 gathers in the background."""
+    net = fsdp2_net()
+    driver = _driver(port, "trainer.min_receivers=0", "trainer.on_failure=raise", f"vllm.urls=[{dead_url}]")
+    try:
+        driver.sync(net, 0)
+        train_step(net, 1)
+        error, seconds = _outcome(lambda: driver.sync(net, 1))
+    finally:
+        driver.close()
+    return {"error": error, "seconds": seconds}
+
+
 def _failure_cases(rank: int, master_port: int, ports: dict[str, int], flags: str) -> dict[str, dict[str, Any]]:
     init_rank(rank, master_port, worker_timeout_s=FAIL_WORKER_TIMEOUT_S, group_timeout_s=GROUP_TIMEOUT_S)
     run: dict[str, Any] = {
@@ -460,6 +474,9 @@ def _failure_cases(rank: int, master_port: int, ports: dict[str, int], flags: st
         "close": lambda: _close(rank, ports["close"], flags),
         "snapshot_sync": lambda: _snapshot_fails(rank, ports["snapshot_sync"], "sync", failing=0),
         "snapshot_background": lambda: _snapshot_fails(rank, ports["snapshot_background"], "background", failing=1),
+        "send_unpausable": lambda: _send_unpausable(
+            rank, ports["send_unpausable"], f"http://127.0.0.1:{ports['dead']}"
+        ),
         "send_fails": lambda: _send_fails(rank, ports["send_fails"], flags),
     }
     results: dict[str, dict[str, Any]] = {}
@@ -522,7 +539,7 @@ class Failures:
 def failures(tmp_path_factory: pytest.TempPathFactory) -> Failures:
     flags = str(tmp_path_factory.mktemp("overlap-failures"))
     master = free_port()
-    ports = {case: free_port() for case in CASES}
+    ports = {case: free_port() for case in (*CASES, "dead")}  # "dead": where no vLLM server listens
     started = time.monotonic()
     rank0, rank1, rollouts, _ = run_workers(
         _failure_role, [(r, master, ports, flags) for r in range(4)], timeout_s=FAIL_WORKER_TIMEOUT_S, doomed=[3]
@@ -587,11 +604,16 @@ def test_a_snapshot_that_fails_on_one_rank_fails_the_sync_on_every_rank_at_once_
     assert applied(failures.rollouts[f"rollout-snapshot-{where}"]) == [1]
 
 
-def test_the_sending_ranks_send_failing_mid_version_drains_the_background_gather_and_every_rank_fails_in_seconds(
-    failures: Failures,
+@pytest.mark.parametrize("when", ["mid_version", "before_it_takes_the_stream"])
+def test_the_sending_ranks_send_failing_drains_the_background_gather_and_every_rank_fails_in_seconds(
+    failures: Failures, when: str
 ) -> None:
-    r0, r1 = failures.case("send_fails")
-    assert r0["error"] is not None and "version 1" in r0["error"], r0["error"]
-    assert r1["error"] is not None and r1["error"].startswith("SyncFailed") and "version 1" in r1["error"], r1["error"]
-    # the rank that only gathered finished its part (the sender drained the stream): no mirror-group timeout
+    """Mid-version (its rollout killed): the sender drains the rest of the stream itself. Before the sender
+    takes the stream (its rollout cannot be paused): the overlap send drains it (`_send_on_stream`)."""
+    failed = 1 if when == "mid_version" else 0
+    r0, r1 = failures.case("send_fails" if when == "mid_version" else "send_unpausable")
+    assert r0["error"] is not None and f"version {failed}" in r0["error"], r0["error"]
+    assert r1["error"] is not None and r1["error"].startswith("SyncFailed"), r1["error"]
+    assert f"version {failed} failed" in r1["error"], r1["error"]
+    # the rank that only gathered finished its part (the stream was drained): no mirror-group timeout
     assert max(r0["seconds"], r1["seconds"]) < TIMEOUT_S / 2, (r0["seconds"], r1["seconds"])
