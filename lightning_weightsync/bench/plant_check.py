@@ -588,9 +588,9 @@ PLANTS = [
           "                    pending.append((len(snap.items), item))\n"
           "                    local = self.staging.copy(name, item.tensor.to_local(), item.dtype)\n",
           (OVERLAP_TESTS, "-k", "snapshot_that")),
-    Plant("overlap: the sending rank stops gathering when its send fails mid-version", OVERLAP,
+    Plant("overlap: the sending rank stops gathering when its send fails (before the sender drains)", OVERLAP,
           "            drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's",
-          "            pass", (OVERLAP_TESTS, "-k", "send_failing")),  # seen before the sender takes the stream
+          "            pass", (OVERLAP_TESTS, "-k", "send_failing")),
     Plant("overlap: close() waits for a send in flight instead of interrupting it", OVERLAP,
           '            self._interrupt("the trainer closed (training ended or failed) while',
           "            pass  # (", (OVERLAP_TESTS, "-k", "close_with")),
