@@ -71,6 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..engine.stats import SendStats, human_bytes
 from ..engine.verify import held_checksums
 from ..errors import ConfigError, WeightSyncError, WeightSyncTimeout
+from ..rollout.sinks.module import ModuleSink
 from ..trainer.gather import iter_full_parameters
 from ..trainer.lora import import_peft
 from .recipe import build_parser, load_recipe, recipe_main, setup_logging
@@ -315,6 +316,14 @@ class SampleChannel:
 # ------------------------------------------------------------------------------------- the rollout
 
 
+def rollout_policy(recipe: GRPORecipe, cfg: DictConfig) -> tuple[torch.nn.Module, ModuleSink]:
+    """A rollout's policy (in eval mode) and the library's module sink that loads every version into it in
+    place. With LoRA (`rollout.sink.lora: keep`) version 0 brings the base and the adapter, and later versions
+    the adapter alone, into the PEFT model's own tensors: the base stays, each adapter replaces the last."""
+    model = build_policy(recipe, uses_lora(recipe, cfg)).eval()
+    return model, ModuleSink(cfg, module=model)
+
+
 async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_address: str) -> None:
     """Receive a version, generate and score this rollout's groups with it, push them; repeat until stopped.
 
@@ -325,13 +334,9 @@ async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_
 
     from ..engine.receiver import WeightReceiver
     from ..rollout.consume import consume_version
-    from ..rollout.sinks.module import ModuleSink
 
     torch.set_num_threads(recipe.threads)
-    model = build_policy(recipe, uses_lora(recipe, cfg)).eval()
-    # the library's module sink loads each version into the model in place; with LoRA (rollout.sink.lora: keep)
-    # version 0 brings the base and the adapter, later ones the adapter, into the PEFT model's own tensors
-    sink = ModuleSink(cfg, module=model)
+    model, sink = rollout_policy(recipe, cfg)
     groups = recipe.prompts_per_step // recipe.rollouts
     push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(samples_address)
@@ -832,7 +837,9 @@ if __name__ == "__main__":
 
 __all__ = [
     "GRPORecipe",
+    "LoraRecipe",
     "SampleChannel",
+    "build_policy",
     "fingerprint",
     "generate",
     "group_advantages",
@@ -841,5 +848,8 @@ __all__ = [
     "plot",
     "reward",
     "rollout_main",
+    "rollout_policy",
+    "step_line",
     "train",
+    "uses_lora",
 ]
