@@ -27,10 +27,10 @@ current policy's probability of the token over the probability the rollout sampl
 
 LoRA (`recipe.lora`): the policy is the tiny LM wrapped by `peft.get_peft_model` (rank `recipe.lora.r` on
 `recipe.lora.target_modules`), on the trainer and in every rollout alike; only the adapter trains. It is on
-when `recipe.lora.enabled` says so, or (null, the default) when `trainer.lora` asks for LoRA versions
-(`adapter`, `merged`, `full`), so `trainer.lora=adapter` alone runs it: version 0 carries the base and the
-adapter, every later version the adapter alone, and each rollout's module sink (`rollout.sink.lora: keep`,
-rollout/sinks/lora.py) keeps the base and loads each adapter into its own PEFT model.
+when `recipe.lora.enabled` says so, or (null, the default) with `trainer.lora=adapter`, so that override
+alone runs it: version 0 carries the base and the adapter, every later version the adapter alone, and each
+rollout's module sink (`rollout.sink.lora: keep`, rollout/sinks/lora.py) keeps the base and loads each
+adapter into its own PEFT model (`merged` / `full`, plain weights, are refused at start-up).
 
 Every step prints one line (reward mean, samples' version and staleness, the last delivered version's bytes
 and send seconds, trainer stall) and appends the same numbers to `<recipe.output_dir>/<label>.jsonl`; at the
@@ -41,8 +41,8 @@ that optimizer step and the fingerprint each rollout reported for the parameters
 LoRA: the base and the adapter); the final line says whether they all matched.
 
 `trainer.*` overrides (`trainer.send_mode=sharded`, `trainer.overlap=true`, ...) go to `WeightSyncCallback`
-unchanged; nothing here reads a `trainer.*` key except to name the setting in the plot and, with
-`recipe.lora.enabled: null`, `trainer.lora`.
+unchanged; nothing here reads a `trainer.*` key except to name the setting in the plot and `trainer.lora`
+(whether the policy is a LoRA model, see above).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ DEFAULT_MODEL = {"vocab_size": 11, "dim": 32, "n_layers": 2, "n_heads": 2, "max_
 class LoraRecipe:
     """`recipe.lora`: the policy as a PEFT LoRA model (`get_peft_model(tiny LM, LoraConfig(...))`)."""
 
-    enabled: bool | None = None  # None: when trainer.lora is adapter, merged or full
+    enabled: bool | None = None  # None: when trainer.lora=adapter
     r: int = 8
     alpha: float = 16.0
     target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "up", "down", "lm_head"])
@@ -152,12 +152,21 @@ def model_options(recipe: GRPORecipe) -> dict[str, Any]:
 
 
 def uses_lora(recipe: GRPORecipe, cfg: DictConfig) -> bool:
-    """Whether the policy is a PEFT LoRA model: `recipe.lora.enabled`, or (null) whether `trainer.lora` asks for
-    LoRA versions (its default, `auto`, sends a plain model as it is)."""
-    if recipe.lora.enabled is not None:
-        return recipe.lora.enabled
-    mode = cfg.trainer.get("lora", "auto")
-    return str(getattr(mode, "value", mode)) in ("adapter", "merged", "full")
+    """Whether the policy is a PEFT LoRA model: `recipe.lora.enabled`, or (null) whether `trainer.lora=adapter`
+    asks for adapter versions (its default, `auto`, sends a plain model as it is and a LoRA one's adapter).
+
+    ConfigError for what the rollouts here cannot load: they hold a PEFT model and load adapters into it
+    (`rollout.sink.lora: keep`), so `trainer.lora=merged|full` (plain weights) and `rollout.sink.lora=merge`
+    are refused at start-up rather than by the rollout's sink at version 0."""
+    mode = str(getattr(cfg.trainer.lora, "value", cfg.trainer.lora))
+    lora = recipe.lora.enabled if recipe.lora.enabled is not None else mode == "adapter"
+    sink_lora = str(getattr(cfg.rollout.sink.lora, "value", cfg.rollout.sink.lora))
+    if mode in ("merged", "full") or (lora and sink_lora != "keep"):
+        raise ConfigError(
+            f"trainer.lora={mode}, rollout.sink.lora={sink_lora}: the GRPO rollouts load adapter versions into their "
+            "own PEFT model; use trainer.lora=adapter (or auto) and rollout.sink.lora=keep"
+        )
+    return lora
 
 
 def build_policy(recipe: GRPORecipe, lora: bool) -> torch.nn.Module:
@@ -614,7 +623,8 @@ def plot(output_dir: Path) -> str:
     fig, (top, middle, bottom) = plt.subplots(
         3, 1, figsize=(6.4, 6.8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.4]}
     )
-    styles = ("-", "--", ":", "-.")  # two settings that learn identically (gather, sharded) stay both visible
+    # settings that learn identically (gather, sharded, overlap: the same weights every version) stay all visible
+    styles = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
     for index, (name, rows) in enumerate(runs.items()):
         style = styles[index % len(styles)]
         steps = [r["step"] for r in rows]
@@ -622,17 +632,17 @@ def plot(output_dir: Path) -> str:
         window = 5  # a running mean: a step's reward is the mean of only prompts_per_step * group_size samples
         smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
                   for i in range(len(rewards))]  # fmt: skip
-        (line,) = top.plot(steps, smooth, style, label=name)
+        (line,) = top.plot(steps, smooth, linestyle=style, label=name)
         top.plot(steps, rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        middle.plot(steps, [r["stall_s"] * 1000 for r in rows], style, color=line.get_color(), label=name)
+        middle.plot(steps, [r["stall_s"] * 1000 for r in rows], linestyle=style, color=line.get_color(), label=name)
         sent = [(r["sync_version"], r["sync_bytes"] / 1024) for r in rows if r.get("sync_bytes") is not None]
-        bottom.plot([v for v, _ in sent], [kib for _, kib in sent], style, color=line.get_color(), label=name)
+        bottom.plot([v for v, _ in sent], [kib for _, kib in sent], linestyle=style, color=line.get_color(), label=name)
     top.set_ylabel("reward (5-step mean)")
     top.set_ylim(0, 1)
     top.legend(loc="lower right", fontsize="small")
     middle.set_ylabel("trainer stall\nper sync (ms)")
     middle.set_ylim(bottom=0)
-    bottom.set_ylabel("KiB sent\nper version")
+    bottom.set_ylabel("KiB sent by\nrank 0 a version")
     bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step (= weight version)")
     top.set_title("GRPO, tiny LM on CPU: rollouts generate with the weights they received", fontsize="medium")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +120,16 @@ def test_the_step_line_says_the_delivered_version_s_bytes_and_send_seconds() -> 
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------
-def test_lora_wraps_the_policy_when_trainer_lora_asks_for_lora_versions_or_when_told() -> None:
+def test_lora_wraps_the_policy_when_trainer_lora_asks_for_adapters_or_when_told() -> None:
     recipe = GRPORecipe()
     assert not uses_lora(recipe, load_config())  # trainer.lora=auto: a plain model is sent as it is
-    assert all(uses_lora(recipe, load_config(overrides=[f"trainer.lora={m}"])) for m in ("adapter", "merged", "full"))
+    assert uses_lora(recipe, load_config(overrides=["trainer.lora=adapter"]))
     assert uses_lora(GRPORecipe(lora=LoraRecipe(enabled=True)), load_config())
     assert not uses_lora(GRPORecipe(lora=LoraRecipe(enabled=False)), load_config(overrides=["trainer.lora=adapter"]))
+    # the rollouts load adapters into their own PEFT model: plain-weight LoRA versions are refused at start-up
+    for refused in ("trainer.lora=merged", "trainer.lora=full", "trainer.lora=adapter rollout.sink.lora=merge"):
+        with pytest.raises(ConfigError, match=re.escape("trainer.lora=adapter (or auto) and rollout.sink.lora=keep")):
+            uses_lora(recipe, load_config(overrides=refused.split()))
 
 
 async def test_the_rollouts_keep_the_base_and_load_every_adapter_version() -> None:
