@@ -49,7 +49,7 @@ class SenderFingerprints:
         if self.mode is VerifyMode.full or (
             self.mode is VerifyMode.sample and sampled(index, self.version, SAMPLE_EVERY)
         ):
-            self.by_name[name] = (NO_FINGERPRINT if isinstance(tensor, TensorShard) else fingerprint(tensor))
+            self.by_name[name] = fingerprint(tensor.data if isinstance(tensor, TensorShard) else tensor)
 
     def of(self, name: str) -> int:
         return self.by_name.get(name, NO_FINGERPRINT)
