@@ -159,6 +159,8 @@ def installed(engine_module: str) -> Iterator[None]:
     """`install()` for the duration of a block in this (the test's) process: afterwards `verl` and
     `engine_module`, which imported the stand-in, are gone from `sys.modules` again."""
     saved = {k: v for k, v in sys.modules.items() if k == "verl" or k.startswith("verl.")}
+    for k in saved:  # the real verl, where it is installed (./dev verl-contract), steps aside meanwhile
+        del sys.modules[k]
     install()
     sys.modules.pop(engine_module, None)
     try:

@@ -15,7 +15,10 @@ What a worker does on each call mirrors verl 0.9.1:
   the model's per-tensor generator, its metrics or {} returned; the generator runs one collective per tensor
   over the actor group, as FSDP's `full_tensor()` all-gathers do, so a rank that stops pulling hangs the others;
 - `update_weights` (rollout): base.py:353-360: `receive_weights(global_steps=...)` handed to the server
-  adapter's `update_weights`, which here consumes it and checks every tensor bitwise against the actor's.
+  adapter's `update_weights`, which here consumes it and checks every tensor bitwise against the actor's. With
+  the real verl installed, a rollout worker runs verl's own `CheckpointEngineWorker.update_weights` and
+  `execute_checkpoint_engine` (the actor's `ActorRolloutRefWorker` needs verl's whole training stack to import:
+  its lines are mirrored).
 
 Every worker runs its calls on an asyncio loop, as a Ray async actor does: a wait of the engine that blocked
 that loop would block the worker's next call.
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -151,9 +156,23 @@ def _build(spec: WorkerSpec) -> Any:
     )
 
 
+def _real_rollout_worker(engine: Any, adapter: _ServerAdapter) -> Any:
+    """verl's own `CheckpointEngineWorker` methods (`update_weights`, base.py:353-360; `execute_checkpoint_engine`,
+    base.py:362-364) bound to this worker's engine and adapter: its `__init__` needs a Ray worker and a rollout
+    server, so the attributes those methods read are set here, as base.py:331-349 sets them."""
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    state = SimpleNamespace(checkpoint_engine=engine, server_adapter=adapter)
+    return SimpleNamespace(
+        update_weights=functools.partial(CheckpointEngineWorker.update_weights, state),
+        execute_checkpoint_engine=functools.partial(CheckpointEngineWorker.execute_checkpoint_engine, state),
+    )
+
+
 async def _serve(conn: Any, spec: WorkerSpec) -> None:
     engine = _build(spec)
     actor, adapter = _Actor(), _ServerAdapter()
+    rollout_worker = _real_rollout_worker(engine, adapter) if spec.role == "rollout" and not spec.standin else None
     loop = asyncio.get_running_loop()
     conn.send(("ok", type(engine).__module__ + "." + type(engine).__qualname__))
     while True:
@@ -165,9 +184,12 @@ async def _serve(conn: Any, spec: WorkerSpec) -> None:
                     engine.close()
                 conn.send(("ok", None))
                 return
-            if kind == "execute":  # engine_workers.py:839, base.py:364
+            if kind == "execute" and rollout_worker is not None:  # verl's own method (base.py:362-364)
                 method, args, kwargs = payload
-                result: Any = getattr(engine, method)(*args, **kwargs)
+                result: Any = rollout_worker.execute_checkpoint_engine(method, *args, **kwargs)
+            elif kind == "execute":  # engine_workers.py:839, base.py:364
+                method, args, kwargs = payload
+                result = getattr(engine, method)(*args, **kwargs)
             elif kind == "update_weights" and spec.role == "actor":  # engine_workers.py:754-766
                 assert payload["mode"] == BACKEND, payload  # not "naive": the checkpoint engine sends
                 actor.step, actor.die_after, actor.sent = payload["global_steps"], payload.get("die_after"), {}
@@ -178,10 +200,13 @@ async def _serve(conn: Any, spec: WorkerSpec) -> None:
                 result = digest(actor.sent) if len(actor.sent) == len(MODEL) else None
             elif kind == "update_weights":  # base.py:353-360
                 adapter.die_after = payload.get("die_after")
-                weights = engine.receive_weights(global_steps=payload["global_steps"])
-                await adapter.update_weights(
-                    weights, global_steps=payload["global_steps"], wire_format=getattr(engine, "wire_format", "")
-                )
+                if rollout_worker is not None:  # verl's own CheckpointEngineWorker.update_weights
+                    await rollout_worker.update_weights(global_steps=payload["global_steps"])
+                else:
+                    weights = engine.receive_weights(global_steps=payload["global_steps"])
+                    await adapter.update_weights(
+                        weights, global_steps=payload["global_steps"], wire_format=getattr(engine, "wire_format", "")
+                    )
                 expected = model_weights(payload["global_steps"])
                 assert sorted(adapter.loaded) == sorted(expected), sorted(adapter.loaded)
                 for name, tensor in adapter.loaded.items():
