@@ -231,10 +231,12 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
         self._receiver: WeightReceiver | None = None
         self._endpoint: SenderEndpoint | None = None  # the master's own, or the one a rollout rank is connected to
         self._last_version: int | None = None
+        self._open: AsyncGenerator[tuple[str, torch.Tensor]] | None = None  # the version a rollout rank receives
 
     # -- verl's per-sync steps (base.py:426-447), sync methods run by execute_checkpoint_engine -------------
     def prepare(self) -> WorkerMetadata:
         """Actor rank 0: start the sender once (it stays up across syncs) and report its endpoint."""
+        self._close_abandoned()
         if not self.is_master:
             return WorkerMetadata()
         if self._sender is None:
@@ -275,6 +277,7 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
         """The actor master waits for `receivers` rollout ranks per version; a rollout rank connects its receiver
         to `sender` (once: a later sync to the same endpoint keeps it; a new endpoint, a restarted actor, replaces
         it). The data-plane group itself is formed by the first version and kept while its members stay."""
+        self._close_abandoned()
         self.role = Role(role)
         if self.role is Role.actor:
             if self._sender is not None:
@@ -299,7 +302,8 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
         )
 
     def finalize(self) -> None:
-        """Nothing: the session, the buckets and the group are kept for the next sync (module docstring)."""
+        """The session, the buckets and the group are kept for the next sync (module docstring)."""
+        self._close_abandoned()
 
     # -- the transfer (base.py:538-542) --------------------------------------------------------------------
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
@@ -325,7 +329,8 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
         receiver, liveness_s = self._receiver, float(self.config.transport.liveness_s)
         if receiver is None or self.role is not Role.rollout:
             raise WeightSyncError("receive_weights before init_process_group made this worker a rollout receiver")
-        stream = receiver.receive_weights()
+        self._close_abandoned()
+        stream = self._open = receiver.receive_weights()
         done = False
         try:
             while True:
@@ -337,13 +342,16 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
                 adopt()  # verl's stream waits for the merge our thread's stream made
                 yield name, tensor
         finally:
-            if not done:
-                await self._on_our_loop(stream.aclose())
+            if self._open is stream:
+                self._open = None
+            if not done and self._loop is not None:
+                await self._on_our_loop(stream.aclose())  # drains what is left of the version and nacks it
 
     # -- ours ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the sender or receiver and the loop thread (verl has no such call: a process's session ends
         with it; tests and a caller that replaces the engine use this)."""
+        self._close_abandoned()
         self._close_receiver()
         if self._sender is not None and self._loop is not None:
             try:
@@ -355,6 +363,15 @@ class LightningWeightSyncCheckpointEngine(CheckpointEngine):
             self._loop.cancel_all()
             self._loop.stop()
             self._loop = None
+
+    def _close_abandoned(self) -> None:
+        """A version whose consumer stopped without closing our generator. An adapter that raises inside its
+        `async for` leaves the generator suspended until it is garbage: CPython closes it (drain, nack) as soon
+        as nothing holds the error's traceback. Where something keeps it alive, the actor's send waits for this
+        rank's ack up to `transport.timeout_s`, and the next call into this engine drains and nacks the version."""
+        stream, self._open = self._open, None
+        if stream is not None and self._loop is not None:
+            self._loop.call(stream.aclose(), timeout_s=float(self.config.transport.timeout_s))
 
     def _close_receiver(self) -> None:
         if self._receiver is not None and self._loop is not None:

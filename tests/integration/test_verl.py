@@ -102,6 +102,20 @@ def test_dead_rollout_fails_the_sync_within_seconds() -> None:
         assert elapsed < LIVENESS_S + LOAD_SLACK_S, elapsed
 
 
+def test_a_failed_sync_leaves_the_next_one_whole() -> None:
+    """A rollout's server adapter fails mid-version (stops consuming our generator): that rank's sync fails with
+    the adapter's error, the actor's with the rank's nack, and the next sync over the same sessions is whole."""
+    with standin(), verl_workers(1, 2, ckpt(), standin=True, dist_port=free_port()) as (actor_wg, replicas):
+        manager = standin_manager(actor_wg, replicas)
+        run_syncs(manager, actor_wg, replicas, [1])
+        replicas[0].workers[0].inject = {"raise_after": 2}
+        with pytest.raises(WorkerError, match="the server failed to load"):
+            manager.update_weights(global_steps=2)
+        actor = actor_wg.handles[0].last("update_weights")
+        assert not actor.ok and "PeerError" in actor.value and "consumer stopped" in actor.value, actor.value
+        run_syncs(manager, actor_wg, replicas, [3, 4])
+
+
 def test_dead_actor_fails_every_rollout_within_seconds() -> None:
     """The actor dies mid-sync: every rollout rank's receive fails within transport.liveness_s (PeerError: the
     sender is gone), never waiting out transport.timeout_s."""

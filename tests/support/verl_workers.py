@@ -120,6 +120,7 @@ class _ServerAdapter:
     def __init__(self) -> None:
         self.loaded: dict[str, torch.Tensor] = {}
         self.die_after: int | None = None
+        self.raise_after: int | None = None
 
     async def update_weights(self, weights: Any, global_steps: int | None = None, wire_format: str = "") -> None:
         assert wire_format == "named_tensors", wire_format
@@ -127,6 +128,8 @@ class _ServerAdapter:
         async for name, tensor in weights:
             if self.die_after is not None and len(self.loaded) == self.die_after:
                 os._exit(17)  # this rollout rank dies mid-sync
+            if self.raise_after is not None and len(self.loaded) == self.raise_after:
+                raise RuntimeError(f"the server failed to load {name}")  # stops consuming mid-version
             assert name not in self.loaded, f"{name} twice"
             self.loaded[name] = tensor.clone()
 
@@ -153,6 +156,14 @@ def _build(spec: WorkerSpec) -> Any:
     )
     return CheckpointEngineRegistry.new(  # engine_workers.py:686-688
         backend, is_master=(torch.distributed.get_rank() == 0), bucket_size=bucket_size, **engine_kwargs
+    )
+
+
+async def _rollout_update_weights(engine: Any, adapter: _ServerAdapter, global_steps: int) -> None:
+    """`CheckpointEngineWorker.update_weights` (base.py:353-360), line for line."""
+    weights = engine.receive_weights(global_steps=global_steps)
+    await adapter.update_weights(
+        weights, global_steps=global_steps, wire_format=getattr(engine, "wire_format", "named_tensors")
     )
 
 
@@ -199,14 +210,11 @@ async def _serve(conn: Any, spec: WorkerSpec) -> None:
             elif kind == "sent":  # the test asks what this actor rank's generator yielded in the last sync
                 result = digest(actor.sent) if len(actor.sent) == len(MODEL) else None
             elif kind == "update_weights":  # base.py:353-360
-                adapter.die_after = payload.get("die_after")
+                adapter.die_after, adapter.raise_after = payload.get("die_after"), payload.get("raise_after")
                 if rollout_worker is not None:  # verl's own CheckpointEngineWorker.update_weights
                     await rollout_worker.update_weights(global_steps=payload["global_steps"])
                 else:
-                    weights = engine.receive_weights(global_steps=payload["global_steps"])
-                    await adapter.update_weights(
-                        weights, global_steps=payload["global_steps"], wire_format=getattr(engine, "wire_format", "")
-                    )
+                    await _rollout_update_weights(engine, adapter, payload["global_steps"])
                 expected = model_weights(payload["global_steps"])
                 assert sorted(adapter.loaded) == sorted(expected), sorted(adapter.loaded)
                 for name, tensor in adapter.loaded.items():
