@@ -143,7 +143,11 @@ class _CallerWeights:
             if self.exhausted:
                 return None
             try:
-                item = next(self._sync) if self._sync is not None else await self._async.__anext__()  # type: ignore[union-attr]
+                if self._sync is not None:
+                    item = next(self._sync)
+                else:
+                    assert self._async is not None
+                    item = await self._async.__anext__()
             except (StopIteration, StopAsyncIteration):
                 self.exhausted = True
                 return None

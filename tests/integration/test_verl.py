@@ -116,13 +116,15 @@ def test_a_failed_sync_leaves_the_next_one_whole() -> None:
         run_syncs(manager, actor_wg, replicas, [3, 4])
 
 
-def test_dead_actor_fails_every_rollout_within_seconds() -> None:
-    """The actor dies mid-sync: every rollout rank's receive fails within transport.liveness_s (PeerError: the
-    sender is gone), never waiting out transport.timeout_s."""
+@pytest.mark.parametrize("fault", [{"die_after": 3}, {"die_before_send": True}], ids=["mid-version", "before-it"])
+def test_dead_actor_fails_every_rollout_within_seconds(fault: dict[str, Any]) -> None:
+    """The actor dies mid-version, or before its version started (rollout ranks wait for it: our engine watches
+    the actor's control link then, where the receiver's own wait has no bound but transport.timeout_s): every
+    rollout rank's receive fails within transport.liveness_s (PeerError: the sender is gone)."""
     with standin(), verl_workers(1, 2, ckpt(), standin=True, dist_port=free_port()) as (actor_wg, replicas):
         manager = standin_manager(actor_wg, replicas)
         run_syncs(manager, actor_wg, replicas, [1])
-        actor_wg.handles[0].inject = {"die_after": 3}
+        actor_wg.handles[0].inject = dict(fault)
         start = time.monotonic()
         with pytest.raises(WorkerError, match="actor0: died"):
             manager.update_weights(global_steps=2)

@@ -78,3 +78,18 @@ def test_dead_rollout_fails_verls_sync_within_seconds(manager_of: Any) -> None:
         actor = actor_wg.handles[0].last("update_weights")
         assert not actor.ok and "PeerError" in actor.value, actor.value
         assert time.monotonic() - start < LIVENESS_S + LOAD_SLACK_S
+
+
+def test_dead_actor_fails_verls_rollout_ranks_within_seconds(manager_of: Any) -> None:
+    """The actor dies after init_process_group, before its version starts: verl's own rollout worker method
+    (`CheckpointEngineWorker.update_weights`) fails within transport.liveness_s on every rollout rank."""
+    with verl_workers(1, 2, ckpt(), standin=False, dist_port=free_port()) as (actor_wg, replicas):
+        manager = manager_of(actor_wg, replicas)
+        run_syncs(manager, actor_wg, replicas, [1])
+        actor_wg.handles[0].inject = {"die_before_send": True}
+        with pytest.raises(WorkerError, match="actor0: died"):
+            manager.update_weights(global_steps=2)
+        for replica in replicas:
+            got = replica.workers[0].last("update_weights")
+            assert not got.ok and "PeerError" in got.value, got.value
+            assert got.seconds < LIVENESS_S + LOAD_SLACK_S, got.seconds

@@ -204,6 +204,8 @@ async def _serve(conn: Any, spec: WorkerSpec) -> None:
             elif kind == "update_weights" and spec.role == "actor":  # engine_workers.py:754-766
                 assert payload["mode"] == BACKEND, payload  # not "naive": the checkpoint engine sends
                 actor.step, actor.die_after, actor.sent = payload["global_steps"], payload.get("die_after"), {}
+                if payload.get("die_before_send"):
+                    os._exit(17)  # this actor rank dies before its version starts (after init_process_group)
                 per_tensor_param, _ = actor.get_per_tensor_param()
                 metrics = await engine.send_weights(per_tensor_param, global_steps=payload["global_steps"])
                 result = metrics or {}
