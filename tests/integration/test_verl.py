@@ -20,6 +20,7 @@ from tests.support import verl_standin
 from tests.support.mp import LOAD_SLACK_S, free_port
 from tests.support.verl_workers import BACKEND, BUCKET_MB, MODEL, MODULE, WorkerError, get, verl_workers
 
+pytestmark = pytest.mark.timeout(120)
 LIVENESS_S = 2.0
 OVERRIDES = [
     "transport.host=127.0.0.1",  # else the node's address as Ray sees it (verl runs under Ray)

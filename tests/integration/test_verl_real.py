@@ -33,6 +33,8 @@ from tests.integration.test_verl import LIVENESS_S, ckpt, run_syncs  # noqa: E40
 from tests.support.mp import LOAD_SLACK_S, free_port  # noqa: E402
 from tests.support.verl_workers import BACKEND, MODULE, ProcessWorkerGroup, WorkerError, get, verl_workers  # noqa: E402
 
+pytestmark = pytest.mark.timeout(180)
+
 
 @pytest.fixture
 def manager_of(monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -289,7 +289,8 @@ class Pending:
         try:
             if not self.handle.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise WorkerError(f"{self.handle.name}: no reply within {CALL_TIMEOUT_S}s (a hang)")
-            self.ok, self.value = (lambda r: (r[0] == "ok", r[1]))(self.handle.conn.recv())
+            status, self.value = self.handle.conn.recv()
+            self.ok = status == "ok"
         except (EOFError, ConnectionError):
             self.handle.proc.join(5)
             self.ok, self.value = False, f"died (exit code {self.handle.proc.exitcode})"
