@@ -95,3 +95,30 @@ def test_dead_actor_fails_verls_rollout_ranks_within_seconds(manager_of: Any) ->
             got = replica.workers[0].last("update_weights")
             assert not got.ok and "PeerError" in got.value, got.value
             assert got.seconds < LIVENESS_S + LOAD_SLACK_S, got.seconds
+
+
+def test_the_ci_standin_mirrors_verl() -> None:
+    """tests/support/verl_standin.py, which CI runs the engine on, has verl's signatures (parameter names, kinds,
+    defaults) for every method it mirrors, and no abstract method verl lacks."""
+    import inspect
+
+    from verl.utils import import_utils
+
+    from tests.support import verl_standin
+
+    def params(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    real, ours = verl_base.CheckpointEngine, verl_standin.CheckpointEngine
+    assert ours.__abstractmethods__ == real.__abstractmethods__
+    for name in real.__abstractmethods__:
+        assert params(getattr(ours, name)) == params(getattr(real, name)), name
+    for name in ("register", "get", "new"):
+        assert params(getattr(verl_standin.CheckpointEngineRegistry, name)) == params(
+            getattr(verl_base.CheckpointEngineRegistry, name)
+        ), name
+    assert params(verl_standin.import_external_libs) == params(import_utils.import_external_libs)
+    for name in ("build_process_group", "update_weights"):
+        assert params(getattr(verl_standin.StandInManager, name)) == params(
+            getattr(verl_base.CheckpointEngineManager, name)
+        ), name
