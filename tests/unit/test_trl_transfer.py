@@ -7,11 +7,9 @@ The whole trainer on 2 CPU ranks is tests/integration/test_trl_async_grpo.py; he
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_weightsync import PeerError, WeightReceiver, WeightSyncError
+from lightning_weightsync import PeerError, WeightSyncError
 from lightning_weightsync.integrations.trl import WeightSyncTransfer
 from lightning_weightsync.rollout_engines.control import RolloutControl
 from tests.support.engine import assert_bitwise, engine_cfg, stream
 from tests.support.mp import LOAD_SLACK_S, spawned
-from tests.support.receiver import receiver_main
+from tests.support.receiver import ThreadReceiver, receiver_main
 
 trainer_module = pytest.importorskip(
     "trl.experimental.async_grpo.async_grpo_trainer", reason="needs trl (pip install 'lightning_weightsync[trl]')"
@@ -34,30 +32,6 @@ trainer_module = pytest.importorskip(
 
 def transfer(port: int = 0, **extra: Any) -> WeightSyncTransfer:
     return WeightSyncTransfer(engine_cfg(port, bucket_size_mb=1 / 128, **extra))
-
-
-class ThreadReceiver:
-    """A real `WeightReceiver` on its own event loop in a thread: every version it received, whole and cloned."""
-
-    def __init__(self, port: int, versions: int) -> None:
-        self.got: list[tuple[int, dict[str, torch.Tensor]]] = []
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(port, versions)), daemon=True)
-        self._thread.start()
-
-    async def _run(self, port: int, versions: int) -> None:
-        try:
-            async with WeightReceiver(engine_cfg(port, bucket_size_mb=1 / 128), identity="thread-rollout") as receiver:
-                while len(self.got) < versions:
-                    got = {n: t.clone() async for n, t in receiver.receive_weights(wait_s=30)}
-                    self.got.append((int(receiver.version or 0), got))
-        except BaseException as exc:
-            self.error = exc
-
-    def join(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        self._thread.join(timeout=60)
-        assert not self._thread.is_alive() and self.error is None, self.error
-        return self.got
 
 
 class Recording:
