@@ -40,8 +40,8 @@ import torch
 
 from ..config import FailurePolicy, SenderSettings, UserConfig, load_config, settings
 from ..errors import WeightSyncError
-from ..trainer.gather import cast_floating, drain, resolve_dtype
-from ..trainer.names import NameMapper
+from ..trainer.gather import drain
+from .common import StreamRules
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender
@@ -74,8 +74,7 @@ class WeightSyncTransfer:
         self.rollouts: RolloutControl | None = None
         self.last_stats: SendStats | None = None
         self.failures = 0
-        self._names = NameMapper.from_config(self.config.trainer.names)
-        self._cast = resolve_dtype(self.config.trainer.dtype)
+        self._rules = StreamRules(self.config.trainer)
         self._paused = False
         self._pause_error: Exception | None = None
 
@@ -151,7 +150,7 @@ class WeightSyncTransfer:
         if self._pause_error is not None:
             raise self._pause_error
         # TRL yields live parameters (`param.detach()`) or fresh `full_tensor()`s, neither reused for the next one
-        stream = self._renamed(weights)
+        stream = self._rules(weights)
 
         def send() -> SendStats:
             return sender.send_weights(stream, version=version, stable_tensors=True)
@@ -159,13 +158,6 @@ class WeightSyncTransfer:
         if self.rollouts is not None:
             return self.rollouts.run_version(version, send, paused=self._paused)
         return send()
-
-    def _renamed(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """`trainer.names.*` and `trainer.dtype` on TRL's stream (an excluded tensor is still pulled: lockstep)."""
-        for name, tensor in weights:
-            sent = self._names(name)
-            if sent is not None:
-                yield sent, cast_floating(tensor, self._cast)
 
     def _failed(self, version: int, error: Exception, drained: int) -> None:
         self.failures += 1
