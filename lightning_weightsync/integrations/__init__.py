@@ -4,7 +4,9 @@ send path of its own. The framework is imported lazily; a missing one is an `Imp
 
 - `trl`: TRL's `AsyncGRPOTrainer(weight_transfer=...)` (`WeightTransferProtocol`), `WeightSyncTransfer`;
 - `trl_rollout`: a small CPU `RolloutWorkerProtocol` (a tiny Hugging Face model that receives every version and
-  generates), so a whole AsyncGRPO run happens on CPU, and as an example of a rollout that is not vLLM.
+  generates), so a whole AsyncGRPO run happens on CPU, and as an example of a rollout that is not vLLM;
+- `vllm_trainer`: vLLM's trainer-side `WeightTransferTrainerFactory` engine (`lightning_weightsync`);
+- `common`: what each of them does to the framework's stream (`trainer.names.*`, `trainer.dtype`).
 """
 
 from __future__ import annotations
