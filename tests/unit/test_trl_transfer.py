@@ -61,6 +61,13 @@ def test_methods_are_trls_protocols() -> None:
             assert list(inspect.signature(getattr(ours, method)).parameters) == want, (ours, method)
 
 
+def test_a_missing_framework_names_the_extra() -> None:
+    from lightning_weightsync.integrations import require
+
+    with pytest.raises(ImportError, match=r"pip install 'lightning_weightsync\[trl\]'"):
+        require("trl_is_not_installed_here", "trl", "CpuRolloutWorker")
+
+
 def test_every_version_arrives_bitwise_numbered_as_trls_model_version() -> None:
     sync = transfer()
     sync.init_weight_transfer()
