@@ -195,6 +195,7 @@ def _rollout_process(
     plan: RolloutPlan, buffer: Any, events: Any, generate: Event, stop: Event, last_sample: Any
 ) -> None:
     torch.set_num_threads(plan.threads)
+    buffer.cancel_join_thread()  # at stop, samples the trainer never took must not hold the exit
     try:
         asyncio.run(_rollout_loop(plan, buffer, events, generate, stop, last_sample))
     except BaseException:
