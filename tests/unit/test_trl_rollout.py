@@ -1,6 +1,6 @@
 """`integrations.trl_rollout.CpuRolloutWorker` as TRL's `RolloutWorkerProtocol` asks (trl 1.16.0
 async_grpo_trainer.py:115-152): `check_health` raises when the worker stalls or its process is gone (TRL calls it
-while it waits for samples, :385-388), `stop` is idempotent. Its samples and versions, with a real trainer:
+while it waits for samples, :360), `stop` is idempotent. Its samples and versions, with a real trainer:
 tests/integration/test_trl_async_grpo.py."""
 
 from __future__ import annotations
