@@ -495,4 +495,4 @@ def _drifted(
     return set(differ)
 
 
-__all__ = ["LocalShards", "MembersRelay", "ReplicaDrift", "mesh_copies", "exchange_addresses", "iter_local_shards"]
+__all__ = ["LocalShards", "MembersRelay", "ReplicaDrift", "exchange_addresses", "iter_local_shards", "mesh_copies"]

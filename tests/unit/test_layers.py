@@ -70,7 +70,7 @@ LAYERS: dict[str, int] = {
     "rollout": 7,
     ENGINES_RECEIVING: 8,  # the rest of rollout_engines/: runs rollout's receive loop in a server
     "examples": 9,
-    "integrations": 9,  # another framework's adapters (verl's checkpoint engine): the public API and what it runs on
+    "integrations": 9,  # other frameworks' plug points (TRL, verl, vLLM's trainer API): thin adapters
     "bench": 10,
     "cli": 11,
     "__init__": 11,
