@@ -43,6 +43,7 @@ CHECKS = "tests/unit/test_control_checks.py"
 HOSTILE = "tests/integration/test_hostile_network.py"
 FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
 LORA_UNIT = "tests/unit/test_lora.py"
+SHARDED_LAYOUTS = "tests/integration/test_sharded_layouts.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -409,7 +410,8 @@ PLANTS = [
           "replicas, replica = replicas * mesh.size(dim), replica * mesh.size(dim) + coordinate[dim]",
           "replicas, replica = replicas, replica", ("tests/integration/test_sharded_layouts.py", "-k", "hsdp")),
     Plant("sharded: whole tensors not compared across ranks", f"{PKG}/trainer/sharded.py",
-          "            if None in values or len(set(values)) == 1:", "            if True:",
+          "        differ = [i for i, v in enumerate(values) if None not in v and len(set(v)) > 1]",
+          "        differ: list[int] = []",
           ("tests/integration/test_sharded_layouts.py", "-k", "two_rank")),
     Plant("sharded: a Shard(1) strided box sent as one byte range", f"{PKG}/trainer/sharded.py",
           "        if any(size != 1 for size in shape[: placement.dim]):", "        if False:",
@@ -570,6 +572,26 @@ PLANTS = [
           "if copy is None or copy.shape != tensor.shape:", ("tests/unit/test_host_copy.py",)),
     Plant("config: transport.liveness_s unbounded (0.001 s or a week)", f"{PKG}/config/validate.py",
           '    "transport.liveness_s": (0.2, 3600.0),\n', "", ("tests/unit/test_config.py", "-k", "liveness")),
+    # -- sharded mode: who sends a tensor every rank holds, and the plan's checks (issues 42, 43)
+    Plant("sharded: mesh copies of unequal sizes accepted", f"{PKG}/trainer/sharded.py",
+          "        if covered != list(range(world)) or len({len(c) for c in copies}) != 1:",
+          "        if covered != list(range(world)):", ("tests/unit/test_sharded_plan.py",)),
+    Plant("sharded: replicated DTensors not compared across ranks", f"{PKG}/trainer/sharded.py",
+          '"fingerprints": [fingerprint(h.local) if whole and h.whole else None',
+          '"fingerprints": [fingerprint(h.local) if whole and h.whole and h.mesh_key is None else None',
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded: replicas that differ striped over the ranks (a mix)", f"{PKG}/trainer/sharded.py",
+          "            if index in self.first_rank_only:", "            if False:",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: rank 0 owns every whole tensor (no spread)", f"{PKG}/trainer/sharded.py",
+          "            if (rank == 0) if index in first_rank_only else owns:", "            if rank == 0:",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: whole copies not compared (a drifted buffer spread)", f"{PKG}/trainer/sharded.py",
+          "    differ = [i for i, v in enumerate(values) if len(set(v)) > 1]", "    differ: list[int] = []",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: hybrid sharding not refused", f"{PKG}/trainer/sharded.py",
+          "        if handle.world_size != world and handle.uses_sharded_strategy:", "        if False:",
+          (SHARDED_LAYOUTS, "-k", "hsdp")),
 ]  # fmt: skip
 
 

@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -59,7 +58,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from ..engine.stats import SendStats, human_bytes
-from ..engine.verify import held_checksums
+from ..engine.verify import weights_digest
 from ..errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from ..rollout.sinks.module import ModuleSink
 from ..trainer.gather import iter_full_parameters
@@ -259,18 +258,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
 
 
-def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """One digest of a set of weights: the library's per-tensor fingerprint of each tensor's bytes
-    (`engine/verify.py held_checksums`, what `transport.verify` checks), with its name, dtype and shape,
-    in name order. The trainer takes it over the stream it sends, a rollout over the tensors it generates
-    with; equal digests mean the same weights."""
-    tensors = {name: tensor.detach().cpu() for name, tensor in named}
-    checksums = held_checksums(tensors)
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|{checksums[name]}\n".encode())
-    return digest.hexdigest()[:16]
+fingerprint = weights_digest  # the library's digest of a set of weights (engine/verify.py), by its name here
 
 
 # ------------------------------------------------------------------------------------- the sample channel
