@@ -45,6 +45,7 @@ FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they m
 LORA_UNIT = "tests/unit/test_lora.py"
 OVERLAP = f"{PKG}/trainer/overlap.py"
 OVERLAP_TESTS = "tests/integration/test_overlap.py"
+SHARDED_LAYOUTS = "tests/integration/test_sharded_layouts.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -411,7 +412,8 @@ PLANTS = [
           "replicas, replica = replicas * mesh.size(dim), replica * mesh.size(dim) + coordinate[dim]",
           "replicas, replica = replicas, replica", ("tests/integration/test_sharded_layouts.py", "-k", "hsdp")),
     Plant("sharded: whole tensors not compared across ranks", f"{PKG}/trainer/sharded.py",
-          "            if None in values or len(set(values)) == 1:", "            if True:",
+          "        differ = [i for i, v in enumerate(values) if None not in v and len(set(v)) > 1]",
+          "        differ: list[int] = []",
           ("tests/integration/test_sharded_layouts.py", "-k", "two_rank")),
     Plant("sharded: a Shard(1) strided box sent as one byte range", f"{PKG}/trainer/sharded.py",
           "        if any(size != 1 for size in shape[: placement.dim]):", "        if False:",
@@ -597,6 +599,26 @@ PLANTS = [
     Plant("side gather: a rank with no new mesh skips the collective group exchange", f"{PKG}/trainer/side_gather.py",
           "        if not int(flag.item()):", "        if not needed:",
           ("tests/integration/test_side_gather.py", "-k", "new_to_one_rank")),
+    # -- sharded mode: who sends a tensor every rank holds, and the plan's checks (issues 42, 43)
+    Plant("sharded: mesh copies of unequal sizes accepted", f"{PKG}/trainer/sharded.py",
+          "        if covered != list(range(world)) or len({len(c) for c in copies}) != 1:",
+          "        if covered != list(range(world)):", ("tests/unit/test_sharded_plan.py",)),
+    Plant("sharded: replicated DTensors not compared across ranks", f"{PKG}/trainer/sharded.py",
+          '"fingerprints": [fingerprint(h.local) if whole and h.whole else None',
+          '"fingerprints": [fingerprint(h.local) if whole and h.whole and h.mesh_key is None else None',
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded: replicas that differ striped over the ranks (a mix)", f"{PKG}/trainer/sharded.py",
+          "            if index in self.first_rank_only:", "            if False:",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: rank 0 owns every whole tensor (no spread)", f"{PKG}/trainer/sharded.py",
+          "            if (rank == 0) if index in first_rank_only else owns:", "            if rank == 0:",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: whole copies not compared (a drifted buffer spread)", f"{PKG}/trainer/sharded.py",
+          "    differ = [i for i, v in enumerate(values) if len(set(v)) > 1]", "    differ: list[int] = []",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("sharded FSDP1: hybrid sharding not refused", f"{PKG}/trainer/sharded.py",
+          "        if handle.world_size != world and handle.uses_sharded_strategy:", "        if False:",
+          (SHARDED_LAYOUTS, "-k", "hsdp")),
 ]  # fmt: skip
 
 

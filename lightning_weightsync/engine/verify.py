@@ -15,8 +15,9 @@ one in `SAMPLE_EVERY`; off: none); on a receiver, whether it checks what arrives
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
@@ -158,6 +159,19 @@ def held_checksums(tensors: Mapping[str, torch.Tensor], names: list[str] | None 
     return {name: checksum_hex(fingerprint(tensors[name])) for name in chosen}
 
 
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """One digest of a set of weights: each tensor's fingerprint (`held_checksums`, what `transport.verify` checks)
+    with its name, dtype and shape, in name order. A trainer takes it over what it sends, a rollout over what it
+    generates with; equal digests mean the same weights, bitwise (the GRPO example and the TRL tests compare them)."""
+    tensors = {name: tensor.detach().cpu() for name, tensor in named}
+    checksums = held_checksums(tensors)
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|{checksums[name]}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def worker_weight_report(worker: Any) -> dict[str, Any]:
     """A vLLM worker's answer to "which version do you hold, and was it verified" (its weight-transfer
     engine's `weight_report`, when that engine is ours). Pass this function to `LLM.collective_rpc` /
@@ -197,5 +211,6 @@ __all__ = [
     "compare_checksums",
     "held_checksums",
     "weight_problems",
+    "weights_digest",
     "worker_weight_report",
 ]

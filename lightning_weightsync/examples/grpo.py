@@ -25,15 +25,24 @@ The trainer (`GRPOModule.training_step`) takes `recipe.prompts_per_step` groups 
 current policy's probability of the token over the probability the rollout sampled it with; plus, with
 `recipe.kl_coef > 0`, a KL penalty (the k3 estimator) to the initial weights.
 
-Every step prints one line (reward mean, samples' version and staleness, sync seconds, trainer stall) and
-appends the same numbers to `<recipe.output_dir>/<label>.jsonl`; at the end `<output_dir>/grpo.png` plots
-reward and stall against step, one curve per JSONL in the directory (one per setting: run the recipe again
-with another `trainer.*` override and the same output_dir to compare). The JSONL also holds, for every
-version, the trainer's fingerprint of its weights after that optimizer step and the fingerprint each
-rollout reported for the weights it generated with; the final line says whether they all matched.
+LoRA (`recipe.lora`): the policy is the tiny LM wrapped by `peft.get_peft_model` (rank `recipe.lora.r` on
+`recipe.lora.target_modules`), on the trainer and in every rollout alike; only the adapter trains. It is on
+when `recipe.lora.enabled` says so, or (null, the default) with `trainer.lora=adapter`, so that override
+alone runs it: version 0 carries the base and the adapter, every later version the adapter alone, and each
+rollout's module sink (`rollout.sink.lora: keep`, rollout/sinks/lora.py) keeps the base and loads each
+adapter into its own PEFT model (`merged` / `full`, plain weights, are refused at start-up).
 
-`trainer.*` overrides (`trainer.send_mode=sharded`, ...) go to `WeightSyncCallback` unchanged; nothing here
-reads a `trainer.*` key except to name the setting in the plot.
+Every step prints one line (reward mean, samples' version and staleness, the last delivered version's bytes
+and send seconds, trainer stall) and appends the same numbers to `<recipe.output_dir>/<label>.jsonl`; at the
+end `<output_dir>/grpo.png` plots reward, stall and bytes a version against step, one curve per JSONL in the
+directory (one per setting: run the recipe again with another `trainer.*` override and the same output_dir to
+compare). The JSONL also holds, for every version, the trainer's fingerprint of its policy's parameters after
+that optimizer step and the fingerprint each rollout reported for the parameters it generated with (with
+LoRA: the base and the adapter); the final line says whether they all matched.
+
+`trainer.*` overrides (`trainer.send_mode=sharded`, `trainer.overlap=true`, ...) go to `WeightSyncCallback`
+unchanged; nothing here reads a `trainer.*` key except to name the setting in the plot and `trainer.lora`
+(whether the policy is a LoRA model, see above).
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -50,7 +58,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +67,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from ..engine.verify import held_checksums
+from ..engine.stats import SendStats, human_bytes
+from ..engine.verify import weights_digest
 from ..errors import ConfigError, WeightSyncError, WeightSyncTimeout
+from ..rollout.sinks.module import ModuleSink
+from ..trainer.gather import iter_full_parameters
+from ..trainer.lora import import_peft
 from .recipe import build_parser, load_recipe, recipe_main, setup_logging
 from .tiny_lm import TinyLM, build_model
 
@@ -69,6 +81,16 @@ logger = logging.getLogger("lightning_weightsync.examples.grpo")  # also when ru
 BOS = 10  # token ids 0-9 are the digits; 10 starts every sequence
 ROLLOUT_ENV = "LWS_GRPO_RESOLVED"  # set by the launching process: ports its Lightning ranks must share
 DEFAULT_MODEL = {"vocab_size": 11, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 8}
+
+
+@dataclass
+class LoraRecipe:
+    """`recipe.lora`: the policy as a PEFT LoRA model (`get_peft_model(tiny LM, LoraConfig(...))`)."""
+
+    enabled: bool | None = None  # None: when trainer.lora=adapter
+    r: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "up", "down", "lm_head"])
 
 
 @dataclass
@@ -96,6 +118,7 @@ class GRPORecipe:
     output_dir: str = "runs/grpo"
     plot: bool = True
     model: dict[str, Any] = field(default_factory=dict)  # TinyLMConfig overrides (merged onto DEFAULT_MODEL)
+    lora: LoraRecipe = field(default_factory=LoraRecipe)
 
 
 def validate(recipe: GRPORecipe) -> None:
@@ -116,6 +139,8 @@ def validate(recipe: GRPORecipe) -> None:
         )
     if recipe.max_staleness < 0 or recipe.clip_eps <= 0 or recipe.temperature <= 0 or recipe.kl_coef < 0:
         raise ConfigError("recipe.max_staleness and recipe.kl_coef must be >= 0, clip_eps and temperature > 0")
+    if recipe.lora.r < 1 or not recipe.lora.target_modules:
+        raise ConfigError("recipe.lora.r must be >= 1 and recipe.lora.target_modules not empty")
     need = 2 + recipe.completion_len  # BOS, the digit, the answer
     if model_options(recipe).get("max_seq_len", 0) < need or model_options(recipe).get("vocab_size", 0) < BOS + 1:
         raise ConfigError(f"recipe.model: max_seq_len must be >= {need} and vocab_size >= {BOS + 1}")
@@ -123,6 +148,48 @@ def validate(recipe: GRPORecipe) -> None:
 
 def model_options(recipe: GRPORecipe) -> dict[str, Any]:
     return {**DEFAULT_MODEL, **recipe.model, "seed": recipe.seed}
+
+
+def uses_lora(recipe: GRPORecipe, cfg: DictConfig) -> bool:
+    """Whether the policy is a PEFT LoRA model: `recipe.lora.enabled`, or (null) whether `trainer.lora=adapter`
+    asks for adapter versions (its default, `auto`, sends a plain model as it is and a LoRA one's adapter).
+
+    ConfigError for what the rollouts here cannot load: they hold a PEFT model and load adapters into it
+    (`rollout.sink.lora: keep`), so `trainer.lora=merged|full` (plain weights) and `rollout.sink.lora=merge`
+    are refused at start-up rather than by the rollout's sink at version 0."""
+    mode = str(getattr(cfg.trainer.lora, "value", cfg.trainer.lora))
+    lora = recipe.lora.enabled if recipe.lora.enabled is not None else mode == "adapter"
+    sink_lora = str(getattr(cfg.rollout.sink.lora, "value", cfg.rollout.sink.lora))
+    if mode in ("merged", "full") or (lora and sink_lora != "keep"):
+        raise ConfigError(
+            f"trainer.lora={mode}, rollout.sink.lora={sink_lora}: the GRPO rollouts load adapter versions into their "
+            "own PEFT model; use trainer.lora=adapter (or auto) and rollout.sink.lora=keep"
+        )
+    return lora
+
+
+def build_policy(recipe: GRPORecipe, lora: bool) -> torch.nn.Module:
+    """The tiny LM, wrapped with PEFT LoRA when `lora`, as a user would. Trainer and rollouts build the same:
+    the base from `recipe.seed` (`build_model`), the adapter's lora_A from it too (lora_B starts at zero, so
+    the policy starts as the base), the global RNG left as it was."""
+    model = build_model(model_options(recipe))
+    if not lora:
+        return model
+    peft = import_peft()
+    config = peft.LoraConfig(
+        r=recipe.lora.r, lora_alpha=recipe.lora.alpha, target_modules=list(recipe.lora.target_modules), lora_dropout=0.0
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        policy: torch.nn.Module = peft.get_peft_model(model, config)
+    return policy
+
+
+def tiny_lm(policy: torch.nn.Module) -> TinyLM:
+    """The tiny LM inside `policy` (itself, or the base model of its PEFT wrapper)."""
+    base = getattr(policy, "get_base_model", lambda: policy)()  # peft.PeftModel.get_base_model
+    assert isinstance(base, TinyLM), type(base)
+    return base
 
 
 # ------------------------------------------------------------------------------------- the task
@@ -143,7 +210,7 @@ def reward(prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(
-    model: TinyLM, prompts: torch.Tensor, length: int, temperature: float, generator: torch.Generator
+    model: torch.nn.Module, prompts: torch.Tensor, length: int, temperature: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `length` tokens after each prompt: (completions, the log-probability each was sampled with)."""
     seq, logprobs = prompts, []
@@ -191,18 +258,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
 
 
-def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """One digest of a set of weights: the library's per-tensor fingerprint of each tensor's bytes
-    (`engine/verify.py held_checksums`, what `transport.verify` checks), with its name, dtype and shape,
-    in name order. The trainer takes it over the stream it sends, a rollout over the tensors it generates
-    with; equal digests mean the same weights."""
-    tensors = {name: tensor.detach().cpu() for name, tensor in named}
-    checksums = held_checksums(tensors)
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|{checksums[name]}\n".encode())
-    return digest.hexdigest()[:16]
+fingerprint = weights_digest  # the library's digest of a set of weights (engine/verify.py), by its name here
 
 
 # ------------------------------------------------------------------------------------- the sample channel
@@ -257,26 +313,12 @@ class SampleChannel:
 # ------------------------------------------------------------------------------------- the rollout
 
 
-def held_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The rollout's own tensors by the names the trainer sends them under (its state dict, in place)."""
-    return {name: t for name, t in model.state_dict(keep_vars=True).items()}
-
-
-async def receive_into(receiver: Any, held: dict[str, torch.Tensor], wait_s: float | None) -> list[str]:
-    """One version straight into the rollout's model; the names received (WeightSyncTimeout when none came)."""
-    names: list[str] = []
-
-    def into(meta: Any) -> torch.Tensor | None:
-        return held[meta.name].data if meta.name in held else None
-
-    async for name, tensor in receiver.receive_weights(into=into, wait_s=wait_s):
-        if name not in held:
-            raise ConfigError(f"grpo rollout: the trainer sent {name!r}, which the rollout's model does not have")
-        dest = held[name].data
-        if tensor.data_ptr() != dest.data_ptr():  # not received in place (e.g. another dtype): copy it in
-            dest.copy_(tensor)
-        names.append(name)
-    return names
+def rollout_policy(recipe: GRPORecipe, cfg: DictConfig) -> tuple[torch.nn.Module, ModuleSink]:
+    """A rollout's policy (in eval mode) and the library's module sink that loads every version into it in
+    place. With LoRA (`rollout.sink.lora: keep`) version 0 brings the base and the adapter, and later versions
+    the adapter alone, into the PEFT model's own tensors: the base stays, each adapter replaces the last."""
+    model = build_policy(recipe, uses_lora(recipe, cfg)).eval()
+    return model, ModuleSink(cfg, module=model)
 
 
 async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_address: str) -> None:
@@ -288,27 +330,26 @@ async def rollout_loop(recipe: GRPORecipe, cfg: DictConfig, index: int, samples_
     import zmq
 
     from ..engine.receiver import WeightReceiver
+    from ..rollout.consume import consume_version
 
     torch.set_num_threads(recipe.threads)
-    model = build_model(model_options(recipe)).eval()
-    held = held_tensors(model)
+    model, sink = rollout_policy(recipe, cfg)
     groups = recipe.prompts_per_step // recipe.rollouts
     push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(samples_address)
     timeout_s = float(cfg.transport.timeout_s)
     version: int | None = None
-    names: list[str] = []
     digest = ""
     batches = 0  # batches generated with the version held
     async with WeightReceiver(cfg, identity=f"grpo-rollout-{index}") as receiver:
         while True:
             poll = version is not None and batches <= recipe.max_staleness
             try:
-                names = await receive_into(receiver, held, 0.02 if poll else timeout_s)
-                assert receiver.version is not None  # receive_into returned: a version landed
-                version, batches = int(receiver.version), 0
-                digest = fingerprint((n, held[n]) for n in names)
-                logger.debug("rollout %d: version %d received, fingerprint %s", index, version, digest)
+                record = await consume_version(receiver, sink, wait_s=0.02 if poll else timeout_s)
+                version, batches = record.version, 0
+                digest = fingerprint(model.named_parameters())  # what it generates with (LoRA: base + adapter)
+                logger.debug("rollout %d: version %d received (%d bytes), fingerprint %s", index, version,
+                             record.nbytes, digest)  # fmt: skip
             except WeightSyncTimeout:
                 if not poll:
                     raise
@@ -359,16 +400,17 @@ def setting_label(recipe: GRPORecipe, cfg: DictConfig) -> str:
     quiet = {"overlap": (False,), "lora": ("auto",)}  # at their defaults they are not what a curve compares
     for key in ("send_mode", "overlap", "lora"):  # present or not: nothing else depends on them
         value = cfg.trainer.get(key) if key in cfg.trainer else None
-        if getattr(value, "value", value) in quiet.get(key, ()):
+        value = getattr(value, "value", value)
+        if value in quiet.get(key, ()):
             continue
         if value is not None and not OmegaConf.is_config(value):
-            parts.append(f"{key}={getattr(value, 'value', value)}")
+            parts.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")  # as typed: overlap=true
     if recipe.max_staleness:
         parts.append(f"max_staleness={recipe.max_staleness}")
     return " ".join(parts) or "default"
 
 
-def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | None]) -> Any:
+def _lightning_module(recipe: GRPORecipe, lora: bool, channel: Callable[[], SampleChannel | None]) -> Any:
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -376,11 +418,12 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
     batch = recipe.prompts_per_step * recipe.group_size
 
     class GRPOModule(pl.LightningModule):
-        """The policy is `self.model` (what the rollouts receive); `self.reference` (kl_coef > 0) is not sent."""
+        """The policy is `self.model` (what the rollouts receive; a PeftModel with LoRA); `self.reference`
+        (kl_coef > 0, the initial weights) is not sent."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.model = build_model(model_options(recipe))
+            self.model = build_policy(recipe, lora)
             self.reference = build_model(model_options(recipe)).requires_grad_(False) if recipe.kl_coef else None
             self.last: dict[str, Any] = {}  # what the step used, for the per-step line (rank 0)
 
@@ -390,7 +433,7 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
             if self.device_mesh is None or isinstance(self.model, FSDPModule):
                 return
             mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.layers:
+            for layer in tiny_lm(self.model).layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -443,7 +486,8 @@ def _lightning_module(recipe: GRPORecipe, channel: Callable[[], SampleChannel | 
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.model.parameters(), lr=recipe.lr, weight_decay=0.0)
+            trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter alone
+            return torch.optim.AdamW(trainable, lr=recipe.lr, weight_decay=0.0)
 
     return GRPOModule()
 
@@ -452,23 +496,38 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
     import lightning.pytorch as pl
 
     class StepLog(pl.Callback):
-        """After each optimizer step (after the sync callback sent that version): the trainer's fingerprint of
-        the weights it just sent (every rank gathers), one printed line and one JSONL row (rank 0)."""
+        """After each optimizer step (after the sync callback sent that version, or with trainer.overlap began
+        to): the trainer's fingerprint of its policy's parameters (every rank gathers), one printed line and
+        one JSONL row (rank 0)."""
 
         def __init__(self) -> None:
             self.trainer_fingerprints: dict[int, str] = {}
+            self.sent_bytes: dict[int, int] = {}  # version -> payload bytes, as each version is delivered
             self.mismatches: list[str] = []
             self.rows: list[dict[str, Any]] = []
             self.started = time.monotonic()
 
         def _fingerprint(self, trainer: pl.Trainer) -> None:
-            digest = fingerprint(sync.weights(trainer))  # empty on ranks != 0: every rank joins the gathers
+            # the parameters the policy generates with, under the names the rollout's model has (LoRA: the
+            # base and the adapter), whatever a version carries; empty on ranks != 0, which join the gathers
+            module = trainer.strategy.model  # as the strategy trains it, as WeightSyncCallback gathers it
+            assert module is not None
+            params = iter_full_parameters(module, include_buffers=False, prefix="model")
+            digest = fingerprint(params)
             if trainer.is_global_zero:
                 self.trainer_fingerprints[trainer.global_step] = digest
+
+        def _delivered(self) -> SendStats | None:
+            """The last delivered version's `SendStats` (trainer.overlap: the one sent in the background)."""
+            stats: SendStats | None = sync.last_stats
+            if stats is not None:
+                self.sent_bytes[stats.version] = int(stats.nbytes)
+            return stats
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._fingerprint(trainer)  # version 0 (sent by WeightSyncCallback.on_train_start, before us)
             if trainer.is_global_zero:
+                self._delivered()
                 jsonl.parent.mkdir(parents=True, exist_ok=True)
                 jsonl.write_text("")
 
@@ -477,8 +536,7 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
             if not trainer.is_global_zero:
                 return
             step, last = trainer.global_step, pl_module.last
-            stats = getattr(sync, "last_stats", None)
-            sync_s = float(stats.seconds) if stats is not None and stats.version == step else None
+            stats = self._delivered()  # blocking: this step's version; trainer.overlap: the one before
             versions = sorted({m["version"] for m in last["samples"]})
             for m in last["samples"]:
                 ours = self.trainer_fingerprints.get(m["version"])
@@ -490,7 +548,11 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
                 "reward_mean": last["reward_mean"],
                 "sample_version": last["sample_version"],
                 "staleness": last["staleness"],
-                "sync_s": sync_s,
+                # the last delivered version: which, its payload bytes, its send's seconds (with trainer.overlap,
+                # the background send of the version before this step's, which ran while this step computed)
+                "sync_version": None if stats is None else stats.version,
+                "sync_bytes": None if stats is None else int(stats.nbytes),
+                "sync_s": None if stats is None else float(stats.seconds),
                 "stall_s": float(sync.last_stall_seconds),
                 "wait_samples_s": last["wait_samples_s"],
                 "generate_s": last["generate_s"],
@@ -508,22 +570,32 @@ def _step_logger(recipe: GRPORecipe, sync: Any, jsonl: Path, label: str) -> Any:
             self.rows.append(row)
             with jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(
-                f"step {step:4d}/{recipe.steps}  reward {row['reward_mean']:.3f}  samples v{row['sample_version']} "
-                f"(staleness {row['staleness']})  sync {_seconds(sync_s)}  stall {row['stall_s']:.3f}s  "
-                f"wait {row['wait_samples_s']:.3f}s" + (f"  kl {row['kl']:.4f}" if recipe.kl_coef else ""),
-                flush=True,
-            )
+            print(step_line(row, recipe), flush=True)
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.is_global_zero:
+                self._delivered()  # trainer.overlap: the last version, sent by the sync's on_train_end (before us)
 
     return StepLog()
 
 
-def _seconds(value: float | None) -> str:
-    return "   ?  " if value is None else f"{value:.3f}s"
+def step_line(row: dict[str, Any], recipe: GRPORecipe) -> str:
+    """`step   40/100  reward 0.562  samples v39 (staleness 0)  sync v40 69.4 KiB 0.040s  stall 0.041s  wait 0.000s`"""
+    sync = (
+        "sync    ?"
+        if row["sync_version"] is None
+        else f"sync v{row['sync_version']} {human_bytes(row['sync_bytes'])} {row['sync_s']:.3f}s"
+    )
+    return (
+        f"step {row['step']:4d}/{recipe.steps}  reward {row['reward_mean']:.3f}  samples v{row['sample_version']} "
+        f"(staleness {row['staleness']})  {sync}  stall {row['stall_s']:.3f}s  wait {row['wait_samples_s']:.3f}s"
+        + (f"  kl {row['kl']:.4f}" if recipe.kl_coef else "")
+    )
 
 
 def plot(output_dir: Path) -> str:
-    """`<output_dir>/grpo.png`: reward and trainer stall against step, one curve per JSONL (setting)."""
+    """`<output_dir>/grpo.png`: reward, trainer stall and bytes a version against step, one curve per JSONL
+    (setting)."""
     runs = {}
     for path in sorted(output_dir.glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -536,8 +608,11 @@ def plot(output_dir: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'lightning_weightsync[plot]'); the JSONL has it"
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.2), sharex=True)
-    styles = ("-", "--", ":", "-.")  # two settings that learn identically (gather, sharded) stay both visible
+    fig, (top, middle, bottom) = plt.subplots(
+        3, 1, figsize=(6.4, 6.8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.4]}
+    )
+    # settings that learn identically (gather, sharded, overlap: the same weights every version) stay all visible
+    styles = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
     for index, (name, rows) in enumerate(runs.items()):
         style = styles[index % len(styles)]
         steps = [r["step"] for r in rows]
@@ -545,13 +620,17 @@ def plot(output_dir: Path) -> str:
         window = 5  # a running mean: a step's reward is the mean of only prompts_per_step * group_size samples
         smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
                   for i in range(len(rewards))]  # fmt: skip
-        (line,) = top.plot(steps, smooth, style, label=name)
+        (line,) = top.plot(steps, smooth, linestyle=style, label=name)
         top.plot(steps, rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        bottom.plot(steps, [r["stall_s"] * 1000 for r in rows], style, color=line.get_color(), label=name)
+        middle.plot(steps, [r["stall_s"] * 1000 for r in rows], linestyle=style, color=line.get_color(), label=name)
+        sent = [(r["sync_version"], r["sync_bytes"] / 1024) for r in rows if r.get("sync_bytes") is not None]
+        bottom.plot([v for v, _ in sent], [kib for _, kib in sent], linestyle=style, color=line.get_color(), label=name)
     top.set_ylabel("reward (5-step mean)")
     top.set_ylim(0, 1)
     top.legend(loc="lower right", fontsize="small")
-    bottom.set_ylabel("trainer stall per sync (ms)")
+    middle.set_ylabel("trainer stall\nper sync (ms)")
+    middle.set_ylim(bottom=0)
+    bottom.set_ylabel("KiB sent by\nrank 0 a version")
     bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step (= weight version)")
     top.set_title("GRPO, tiny LM on CPU: rollouts generate with the weights they received", fontsize="medium")
@@ -669,7 +748,7 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
         batch_size=None,
     )
     try:
-        trainer.fit(_lightning_module(recipe, channel), train_dataloaders=steps)
+        trainer.fit(_lightning_module(recipe, uses_lora(recipe, cfg), channel), train_dataloaders=steps)
     finally:
         if "c" in channel_holder:
             channel_holder["c"].close()
@@ -690,6 +769,7 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
         f"grpo [{label}]: {len(rows)} steps; mean reward of the first {len(head)} steps {start:.3f}, "
         f"of the last {len(tail)} steps {end:.3f}",
         f"  {verdict}",
+        f"  {_sent_summary(step_log.sent_bytes, [r['stall_s'] for r in rows])}",
         f"  per-step numbers -> {jsonl}",
     ]
     if recipe.plot:
@@ -697,6 +777,15 @@ def train(recipe: GRPORecipe, cfg: DictConfig, rollouts: Sequence[subprocess.Pop
     if step_log.mismatches:
         raise WeightSyncError("\n".join(lines))
     return "\n".join(lines)
+
+
+def _sent_summary(sent_bytes: dict[int, int], stalls: list[float]) -> str:
+    """`sent: version 0 69.4 KiB, later versions 13.0 KiB (median of 100); trainer stall a sync: median 0.041s`"""
+    later = sorted(n for v, n in sent_bytes.items() if v > 0)
+    first = human_bytes(sent_bytes[0]) if 0 in sent_bytes else "?"
+    each = f"{human_bytes(later[len(later) // 2])} (median of {len(later)})" if later else "?"
+    stall = sorted(stalls)[len(stalls) // 2] if stalls else float("nan")
+    return f"sent: version 0 {first}, later versions {each}; trainer stall a sync: median {stall:.3f}s"
 
 
 def _parse(args: Sequence[str]) -> argparse.Namespace:
@@ -725,6 +814,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         recipe, cfg = load_recipe(parsed.config, parsed.overrides, schema=GRPORecipe)
         validate(recipe)  # before any process starts
+        if uses_lora(recipe, cfg):
+            import_peft()  # a ConfigError naming the extra, before any process starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -744,7 +835,9 @@ if __name__ == "__main__":
 
 __all__ = [
     "GRPORecipe",
+    "LoraRecipe",
     "SampleChannel",
+    "build_policy",
     "fingerprint",
     "generate",
     "group_advantages",
@@ -753,5 +846,8 @@ __all__ = [
     "plot",
     "reward",
     "rollout_main",
+    "rollout_policy",
+    "step_line",
     "train",
+    "uses_lora",
 ]

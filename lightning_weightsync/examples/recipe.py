@@ -40,12 +40,11 @@ def validate_recipe(section: Any, schema: type[R]) -> R:
     assert is_dataclass(schema), f"{schema!r} is not a dataclass"
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), section or {})
-        values = OmegaConf.to_container(merged, resolve=True)
+        recipe = cast(R, OmegaConf.to_object(merged))  # the dataclass, nested ones (recipe.lora) built too
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         raise ConfigError(f"invalid recipe key 'recipe.{key}': {str(exc).strip().splitlines()[0]}") from None
-    assert isinstance(values, dict)
-    recipe = schema(**cast(dict[str, Any], values))  # a dataclass's fields: string keys (OmegaConf types any key)
+    assert isinstance(recipe, schema)
     for f in fields(schema):
         if f.name in POSITIVE_FIELDS and getattr(recipe, f.name) < 1:
             raise ConfigError(f"recipe.{f.name}={getattr(recipe, f.name)} must be >= 1")

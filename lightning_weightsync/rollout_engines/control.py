@@ -125,12 +125,29 @@ class RolloutControl:
                 errors.append(error)
         return ok, errors
 
-    def run_version(self, version: int, send: Callable[[], T], *, lora: LoraSpec | None = None) -> T:
+    def pause(self) -> None:
+        """Pause every rollout (for a caller whose framework pauses and resumes apart from the send, as TRL's
+        `WeightTransferProtocol` does: then `run_version(..., paused=True)` and `resume()`). Raises `PeerError`
+        naming each rollout that could not be paused; those that were stay paused until `resume()`."""
+        _, errors = self._on_all(self.clients, "pause", lambda c: c.pause())
+        if errors:
+            raise PeerError("pause failed: " + "; ".join(errors))
+
+    def resume(self) -> None:
+        """Resume every rollout; a failure is logged, never raised (it must not mask the version's outcome)."""
+        _, errors = self._on_all(self.clients, "resume", lambda c: c.resume())
+        for error in errors:
+            logger.error("%s (generation stays paused there until /resume succeeds)", error)
+
+    def run_version(
+        self, version: int, send: Callable[[], T], *, lora: LoraSpec | None = None, paused: bool = False
+    ) -> T:
         """Pause and open an update on every rollout, run `send()` while they receive, finish with
         `weight_version=str(version)`, resume. Raises `PeerError` naming each failed rollout; `send`
         is not called when a rollout could not be paused or started (the caller drains its stream).
         `lora`: the version's LoRA spec (`trainer.lora`); an adapter version is also loaded by every rollout
-        after its finish (`load_adapter`), and refused before anything is paused where it cannot be."""
+        after its finish (`load_adapter`), and refused before anything is paused where it cannot be.
+        `paused`: the caller paused every rollout (`pause()`) and resumes them (`resume()`) itself."""
         self._check_receivers()
         adapter = lora is not None and lora.mode == "adapter"
         if adapter:
@@ -138,13 +155,17 @@ class RolloutControl:
         timings = RolloutTimings(version)
         self.last_timings = timings
         start = time.perf_counter()
-        paused: list[RolloutClient] = []
+        to_resume: list[RolloutClient] = []
         errors: list[str] = []
         try:
-            paused, errors = self._on_all(self.clients, "pause", lambda c: c.pause())
+            if paused:
+                ready = list(self.clients)
+            else:
+                ready, errors = self._on_all(self.clients, "pause", lambda c: c.pause())
+                to_resume = ready
             started: list[RolloutClient] = []
             if not errors:
-                started, errors = self._on_all(paused, "start_update", lambda c: c.start_update())
+                started, errors = self._on_all(ready, "start_update", lambda c: c.start_update())
             if errors:
                 self._finish(started, None)  # close the sessions that did open
                 raise PeerError(f"version {version} not sent: " + "; ".join(errors))
@@ -183,7 +204,7 @@ class RolloutControl:
             timings.finish_s = time.perf_counter() - t1
             return result
         finally:
-            _, resume_errors = self._on_all(paused, "resume", lambda c: c.resume())
+            _, resume_errors = self._on_all(to_resume, "resume", lambda c: c.resume())
             timings.paused_s = time.perf_counter() - start
             for error in resume_errors:  # never masks the version's own error; loud, generation is stuck
                 logger.error("%s (generation stays paused there until /resume succeeds)", error)

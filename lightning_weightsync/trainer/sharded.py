@@ -201,7 +201,7 @@ def _all_gather_json(value: Any, device: torch.device | None) -> list[Any]:
     return [json.loads(bytes(part.cpu().tolist()[: int(n.item())])) for part, n in zip(parts, sizes, strict=True)]
 
 
-def _copies(meshes: list[list[list[int]]], world: int) -> list[list[tuple[int, ...]]]:
+def mesh_copies(meshes: list[list[list[int]]], world: int) -> list[list[tuple[int, ...]]]:
     """Per mesh (in first-use order), the copies of it that the ranks hold: a tensor whose mesh covers a
     subset of the ranks (FSDP2 on a data-parallel submesh) is held alike by every copy. The copies must
     partition the ranks, or the ranks do not agree on who holds what."""
@@ -320,7 +320,7 @@ class LocalShards:
         mine = {"meshes": [list(k) for k in keys],
                 "fingerprints": [fingerprint(h.local) if whole and h.whole else None for h in self.items]}  # fmt: skip
         everyone = _all_gather_json(mine, device)  # 2
-        copies = _copies([e["meshes"] for e in everyone], self.world) if keys else []
+        copies = mesh_copies([e["meshes"] for e in everyone], self.world) if keys else []
         self.holders: list[tuple[int, int]] = []  # per item: (how many ranks hold its box, this rank's index)
         for held in self.items:
             if held.mesh_key is None:  # a plain tensor: every rank holds it whole
@@ -495,4 +495,4 @@ def _drifted(
     return set(differ)
 
 
-__all__ = ["LocalShards", "MembersRelay", "ReplicaDrift", "exchange_addresses", "iter_local_shards"]
+__all__ = ["LocalShards", "MembersRelay", "ReplicaDrift", "exchange_addresses", "iter_local_shards", "mesh_copies"]

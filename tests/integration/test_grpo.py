@@ -2,11 +2,12 @@
 rollout processes receiving every version with `WeightReceiver` and generating with it, samples back
 over the example's ZeroMQ channel. The policy must improve, and every sample must have been generated
 with exactly the weights the trainer had after the optimizer step that made its version: the rollout
-reports a fingerprint of the tensors it generates with, the trainer takes its own of what it sent."""
+reports a fingerprint of the parameters it generates with, the trainer takes its own of its policy's."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,31 @@ def test_grpo_sharded_send_mode_two_rollouts(tmp_path: Path) -> None:
     assert "not FSDP-sharded" not in out  # the 2 FSDP2 ranks each sent their own shards
     assert rows[0]["setting"] == "send_mode=sharded"
     check_fingerprints(rows, rollouts=2)
+
+
+@pytest.mark.slow
+def test_grpo_lora_adapter_with_overlap_sends_the_adapter_alone_and_says_the_background_send_s_seconds(
+    tmp_path: Path,
+) -> None:
+    """`trainer.lora=adapter` through the recipe (recipe.lora wraps the policy with PEFT): version 0 carries the
+    base and the adapter, later versions the adapter's bytes alone, and the rollout generates with exactly the
+    trainer's policy, base and adapter (fingerprints over every parameter). With `trainer.overlap=true` each step
+    line shows the previous version's background send: its number, bytes and seconds. One run for both: a run
+    costs ~15 s of start-up; blocking adapter versions are checked in tests/unit/test_grpo.py."""
+    peft = pytest.importorskip("peft")
+    from lightning_weightsync.examples.grpo import GRPORecipe, build_policy
+
+    rows, out = run_recipe(tmp_path, "recipe.steps=3", "trainer.lora=adapter", "trainer.overlap=true")
+    assert rows[0]["setting"] == "send_mode=gather overlap=true lora=adapter"
+    check_fingerprints(rows, rollouts=1)
+    policy = build_policy(GRPORecipe(), lora=True)
+    assert isinstance(policy, peft.PeftModel)
+    adapter = sum(p.nbytes for p in policy.parameters() if p.requires_grad)
+    whole = sum(t.nbytes for t in policy.state_dict().values())
+    # overlap: step N's line is version N-1, sent in the background while step N computed. Version 1 carries the
+    # base again: it is snapshotted before version 0's delivery is recorded (trainer/overlap.py), and the base goes
+    # until a version that carried it is known delivered (trainer/lora.py)
+    assert [(r["sync_version"], r["sync_bytes"]) for r in rows] == [(0, whole), (1, whole), (2, adapter)]
+    assert all(r["sync_s"] > 0 for r in rows)
+    lines = re.findall(r"^step +(\d+)/3 .* sync v(\d+) [\d.]+ KiB (\d+\.\d{3})s  stall", out, re.MULTILINE)
+    assert [(int(step), int(version)) for step, version, _ in lines] == [(1, 0), (2, 1), (3, 2)], out[-3000:]

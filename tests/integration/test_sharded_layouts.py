@@ -23,7 +23,9 @@ from tests.support.mp import free_port, run_workers
 
 TIMEOUT_S = 150
 MODES = ("sharded", "gather")
-DRIFTED = {"drift-plain": "head.bias", "drift-copies": "embed.weight", "drift-replicate": "head.weight"}
+REFUSED = ("tp-rowwise", "partial", "fsdp1-hybrid")  # a ConfigError on every rank, nothing sent
+DRIFTED = {"drift-plain": "head.bias", "drift-copies": "embed.weight", "drift-replicate": "head.weight",
+           "fsdp1-drift": "scale"}  # fmt: skip
 """Layouts where every rank holds a tensor whole and rank 1's copy differs: the version equals gather mode's
 (global rank 0's copy), a warning names the tensor and ranks, SendStats.replica_drift counts it."""
 
@@ -36,6 +38,8 @@ def _model(layout: str, world: int, rank: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     net = Net(vocab=101, dim=7)
+    if layout.startswith("fsdp1"):
+        return _fsdp1_model(net, layout, world, rank)
     if layout == "partial":  # a pending reduction: no rank holds the tensor's bytes
         from torch.distributed.tensor import DTensor, Partial
 
@@ -74,6 +78,31 @@ def _model(layout: str, world: int, rank: int) -> torch.nn.Module:
     return net
 
 
+def _fsdp1_model(net: torch.nn.Module, layout: str, world: int, rank: int) -> torch.nn.Module:
+    """FSDP1 on the blocks only: the root's parameters and buffers stay whole on every rank (what
+    `_fsdp1_local_shards` spreads over the ranks, or sends from global rank 0 where the copies differ);
+    "fsdp1-hybrid": HYBRID_SHARD over a 2 x 2 mesh (every replica group holds the same shards: refused; on 2
+    ranks a 2 x 1 mesh would not do: FSDP1 turns a 1-rank shard group into NO_SHARD)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.25)
+        if layout == "fsdp1-drift" and rank == 1:
+            net.get_buffer("scale").add_(1.0)  # a buffer FSDP1 leaves whole on every rank (think BatchNorm's)
+    if layout == "fsdp1-hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))  # 4 ranks: 2 x 2
+        return FSDP(
+            net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh, device_id=torch.device("cpu")
+        )
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = FSDP(block, device_id=torch.device("cpu"))
+    return net
+
+
 def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], layouts: list[str]) -> Any:
     import faulthandler
 
@@ -100,12 +129,12 @@ def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], la
         )  # fmt: skip
         drivers[mode] = SyncDriver(cfg, rank=rank, device=torch.device("cpu"), prefix=None)
         drivers[mode].start()
-    out: dict[str, Any] = {"expected": [], "bytes": [], "errors": {}, "warnings": warnings, "drift": {}}
+    out: dict[str, Any] = {"expected": [], "bytes": [], "errors": {}, "warnings": warnings, "drift": {}, "wholes": {}}
     version = 0
     try:
         for layout in layouts:
             model = _model(layout, world, rank)
-            if layout in ("tp-rowwise", "partial"):
+            if layout in REFUSED:
                 try:
                     drivers["sharded"].sync(model, 100 + len(out["errors"]))
                     out["errors"][layout] = "sent"
@@ -119,6 +148,13 @@ def _trainer(rank: int, world: int, trainer_port: int, ports: dict[str, int], la
                 stats = drivers[mode].last_stats
                 sent[mode] = stats.nbytes if stats is not None else 0
             out["bytes"].append(sent)
+            if layout.startswith("fsdp1"):  # which whole tensors this rank sends (a collective: every rank)
+                from lightning_weightsync.protocol.chunks import TensorShard
+                from lightning_weightsync.trainer.sharded import iter_local_shards
+
+                drift = drivers["sharded"].replica_drift  # the same run: warned once already
+                mine = iter_local_shards(model, device=torch.device("cpu"), version=version, drift=drift)
+                out["wholes"][layout] = sorted(n for n, t in mine if not isinstance(t, TensorShard))
             if layout in DRIFTED:
                 stats = drivers["sharded"].last_stats
                 out["drift"][layout] = stats.replica_drift if stats is not None else None
@@ -153,7 +189,7 @@ def _receiver(ports: dict[str, int], versions: int) -> dict[str, list[bytes]]:
 def _role(role: int, world: int, trainer_port: int, ports: dict[str, int], layouts: list[str]) -> Any:
     if role < world:
         return _trainer(role, world, trainer_port, ports, layouts)
-    sent = [x for x in layouts if x not in ("tp-rowwise", "partial")]
+    sent = [x for x in layouts if x not in REFUSED]
     return _receiver(ports, len(sent))
 
 
@@ -198,8 +234,9 @@ def test_two_rank_layouts_send_their_own_bytes_in_sharded_mode_and_refuse_what_t
     1-rank data-parallel submesh, a Replicate DTensor: rank 1's copy differs) go as gather mode sends them,
     global rank 0's, with a warning and a count, never a mix of ranks' stripes; then row-wise tensor parallel
     (a Shard(1) strided box) and a Partial tensor (each a ConfigError on every rank naming the tensor, its
-    placements, its mesh and the knob)."""
-    layouts = ["mp-defaults-tied", "dp-plain-root", "tp-colwise", *DRIFTED, "tp-rowwise", "partial"]
+    placements, its mesh and the knob). FSDP1 with the root left whole: its whole tensors spread over the
+    ranks where the copies agree, from global rank 0 where they differ; FSDP1 hybrid sharding refused."""
+    layouts = ["mp-defaults-tied", "dp-plain-root", "tp-colwise", "fsdp1", *DRIFTED, "tp-rowwise", "partial"]
     trainers, received = _run(2, layouts)
     _check_bitwise(trainers, received)
     sharded_said = [w for w in trainers[0]["warnings"] if "send_mode=sharded" in w]
@@ -215,12 +252,20 @@ def test_two_rank_layouts_send_their_own_bytes_in_sharded_mode_and_refuse_what_t
             error = errors[layout]
             assert error.startswith("ConfigError") and "'head.weight'" in error and placed in error, (rank, error)
             assert "mesh" in error and "global ranks" in error and "trainer.send_mode=gather" in error, error
+    # FSDP1's whole tensors: each rank sends some (spread), never the same one twice; a drifted one from rank 0
+    wholes = [set(t["wholes"]["fsdp1"]) for t in trainers]
+    assert all(wholes) and not wholes[0] & wholes[1], wholes
+    drifted = [set(t["wholes"]["fsdp1-drift"]) for t in trainers]
+    assert "scale" in drifted[0] and "scale" not in drifted[1] and drifted[1], drifted
 
 
 @pytest.mark.slow
 def test_hsdp_and_fsdp2_over_tp_2x2_send_every_byte_once_from_every_rank_bitwise() -> None:
     """HSDP on 4 ranks (a 2 x 2 replicate x shard mesh): each shard is held by two replicas, and each sends
     half of it; then FSDP2 over column-wise tensor parallel on a 2 x 2 dp x tp mesh. All four ranks send,
-    and the bytes add up to the model's exactly."""
-    trainers, received = _run(4, ["hsdp", "tp-colwise"])
+    and the bytes add up to the model's exactly. FSDP1 hybrid sharding (2 x 2) is refused on every rank."""
+    trainers, received = _run(4, ["hsdp", "tp-colwise", "fsdp1-hybrid"])
     _check_bitwise(trainers, received)
+    for trainer in trainers:  # FSDP1 hybrid sharding: refused on every rank, naming the knob
+        hybrid = trainer["errors"]["fsdp1-hybrid"]
+        assert hybrid.startswith("ConfigError") and "hybrid" in hybrid and "trainer.send_mode=gather" in hybrid, hybrid

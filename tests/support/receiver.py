@@ -1,16 +1,19 @@
 """A real WeightReceiver in its own process for the trainer-side end-to-end tests (Lightning,
-Accelerate, recipes): receives N versions, then writes what it got to files the test compares."""
+Accelerate, recipes): receives N versions, then writes what it got to files the test compares;
+and `ThreadReceiver`, one on its own event loop in a thread of the test's process (the TRL tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_weightsync import WeightReceiver, load_config
+from tests.support.engine import engine_cfg
 
 VERSION_TIMEOUT_S = 150.0
 
@@ -58,3 +61,27 @@ def assert_same_weights(received_path: Path, final_path: Path) -> dict[str, torc
         assert r.dtype == t.dtype and r.shape == t.shape, name
         assert torch.equal(r, t), name
     return final
+
+
+class ThreadReceiver:
+    """A real `WeightReceiver` on its own event loop in a thread: every version it received, whole and cloned."""
+
+    def __init__(self, port: int, versions: int) -> None:
+        self.got: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(port, versions)), daemon=True)
+        self._thread.start()
+
+    async def _run(self, port: int, versions: int) -> None:
+        try:
+            async with WeightReceiver(engine_cfg(port, bucket_size_mb=1 / 128), identity="thread-rollout") as receiver:
+                while len(self.got) < versions:
+                    got = {n: t.clone() async for n, t in receiver.receive_weights(wait_s=30)}
+                    self.got.append((int(receiver.version or 0), got))
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive() and self.error is None, self.error
+        return self.got

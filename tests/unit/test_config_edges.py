@@ -11,8 +11,8 @@ part its own dataclass section. Two rules keep it so, checked on every module of
 2. no module there uses `OmegaConf` (merging, `to_container`, `create` are config's job: `dataclasses.replace`
    on a typed section instead), and only `OMEGACONF_IMPORTS` import omegaconf at all.
 
-The CLI, `examples/` and `bench/` load configs and are edges themselves; `config/` is where the conversion
-lives. The engine processes of vLLM and SGLang read the YAML their launcher wrote (`load_config`) and convert
+The CLI, `examples/`, `integrations/` and `bench/` load configs and are edges themselves; `config/` is where the
+conversion lives. The engine processes of vLLM and SGLang read the YAML their launcher wrote (`load_config`) and convert
 it right there (`ReceiverSettings.of`), so they name no DictConfig in a signature.
 """
 

@@ -18,7 +18,10 @@ from lightning_weightsync.config import default_config
 
 DOCS = Path(__file__).resolve().parent.parent.parent / "docs"
 PACKAGE = DOCS.parent / "lightning_weightsync"
-PAGES = ("quickstart.md", "concepts.md", "configuration.md", "backends.md", "operations.md", "security.md")
+PAGES = (
+    "quickstart.md", "concepts.md", "configuration.md", "backends.md", "operations.md", "security.md",
+    "integrations.md",
+)  # fmt: skip
 FILE_SUFFIXES = {"log", "yaml", "jsonl", "safetensors", "py", "md"}  # `trainer.log` is a file name, not a key
 ROW = re.compile(r"^\|\s*`(?P<key>[a-z_.]+)`\s*\|\s*`(?P<default>[^`]*)`\s*\|")
 

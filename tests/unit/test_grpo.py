@@ -1,28 +1,40 @@
 """The GRPO recipe's pieces that decide what it learns (examples/grpo.py): the reward, the group-relative
-advantages, the clipped surrogate, the weights' fingerprint, the start-up checks and the plot."""
+advantages, the clipped surrogate, the weights' fingerprint, the start-up checks, the LoRA policy and what its
+rollouts do with adapter versions, the step line and the plot."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from lightning_weightsync import load_config, merge_weight_chunks, split_weight_chunks
 from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.examples.grpo import (
     BOS,
     GRPORecipe,
+    LoraRecipe,
+    build_policy,
     fingerprint,
     generate,
     group_advantages,
     grpo_loss,
     plot,
     reward,
+    rollout_policy,
+    step_line,
+    uses_lora,
     validate,
 )
 from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.rollout.consume import begin_version
+from lightning_weightsync.trainer.driver import SyncDriver
 
 
 def test_reward_is_the_fraction_of_the_count_up_that_is_right() -> None:
@@ -78,17 +90,86 @@ def test_generate_samples_what_it_reports_the_logprobs_of() -> None:
         ({"prompts_per_step": 3, "rollouts": 2}, "recipe.rollouts"),
         ({"prompts_per_step": 3, "group_size": 3, "devices": 2}, "recipe.devices"),
         ({"completion_len": 9}, "max_seq_len"),
+        ({"lora": LoraRecipe(r=0)}, "recipe.lora"),
     ],
 )
-def test_bad_recipes_fail_at_start_up_naming_the_key(changes: dict[str, int], key: str) -> None:
+def test_bad_recipes_fail_at_start_up_naming_the_key(changes: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(GRPORecipe(**changes))  # type: ignore[arg-type]
 
 
 def test_plot_draws_one_curve_per_setting(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    for setting in ("send_mode=gather", "send_mode=sharded"):
-        rows = [{"setting": setting, "step": s, "reward_mean": s / 10, "stall_s": 0.01} for s in range(1, 11)]
+    for setting in ("send_mode=gather", "send_mode=gather overlap=true", "send_mode=gather lora=adapter"):
+        rows = [
+            {"setting": setting, "step": s, "reward_mean": s / 10, "stall_s": 0.01, "sync_version": s, "sync_bytes": 99}
+            for s in range(1, 11)
+        ]
         (tmp_path / f"{setting}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert plot(tmp_path).endswith("(2 settings)")
+    assert plot(tmp_path).endswith("(3 settings)")
     assert (tmp_path / "grpo.png").stat().st_size > 1000
+
+
+def test_the_step_line_says_the_delivered_version_s_bytes_and_send_seconds() -> None:
+    row = {"step": 7, "reward_mean": 0.5, "sample_version": 6, "staleness": 0, "stall_s": 0.004}
+    row |= {"wait_samples_s": 0.03, "sync_version": 6, "sync_bytes": 25 * 1024 + 300, "sync_s": 0.0421}
+    line = step_line(row, GRPORecipe(steps=10))  # trainer.overlap: version 6 was sent while step 7 ran
+    assert "  sync v6 25.3 KiB 0.042s  stall 0.004s  wait 0.030s" in line and line.startswith("step    7/10")
+    nothing = step_line(row | {"sync_version": None, "sync_bytes": None, "sync_s": None}, GRPORecipe(steps=10))
+    assert "  sync    ?  stall" in nothing  # no version delivered yet (or only failed ones)
+
+
+# -- LoRA ----------------------------------------------------------------------------------------------
+def test_lora_wraps_the_policy_when_trainer_lora_asks_for_adapters_or_when_told() -> None:
+    recipe = GRPORecipe()
+    assert not uses_lora(recipe, load_config())  # trainer.lora=auto: a plain model is sent as it is
+    assert uses_lora(recipe, load_config(overrides=["trainer.lora=adapter"]))
+    assert uses_lora(GRPORecipe(lora=LoraRecipe(enabled=True)), load_config())
+    assert not uses_lora(GRPORecipe(lora=LoraRecipe(enabled=False)), load_config(overrides=["trainer.lora=adapter"]))
+    # the rollouts load adapters into their own PEFT model: plain-weight LoRA versions are refused at start-up
+    for refused in ("trainer.lora=merged", "trainer.lora=full", "trainer.lora=adapter rollout.sink.lora=merge"):
+        with pytest.raises(ConfigError, match=re.escape("trainer.lora=adapter (or auto) and rollout.sink.lora=keep")):
+            uses_lora(recipe, load_config(overrides=refused.split()))
+
+
+async def test_the_rollouts_keep_the_base_and_load_every_adapter_version() -> None:
+    """What `./dev grpo trainer.lora=adapter` sends, into the example's rollout (its module sink, as the
+    rollout process builds it): version 0 the base and the adapter, then the adapter alone, and after
+    every version the rollout generates with the trainer's policy exactly (its merged weights included)."""
+    pytest.importorskip("peft")
+    recipe, cfg = GRPORecipe(), load_config(overrides=["trainer.lora=adapter"])
+    policy = build_policy(recipe, lora=True)
+    assert policy.get_base_model() is not policy and policy.peft_config["default"].r == recipe.lora.r
+    adapter_bytes = sum(p.nbytes for p in policy.parameters() if p.requires_grad)
+    whole_bytes = sum(t.nbytes for t in policy.state_dict().values())  # the base (buffers too) and the adapter
+    rollout, sink = rollout_policy(recipe, cfg)
+    with torch.no_grad():  # a rollout that holds other values everywhere until a version lands
+        for p in rollout.parameters():
+            p.add_(1.0)
+    driver = SyncDriver(cfg, rank=0, device=None, prefix=None)
+    prompts = torch.tensor([[BOS, d] for d in range(10)])
+    for version in range(3):
+        sent = {n: t.detach().clone() for n, t in driver.weights(policy)}
+        begin_version(sink, version, driver.tied(policy), driver.lora.spec)
+        async for name, tensor in merge_weight_chunks(
+            split_weight_chunks(sent.items(), 4096), 4096, into=sink.destination
+        ):
+            sink.accept(name, tensor)
+        sink.commit(version)
+        driver.record.delivered(version, None)
+        assert sum(t.nbytes for t in sent.values()) == (whole_bytes if version == 0 else adapter_bytes)
+        assert version == 0 or all(".lora_A." in n or ".lora_B." in n for n in sent), sorted(sent)
+        assert fingerprint(rollout.named_parameters()) == fingerprint(policy.named_parameters())
+        torch.testing.assert_close(rollout(prompts), policy(prompts), rtol=0, atol=0)
+        for name, merged in _merged(policy).items():
+            assert torch.equal(_merged(rollout)[name], merged), name
+        with torch.no_grad():  # a training step: the adapter moves, the base is frozen
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(version)))
+    assert adapter_bytes < whole_bytes / 2
+
+
+def _merged(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's weights that `policy` (a PeftModel) computes with: PEFT's `merge_and_unload` of a copy."""
+    return {n: t.detach().clone() for n, t in copy.deepcopy(policy).merge_and_unload().named_parameters()}

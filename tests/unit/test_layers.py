@@ -2,7 +2,7 @@
 
     errors, choice <- registry <- protocol | rollout_engines (table, config sections) <- transport <- config
         <- engine <- rollout_engines (trainer half) <- trainer | rollout <- rollout_engines (receiving half)
-        <- examples <- bench <- cli, __init__
+        <- examples | integrations <- bench <- cli, __init__
 
 `registry` is the one plug-in seam (name -> module path, imported when used) that the backend, join-kind,
 sink and rollout-engine tables are built with; every layer may use it. `choice` is the base of every config
@@ -70,6 +70,7 @@ LAYERS: dict[str, int] = {
     "rollout": 7,
     ENGINES_RECEIVING: 8,  # the rest of rollout_engines/: runs rollout's receive loop in a server
     "examples": 9,
+    "integrations": 9,  # other frameworks' plug points (TRL, verl, vLLM's trainer API): thin adapters
     "bench": 10,
     "cli": 11,
     "__init__": 11,
