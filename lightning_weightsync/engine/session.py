@@ -263,14 +263,23 @@ class SenderSession:
         """The error naming the members whose connection is gone (None: all there). One that said why before
         it went (a rollout stopping or failing mid-version: its nack) is named with its reason."""
         said = await self._failed_early()  # first: once its connection is found gone, its messages are refused
-        gone = [i for i in self.members if not await self.control.connected(i)]
+        gone = [i for i in self.members if not self._took_it(i) and not await self.control.connected(i)]
         if not gone:
             return None
-        # a rollout that nacks and exits at once: its nack and its disconnect arrive together, and the nack may
-        # still be on its way into the sender's queues when the probe finds the connection gone
+        # a rollout that nacks (or acks) and exits at once: its ack and its disconnect arrive together, and the
+        # ack may still be on its way into the sender's queues when the probe finds the connection gone
         said = {**said, **await self._failed_early(NACK_GRACE_S)}
+        gone = [i for i in gone if not self._took_it(i)]
+        if not gone:
+            return None
         named = [f"receiver {i} failed: {said[i]}" if i in said else f"receiver {i} {GONE}" for i in gone]
         return PeerError(f"{what}: " + "; ".join(named))
+
+    def _took_it(self, identity: str) -> bool:
+        """It acked this version whole: a rollout that took the last version and shut down at once is not a
+        failure of that version (its releases of the last slots are in the data plane's queue already)."""
+        ack = self.early.get(identity)
+        return ack is not None and ack.ok
 
     async def _failed_early(self, grace_s: float = 0.0) -> dict[str, str]:
         """The members that nacked this version already, with their reasons (read from what the socket kept
