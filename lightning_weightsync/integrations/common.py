@@ -1,8 +1,10 @@
-"""What every integration does to a framework's stream of `(name, tensor)` before our sender sees it."""
+"""What every integration does to a framework's stream of `(name, tensor)` before our sender sees it, and how
+each one lets go of what it holds."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -27,4 +29,13 @@ class StreamRules:
                 yield sent, cast_floating(tensor, self._cast)
 
 
-__all__ = ["StreamRules"]
+def close_both(rollouts: Any, sender: Any) -> None:
+    """The rollout clients, then the sender (its port is free again); either may be None. The caller has
+    already cleared its own references, so a second call closes nothing twice."""
+    if rollouts is not None:
+        rollouts.close()
+    if sender is not None:
+        sender.close()
+
+
+__all__ = ["StreamRules", "close_both"]

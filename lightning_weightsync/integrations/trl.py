@@ -41,7 +41,7 @@ import torch
 from ..config import FailurePolicy, SenderSettings, UserConfig, load_config, settings
 from ..errors import WeightSyncError
 from ..trainer.gather import drain
-from .common import StreamRules
+from .common import StreamRules, close_both
 
 if TYPE_CHECKING:
     from ..engine.sender import BlockingWeightSender
@@ -132,10 +132,7 @@ class WeightSyncTransfer:
         """Close the rollout clients and the sender (its port is free again). Idempotent."""
         rollouts, self.rollouts = self.rollouts, None
         sender, self.sender = self.sender, None
-        if rollouts is not None:
-            rollouts.close()
-        if sender is not None:
-            sender.close()
+        close_both(rollouts, sender)
 
     # -- helpers -------------------------------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..rollout_engines.control import RolloutControl
 from ..trainer.gather import drain
 from . import require
-from .common import StreamRules
+from .common import StreamRules, close_both
 
 _base = require("vllm.distributed.weight_transfer.base", "vllm", "the vLLM trainer-side engine")
 _factory = require("vllm.distributed.weight_transfer.factory", "vllm", "the vLLM trainer-side engine")
@@ -176,10 +176,7 @@ class LightningWeightSyncTrainerEngine(_base.TrainerWeightTransferEngine):  # ty
     def shutdown(self) -> None:
         rollouts, self.rollouts = self.rollouts, None
         sender, self.sender = self.sender, None
-        if rollouts is not None:
-            rollouts.close()
-        if sender is not None:
-            sender.close()
+        close_both(rollouts, sender)
 
 
 def _check_source(source: Any, rank: int) -> None:
