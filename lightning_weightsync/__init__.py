@@ -26,11 +26,12 @@ from .protocol.chunks import TensorMeta, merge_weight_chunks, split_weight_chunk
 __version__ = "0.1.0"
 
 _LAZY = {
-    "WeightSender": "engine.sender",
-    "BlockingWeightSender": "engine.sender",
-    "SendStats": "engine.stats",
-    "WeightReceiver": "engine.receiver",
-    "ReceiveStats": "engine.stats",
+    "WeightSender": "versions.sender",
+    "BlockingWeightSender": "versions.sender",
+    "VersionOptions": "versions.options",
+    "SendStats": "versions.stats",
+    "WeightReceiver": "versions.receiver",
+    "ReceiveStats": "versions.stats",
     "iter_full_parameters": "trainer.gather",
     "WeightSyncCallback": "trainer.lightning",
     "AccelerateWeightSync": "trainer.accelerate",

@@ -1,8 +1,9 @@
 """`Choice`, the base of every config choice: a `str` Enum that OmegaConf checks at load time.
 
-It lives on its own, below `config`, because the config sections that live with their code
-(`rollout_engines/<engine>/config.py`) define choices too and `config` imports those sections: with
-`Choice` inside `config.py` an engine's section would import `config` and `config` it, a cycle.
+It lives on its own, below `config`, because the config sections that live with their plug-in's code
+(`rollout_engines/<engine>/config.py`, `rollout/sinks/config.py`) define choices too and `config` collects
+those sections (through the tables in `plugins.py`) while it is being imported: with `Choice` inside `config`
+a section would import `config` and `config` it, a cycle.
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ def _setup_logging(level: str) -> None:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from .config import load_config
+    from .plugins import rollout_engine
     from .rollout.daemon import run_daemon
-    from .rollout_engines import rollout_engine
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(args.log_level)
@@ -99,13 +99,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .examples.demo import run_demo
+    from .demo.demo import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir, timeout_s=args.timeout_s)
 
 
 # modules of lightning_weightsync/bench/
-BENCHMARKS = ("chunking", "delta", "engine", "latency", "lora", "nixl", "stall")
+BENCHMARKS = ("chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
 SINK_HELP = f"""sinks (rollout.sink.type=...; docs/configuration.md has every knob):
   module       (the default) load each version into a torch module built by your function:
                rollout.sink.factory=package.module:function [rollout.sink.options={{...}}]
@@ -117,7 +117,7 @@ rollout engines (rollout.engine=...; instead of the daemon, a server whose worke
   sglang       exec SGLang's launch_server with our weight loader: sglang.model=MODEL [sglang.serve_args=[...]]
 
 example: {PROG} rollout --config recipe.yaml rollout.sink.type=safetensors rollout.sink.dir=/tmp/versions
-"""  # the names in config.SINKS and ROLLOUT_ENGINES, each with what it needs (a test keeps them in step)
+"""  # the names in plugins.SINKS and ROLLOUT_ENGINES, each with what it needs (a test keeps them in step)
 BENCH_SIZES = ("small", "default")  # bench.BENCH_SIZES (not imported here: `--help` stays instant)
 
 
@@ -133,7 +133,7 @@ def _find_benchmark(name: str) -> ModuleType | None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run each benchmark's `run(json_out, **SIZES[size])`; with --json, print one JSON object keyed by
-    benchmark. What runs, for about how long, goes to stderr first (the engine benchmark alone takes
+    benchmark. What runs, for about how long, goes to stderr first (the throughput benchmark alone takes
     minutes at the default size)."""
     from .bench import duration
 
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BENCH_SIZES,
         default="default",
         help="small: every benchmark scaled down (about a minute or two in all, noisier ratios); default: the "
-        "documented figures (the engine benchmark alone takes minutes)",
+        "documented figures (the throughput benchmark alone takes minutes)",
     )
     p.set_defaults(func=cmd_bench)
     return parser

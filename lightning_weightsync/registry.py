@@ -1,10 +1,10 @@
 """One plug-in seam: a table of names to module paths, imported only when an entry is used.
 
-Every pluggable part is named in one such table, one line an entry, next to the parts it lists:
-data-plane backends (`transport/backends/__init__.py`, `transport.backend`), the join kinds a plan can
-carry (`protocol/joins/__init__.py`), daemon sinks (`config/schema.py`, `rollout.sink.type`: config sits below
-the rollout layer and lists the choices) and rollout engines (`rollout_engines/__init__.py`, `rollout.engine`).
-As vLLM's `WeightTransferEngineFactory`, an entry is a path, not an object: listing the names (config
+Every pluggable part is named in one such table, one line an entry, all of them in `plugins.py` (low in the
+stack, so every layer may read them): data-plane backends (`transport.backend`), the join kinds a plan can
+carry, daemon sinks (`rollout.sink.type`) and rollout engines (`rollout.engine`). An entry may also name the
+plug-in's config section (`section=`), which config collects from the table. As vLLM's
+`WeightTransferEngineFactory`, an entry is a path, not an object: listing the names (config
 validation, `--help`) imports nothing, so a part whose optional dependency (cupy, torch_npu, nixl, vllm)
 is missing still shows up as a choice, and fails with its own message only when it is built.
 
@@ -47,16 +47,20 @@ class Registry(Mapping[str, T], Generic[T]):
         self.what = what
         self._load: Callable[[str, str], T] = load or (lambda _name, path: import_object(path))
         self._paths: dict[str, str] = {}
+        self._sections: dict[str, str] = {}
         self._built: dict[str, T] = {}
         self._frozen_by = ""
 
-    def add(self, name: str, path: str) -> None:
-        """Register `name` (the value `knob` takes) at `path`; a name registered twice is a bug."""
+    def add(self, name: str, path: str, *, section: str | None = None) -> None:
+        """Register `name` (the value `knob` takes) at `path`, with its config section's class at `section`
+        (`package.module:Class`, a dataclass next to the plug-in's code); a name registered twice is a bug."""
         if name in self._paths:
             raise ConfigError(f"{self.knob}: {self.what} {name!r} is registered twice ({self._paths[name]}, {path})")
         if self._frozen_by:
             raise ConfigError(f"{self.knob}: {self.what} {name!r} is registered after {self._frozen_by}")
         self._paths[name] = path
+        if section is not None:
+            self._sections[name] = section
 
     def freeze(self, by: str) -> None:
         """No entries after this point (`by` says what was built from the complete table)."""
@@ -68,6 +72,12 @@ class Registry(Mapping[str, T], Generic[T]):
             return self._paths[str(name)]
         except KeyError:
             raise self.unknown(name) from None
+
+    def section(self, name: str) -> Any:
+        """The config section class `name` declares (imports its module), or None when it has none."""
+        self.path(name)  # an unknown name is a ConfigError listing the known ones
+        path = self._sections.get(str(name))
+        return import_object(path) if path else None
 
     def module(self, name: str) -> str:
         return self.path(name).partition(":")[0]

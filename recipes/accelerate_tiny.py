@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from lightning_weightsync.examples.recipe import recipe_main
-from lightning_weightsync.examples.tiny_lm import SyntheticTokens, build_model
+from lightning_weightsync.demo.recipe import recipe_main
+from lightning_weightsync.demo.tiny_lm import SyntheticTokens, build_model
 from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 logger = logging.getLogger("lightning_weightsync.recipes.accelerate_tiny")

@@ -23,15 +23,22 @@ Bucket size: 3072 MB moves the 1.16 GiB embedding in one piece; `transport.bucke
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from lightning_weightsync.examples.qwen3 import Qwen3Recipe, lightning_module, synthetic_batches
-from lightning_weightsync.examples.recipe import recipe_main
+from lightning_weightsync.demo.recipe import recipe_main
 from lightning_weightsync.trainer.lightning import WeightSyncCallback
+
+CHECKOUT = str(Path(__file__).resolve().parents[1])  # examples/ is in the checkout, not in the wheel
+if CHECKOUT not in sys.path:
+    sys.path.insert(0, CHECKOUT)
+
+from examples.qwen3 import Qwen3Recipe, lightning_module, synthetic_batches  # noqa: E402
 
 
 class SyntheticStream(torch.utils.data.IterableDataset):  # placeholder: rollout samples go here

@@ -13,12 +13,21 @@ NPUs through torch_npu and an HCCL process group) and `AccelerateWeightSync`:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from lightning_weightsync.examples.qwen3 import (
+from lightning_weightsync.demo.recipe import recipe_main
+from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
+
+CHECKOUT = str(Path(__file__).resolve().parents[1])  # examples/ is in the checkout, not in the wheel
+if CHECKOUT not in sys.path:
+    sys.path.insert(0, CHECKOUT)
+
+from examples.qwen3 import (  # noqa: E402
     Qwen3Recipe,
     build_empty_qwen3,
     materialize_and_load,
@@ -27,8 +36,6 @@ from lightning_weightsync.examples.qwen3 import (
     shard_qwen3,
     synthetic_batches,
 )
-from lightning_weightsync.examples.recipe import recipe_main
-from lightning_weightsync.trainer.accelerate import AccelerateWeightSync
 
 
 def train(recipe: Qwen3Recipe, cfg: DictConfig) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
-from tests.support.engine import engine_cfg
+from tests.support.transfer import engine_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-weightsync")

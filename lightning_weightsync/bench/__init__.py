@@ -1,10 +1,10 @@
 """Benchmarks that ship with the package, so `lightning-weightsync bench` runs where it is installed
-(the engine benchmark spawns worker processes, which must import its module by name). Every figure is
+(the throughput benchmark spawns worker processes, which must import its module by name). Every figure is
 a ratio against a baseline measured in the same run, in the same processes: absolute numbers from a
 shared 2-core machine mean little; ratios travel.
 
-    lightning-weightsync bench [--json] [--size small|default] [--only chunking|delta|engine|latency|lora|nixl|stall]
-    python -m lightning_weightsync.bench.engine --help
+    lightning-weightsync bench [--json] [--size small|default] [--only NAME]
+    python -m lightning_weightsync.bench.throughput --help
 
 Each benchmark module has `SIZES` (its `run()` keyword arguments per `--size`) and `ESTIMATE_S` (how
 long that size took on the 2-core development machine), so the command says up front how long it will
@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-BENCHMARKS = ("chunking", "delta", "engine", "latency", "lora", "nixl", "stall")
+BENCHMARKS = ("chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
 BENCH_SIZES = ("small", "default")
 """`--size`: small = every benchmark scaled down to about a minute or less (a smoke run, ratios noisier);
 default = the sizes the documented figures come from."""

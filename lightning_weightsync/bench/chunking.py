@@ -84,20 +84,47 @@ def bench_one_size(
     loop: asyncio.AbstractEventLoop,
 ) -> dict[str, Any]:
     """Measure one tensor size; returns seconds, GB/s and ratios for each path."""
+    named = _stream(tensor_size, total_bytes, device)
+    send_bucket = torch.zeros(bucket_size, dtype=torch.uint8, device=device)
+    recv_bucket = torch.ones(bucket_size, dtype=torch.uint8, device=device)
+    metas = _plan(named, bucket_size, loop)
+    dests = {name: torch.empty_like(t) for name, t in named}
+    paths = {
+        **_pack_paths(named, metas, send_bucket, bucket_size, loop),
+        **_merge_paths(metas, recv_bucket, dests, bucket_size, device, loop),
+    }
+    seconds = _best_seconds(paths, repeats, device)
+    _check_the_work(paths, metas, named, send_bucket, dests)
+    return _row(tensor_size, named, metas, seconds)
+
+
+def _stream(tensor_size: int, total_bytes: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """`total_bytes` of equal tensors of `tensor_size` bytes, named like a checkpoint's layers."""
     num_tensors = max(1, total_bytes // tensor_size)
     # bf16, like real checkpoints; the content does not matter, but every page must be touched.
     tensors = [
         torch.empty(tensor_size // 2, dtype=torch.bfloat16, device=device).fill_(i % 97) for i in range(num_tensors)
     ]
-    named = [(f"model.layers.{i}.weight", t) for i, t in enumerate(tensors)]
-    nbytes = sum(t.nbytes for t in tensors)
-    send_bucket = torch.zeros(bucket_size, dtype=torch.uint8, device=device)
-    recv_bucket = torch.ones(bucket_size, dtype=torch.uint8, device=device)
+    return [(f"model.layers.{i}.weight", t) for i, t in enumerate(tensors)]
+
+
+def _plan(named: list[tuple[str, torch.Tensor]], bucket_size: int, loop: asyncio.AbstractEventLoop) -> list[TensorMeta]:
+    """The split's chunks, untimed: where each lands in the bucket, for the baselines and the merge."""
 
     async def plan() -> list[TensorMeta]:
         return [meta async for meta, _ in split_weight_chunks(named, bucket_size)]
 
-    metas = loop.run_until_complete(plan())
+    return loop.run_until_complete(plan())
+
+
+def _pack_paths(
+    named: list[tuple[str, torch.Tensor]],
+    metas: list[TensorMeta],
+    send_bucket: torch.Tensor,
+    bucket_size: int,
+    loop: asyncio.AbstractEventLoop,
+) -> dict[str, Callable[[], None]]:
+    """The send side: memcpy over the planned byte ranges (the floor), then split + the sender's copy."""
     sources = {name: _bytes_of(t) for name, t in named}
     pack_pairs = [
         (
@@ -121,9 +148,20 @@ def bench_one_size(
     def split_pack() -> None:
         loop.run_until_complete(_split_pack())
 
+    return {"memcpy_pack": memcpy_pack, "split_pack": split_pack}
+
+
+def _merge_paths(
+    metas: list[TensorMeta],
+    recv_bucket: torch.Tensor,
+    dests: dict[str, torch.Tensor],
+    bucket_size: int,
+    device: torch.device,
+    loop: asyncio.AbstractEventLoop,
+) -> dict[str, Callable[[], None]]:
+    """The receive side: memcpy of the bucket's ranges into `dests` (the floor), merge into=, merge fresh."""
     # merge: chunk views of the receive bucket, exactly as the receiver hands them over
     chunks = [(m, recv_bucket[m.offset : m.offset + m.chunk_size]) for m in metas if m.offset is not None]
-    dests = {name: torch.empty_like(t) for name, t in named}
     dest_bytes = {name: _bytes_of(t) for name, t in dests.items()}
     merge_pairs = [(dest_bytes[m.name][m.chunk_offset : m.chunk_offset + m.chunk_size], c) for m, c in chunks]
 
@@ -141,31 +179,38 @@ def bench_one_size(
     def merge_fresh() -> None:
         loop.run_until_complete(_merge(None))
 
-    seconds = _best_seconds(
-        {
-            "memcpy_pack": memcpy_pack,
-            "split_pack": split_pack,
-            "memcpy_merge": memcpy_merge,
-            "merge_into": merge_into,
-            "merge_fresh": merge_fresh,
-        },
-        repeats,
-        device,
-    )
-    # the benchmark is only meaningful if the subjects did the work: spot-check the bytes
-    split_pack()
+    return {"memcpy_merge": memcpy_merge, "merge_into": merge_into, "merge_fresh": merge_fresh}
+
+
+def _check_the_work(
+    paths: dict[str, Callable[[], None]],
+    metas: list[TensorMeta],
+    named: list[tuple[str, torch.Tensor]],
+    send_bucket: torch.Tensor,
+    dests: dict[str, torch.Tensor],
+) -> None:
+    """The benchmark is only meaningful if the subjects did the work: spot-check the last chunk's bytes."""
+    paths["split_pack"]()
     last = metas[-1]
     assert last.offset is not None
-    assert torch.equal(send_bucket[last.offset : last.offset + last.chunk_size], pack_pairs[-1][1])
-    merge_into()
-    assert bool((dest_bytes[last.name][last.chunk_offset : last.chunk_offset + last.chunk_size] == 1).all())
+    source = _bytes_of(dict(named)[last.name])[last.chunk_offset : last.chunk_offset + last.chunk_size]
+    assert torch.equal(send_bucket[last.offset : last.offset + last.chunk_size], source)
+    paths["merge_into"]()
+    assert bool((_bytes_of(dests[last.name])[last.chunk_offset : last.chunk_offset + last.chunk_size] == 1).all())
+
+
+def _row(
+    tensor_size: int, named: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], seconds: dict[str, float]
+) -> dict[str, Any]:
+    """One size's report row: seconds, GB/s of every path, each subject's ratio to its memcpy baseline."""
+    nbytes = sum(t.nbytes for _, t in named)
 
     def gbps(key: str) -> float:
         return nbytes / seconds[key] / 1e9
 
     return {
         "tensor_size": tensor_size,
-        "num_tensors": num_tensors,
+        "num_tensors": len(named),
         "num_chunks": len(metas),
         "nbytes": nbytes,
         "seconds": seconds,

@@ -1,4 +1,4 @@
-"""Verify's cost, and full versus delta syncs: bytes on the wire and seconds (issue 22).
+"""Verify's cost, and full versus delta syncs: bytes on the wire and seconds.
 
 One process, a real `WeightSender` and `WeightReceiver` over real ZeroMQ sockets and a gloo group (as the
 engine tests run them), the receiver holding its version in tensors it updates in place (what the module
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..config import load_config
-from ..examples.inventory import model_stream
 from ..transport.process import free_port
+from .inventory import model_stream
 
 MiB = 1 << 20
 SIZES: dict[str, dict[str, Any]] = {"small": {"scale": 16, "repeats": 1, "lm_dim": 128}, "default": {}}
@@ -50,8 +50,8 @@ class _Pair:
     """A sender and a receiver whose held tensors a delta is applied to, in place."""
 
     def __init__(self, **knobs: str) -> None:
-        from ..engine.receiver import WeightReceiver
-        from ..engine.sender import WeightSender
+        from ..versions.receiver import WeightReceiver
+        from ..versions.sender import WeightSender
 
         port = free_port()
         self.sender = WeightSender(_cfg(port, **knobs))
@@ -181,8 +181,8 @@ def _codec(first: Weights, new: Weights, always: bool = False) -> dict[str, floa
     """Seconds per GiB of the model to encode a version against the sender's copy (diff, payload, copy update)
     and to apply it on a receiver (onto a held copy, in place), outside any transfer; and the link speed
     below which the bytes a delta saves take longer to move than the codec takes (where delta pays)."""
-    from ..engine.delta import DeltaBase, DeltaPolicy, VersionDelta, apply_delta
     from ..protocol.chunks import TensorMeta
+    from ..versions.delta import DeltaBase, DeltaPolicy, VersionDelta, apply_delta
 
     base = DeltaBase()
     warm = VersionDelta(base, DeltaPolicy(keep=True, base_version=None, always=always))
@@ -210,7 +210,7 @@ def _codec(first: Weights, new: Weights, always: bool = False) -> dict[str, floa
 
 def _train_lm(lr: float, dim: int, steps: int) -> list[Weights]:
     """The tiny LM's weights as bf16, before and after each of `steps` Adam steps at `lr` (fp32 master)."""
-    from ..examples.tiny_lm import build_model
+    from ..demo.tiny_lm import build_model
 
     torch.manual_seed(0)
     model = build_model({"dim": dim, "n_layers": 4, "vocab_size": 4096, "n_heads": 4, "max_seq_len": 64})

@@ -43,7 +43,7 @@ ESTIMATE_S = {"small": 8.0, "default": 9.0}
 
 # --- the two roles, each in its namespace ------------------------------------------------------------
 def _stream(scale: int) -> list[tuple[str, torch.Tensor]]:
-    from ..examples.inventory import model_stream
+    from .inventory import model_stream
 
     return list(model_stream("qwen3-8b", scale=scale, extras=False))
 
@@ -73,8 +73,8 @@ def _per_tensor_seconds(pg: Any, stream: list[tuple[str, torch.Tensor]]) -> floa
 
 def role_main(role: str, host: str, ports: tuple[int, int, int], scale: int, runs: int, repeats: int) -> dict[str, Any]:
     from ..config import load_config
-    from ..engine.receiver import WeightReceiver
-    from ..engine.sender import WeightSender
+    from ..versions.receiver import WeightReceiver
+    from ..versions.sender import WeightSender
 
     torch.set_num_threads(1)
     rank = 0 if role == "sender" else 1

@@ -1,6 +1,6 @@
 """What `transport.layout_once` saves, per bucket and per side, on the metadata path alone.
 
-End to end (`bench.engine --sections layout`) a bucket's CPU is mostly its copies and the per-tensor Python
+End to end (`bench.throughput --sections layout`) a bucket's CPU is mostly its copies and the per-tensor Python
 around them, and on a shared two-core machine the run-to-run noise of that (10-15 %) hides what the layout
 changes. This measures the part the knob changes, with the library's own functions, best of many repeats:
 
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ..engine.planner import BucketPlanner, Flush
-from ..examples.inventory import model_stream
 from ..protocol.layout import Layout, LayoutRecorder, no_layout
 from ..protocol.messages import BucketMeta, Seal, seal, unseal
+from ..versions.planner import BucketPlanner, Flush
+from .inventory import model_stream
 
 MiB = 1 << 20
 KEY = b"layout-bench-key-0123456789abcdef"

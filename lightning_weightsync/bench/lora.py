@@ -1,4 +1,4 @@
-"""A PEFT LoRA model's versions: bytes and seconds a version for `trainer.lora` adapter / merged / full (issue 35).
+"""A PEFT LoRA model's versions: bytes and seconds a version for `trainer.lora` adapter / merged / full.
 
 One process, a real `WeightSender` and `WeightReceiver` over real ZeroMQ sockets and a gloo group (as the
 engine tests run them); the trainer's stream is `SyncDriver.weights` of a Qwen3 built from config (no
@@ -58,10 +58,10 @@ def _step(model: torch.nn.Module, seed: int) -> None:
 
 
 async def _mode(mode: str, model: torch.nn.Module, versions: int) -> dict[str, Any]:
-    from ..engine.receiver import WeightReceiver
-    from ..engine.sender import WeightSender
     from ..trainer.driver import SyncDriver
     from ..trainer.gather import iter_full_parameters
+    from ..versions.receiver import WeightReceiver
+    from ..versions.sender import WeightSender
 
     port = free_port()
     knobs = [f"transport.port={port}", "transport.bucket_size_mb=64", "transport.timeout_s=300",

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..transport.process import free_port
-from .engine import collect_workers
+from .throughput import collect_workers
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -41,7 +41,7 @@ ESTIMATE_S = {"small": 6.0, "default": 14.0}
 
 
 def _stream(scale: int, version: int) -> list[tuple[str, torch.Tensor]]:
-    from ..examples.inventory import model_stream
+    from .inventory import model_stream
 
     return list(model_stream("qwen3-8b", scale=scale, version=version, extras=False))
 
@@ -130,9 +130,9 @@ def _registration_seconds(sizes_mb: list[int]) -> dict[str, float]:
 
 def _engine(role: int, backend: str, port: int, scale: int, bucket_mb: float, versions: int) -> dict[str, Any]:
     from ..config import load_config
-    from ..engine.receiver import WeightReceiver
-    from ..engine.sender import WeightSender
     from ..protocol.chunks import as_bytes
+    from ..versions.receiver import WeightReceiver
+    from ..versions.sender import WeightSender
 
     cfg = load_config(overrides=[
         f"transport.port={port}", f"transport.backend={backend}", f"transport.bucket_size_mb={bucket_mb}",

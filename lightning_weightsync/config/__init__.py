@@ -1,6 +1,8 @@
-"""Structured config, split by job: `schema` (every knob, its type and default), `load` (YAML and overrides
-merged and every failure diagnosed by key; the shared secret), `validate` (ranges types cannot express),
-`settings` (the typed view each part of the code receives its own section of).
+"""Structured config, split by job: `schema` (every knob, its type and default), `sinks` (`rollout.sink`,
+collected from each sink's own section), `load` (YAML and overrides merged and every failure diagnosed by key;
+the shared secret), `validate` (ranges types cannot express), `settings` (the typed view each part of the code
+receives its own section of). A plug-in's section is its own (next to its code, named by its table in
+`plugins.py`): import it from there (`rollout_engines/vllm/config.py`, `rollout/sinks/config.py`).
 
 Config is loaded and validated once, at the edge, so that a typo fails at start-up with the key's name
 instead of hours later in the middle of a training run.
@@ -8,8 +10,7 @@ instead of hours later in the middle of a training run.
 
 from __future__ import annotations
 
-from ..rollout_engines.sglang.config import SGLangPauseMode  # each engine's section lives in its folder
-from ..rollout_engines.vllm.config import PauseMode, RollbackMode
+from ..plugins import SINKS
 from .load import OFF_CHOICES, SECRET_KEYS, auth_token, load_config, to_yaml, transport_token
 from .schema import (
     AUTH_TOKEN_ENV,
@@ -17,14 +18,13 @@ from .schema import (
     MAX_BUCKET_SIZE_MB,
     MAX_CONFIG_IDENTITY_LEN,
     MIN_TOKEN_LEN,
-    SINKS,
     ApplyMode,
     BackendName,
     CastDtype,
     Choice,
+    CoreConfig,
     DeltaMode,
     FailurePolicy,
-    LoraApply,
     LoraBase,
     LoraMode,
     NamesConfig,
@@ -34,13 +34,9 @@ from .schema import (
     RolloutConfig,
     RolloutEngineName,
     SendMode,
-    SGLangConfig,
-    SinkConfig,
-    SinkType,
     TrainerConfig,
     TransportConfig,
     VerifyMode,
-    VLLMConfig,
     WeightSyncConfig,
     bucket_size_bytes,
     default_config,
@@ -48,16 +44,7 @@ from .schema import (
     mib_to_bytes,
 )
 from .settings import ReceiverSettings, SenderSettings, UserConfig, settings
-from .sinks import (
-    SINK_SECTIONS,
-    CallableSinkSection,
-    ModuleSinkSection,
-    SafetensorsSinkSection,
-    SinkSection,
-    SinkSettings,
-    sink_section,
-    unread_sink_knobs,
-)
+from .sinks import SINK_SECTIONS, SinkConfig, SinkType, sink_section, unread_sink_knobs
 from .validate import GENERIC_S, MAX_COUNT, SECONDS_BOUNDS, check_token, validate_config
 
 __all__ = [
@@ -75,37 +62,27 @@ __all__ = [
     "SINK_SECTIONS",
     "ApplyMode",
     "BackendName",
-    "CallableSinkSection",
     "CastDtype",
     "Choice",
+    "CoreConfig",
     "DeltaMode",
     "FailurePolicy",
-    "LoraApply",
     "LoraBase",
     "LoraMode",
-    "ModuleSinkSection",
     "NamesConfig",
     "OverlapGather",
     "OverlapPolicy",
     "OverlapStaging",
-    "PauseMode",
     "ReceiverSettings",
-    "RollbackMode",
     "RolloutConfig",
     "RolloutEngineName",
-    "SGLangConfig",
-    "SGLangPauseMode",
-    "SafetensorsSinkSection",
     "SendMode",
     "SenderSettings",
     "SinkConfig",
-    "SinkSection",
-    "SinkSettings",
     "SinkType",
     "TrainerConfig",
     "TransportConfig",
     "UserConfig",
-    "VLLMConfig",
     "VerifyMode",
     "WeightSyncConfig",
     "auth_token",

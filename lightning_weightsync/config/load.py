@@ -60,68 +60,87 @@ def _load(
     base: DictConfig | dict[str, Any] | None,
     secrets: list[str],
 ) -> DictConfig:
+    """Defaults <- `base` <- the file at `path` <- `overrides`, merged; an OmegaConf failure diagnosed by key.
+    `secrets` collects every token text seen, so no error message echoes one."""
     cfg: Any = default_config()  # OmegaConf.merge is typed loosely; it stays a DictConfig
     try:
         if base is not None:
             cfg = OmegaConf.merge(cfg, base)
         if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file not found: {p}")
-            try:
-                text = p.read_text(encoding="utf-8")
-                loaded = OmegaConf.load(p)
-            except UnicodeDecodeError as exc:
-                raise ConfigError(
-                    f"config file {p} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                    "save it as UTF-8"
-                ) from None
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError(f"config file {p} must hold a mapping at top level")
-            cfg = OmegaConf.merge(cfg, _off_is_a_choice(loaded))
-            _keep_token_text(cfg, _raw_token(yaml.load(text, Loader=yaml.BaseLoader)), secrets)
+            cfg = _merge_file(cfg, Path(path), secrets)
         if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ConfigError(f"override {_shown(bad[0])!r} is not of the form key=value")
-            for override in overrides:  # one at a time, so a YAML error names its override
-                key, value = (part.strip() for part in override.split("=", 1))
-                if key in SECRET_KEYS:
-                    secrets.append(value)
-                    if not value:  # `transport.auth_token=$TOKEN` with $TOKEN unset: never "no auth" silently
-                        check_token(value, key)
-                try:
-                    dotlist = OmegaConf.from_dotlist([override])
-                except yaml.YAMLError as exc:
-                    raise ConfigError(
-                        f"override {_shown(override)!r}: value is not valid YAML ({_first_line(exc)}); quote it"
-                    ) from None
-                try:
-                    cfg = OmegaConf.merge(cfg, _off_is_a_choice(dotlist))
-                except TypeError as exc:  # OmegaConf: a list where a mapping belongs, or the reverse
-                    why = "value not shown" if key in SECRET_KEYS else str(exc)
-                    raise ConfigError(f"{key}: wrong type ({why}); {_expected(cfg, key)}") from None
-                if key == "transport.auth_token":
-                    _keep_token_text(cfg, yaml.load(value, Loader=yaml.BaseLoader), secrets)
+            cfg = _merge_overrides(cfg, overrides, secrets)
     except TypeError as exc:  # from a base or a file: name the first key whose type is wrong
         raise ConfigError(f"{_wrong_type_key(cfg, base, path)}: wrong type ({exc})") from None
     except OmegaConfBaseException as exc:
-        bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        if bad_key in SECRET_KEYS:  # OmegaConf's message quotes the value
-            raise ConfigError(f"{bad_key} must be one string (quote it in YAML); its value is not shown") from None
-        unknown = _unknown_keys(base, path, overrides)
-        if len(unknown) > 1:  # every unknown key at once, not one per attempt
-            raise ConfigError(f"invalid config keys {', '.join(unknown)}: not fields of the config") from None
-        choice = _BAD_CHOICE.match(_first_line(exc))
-        if choice:  # an Enum field: say it the way every other bad value is said
-            raise ConfigError(
-                f"{bad_key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}"
-            ) from None
-        raise ConfigError(f"invalid config key {bad_key!r}: {_first_line(exc)}") from None
+        raise _diagnosed(exc, base, path, overrides) from None
     assert isinstance(cfg, DictConfig)
     return cfg
+
+
+def _merge_file(cfg: Any, p: Path, secrets: list[str]) -> Any:
+    """`cfg` with the YAML file at `p` merged on top: a file that is missing, not UTF-8, not YAML or not a
+    mapping is a `ConfigError` that says which; its token is kept exactly as written (`_keep_token_text`)."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+        loaded = OmegaConf.load(p)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save it as UTF-8"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {p} must hold a mapping at top level")
+    cfg = OmegaConf.merge(cfg, _off_is_a_choice(loaded))
+    _keep_token_text(cfg, _raw_token(yaml.load(text, Loader=yaml.BaseLoader)), secrets)
+    return cfg
+
+
+def _merge_overrides(cfg: Any, overrides: Sequence[str], secrets: list[str]) -> Any:
+    """`cfg` with each `key=value` merged in turn, so a YAML or type error names its override; a token's value
+    is remembered as a secret (and never shown), and an empty one is refused rather than meaning "no auth"."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {_shown(bad[0])!r} is not of the form key=value")
+    for override in overrides:
+        key, value = (part.strip() for part in override.split("=", 1))
+        if key in SECRET_KEYS:
+            secrets.append(value)
+            if not value:  # `transport.auth_token=$TOKEN` with $TOKEN unset: never "no auth" silently
+                check_token(value, key)
+        try:
+            dotlist = OmegaConf.from_dotlist([override])
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"override {_shown(override)!r}: value is not valid YAML ({_first_line(exc)}); quote it"
+            ) from None
+        try:
+            cfg = OmegaConf.merge(cfg, _off_is_a_choice(dotlist))
+        except TypeError as exc:  # OmegaConf: a list where a mapping belongs, or the reverse
+            why = "value not shown" if key in SECRET_KEYS else str(exc)
+            raise ConfigError(f"{key}: wrong type ({why}); {_expected(cfg, key)}") from None
+        if key == "transport.auth_token":
+            _keep_token_text(cfg, yaml.load(value, Loader=yaml.BaseLoader), secrets)
+    return cfg
+
+
+def _diagnosed(exc: OmegaConfBaseException, base: Any, path: Any, overrides: Sequence[str]) -> ConfigError:
+    """An OmegaConf failure as one `ConfigError` naming the key: a secret's value hidden, every unknown key at
+    once (with a close spelling), a bad choice with the allowed ones."""
+    bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    if bad_key in SECRET_KEYS:  # OmegaConf's message quotes the value
+        return ConfigError(f"{bad_key} must be one string (quote it in YAML); its value is not shown")
+    unknown = _unknown_keys(base, path, overrides)
+    if len(unknown) > 1:  # every unknown key at once, not one per attempt
+        return ConfigError(f"invalid config keys {', '.join(unknown)}: not fields of the config")
+    choice = _BAD_CHOICE.match(_first_line(exc))
+    if choice:  # an Enum field: say it the way every other bad value is said
+        return ConfigError(f"{bad_key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}")
+    return ConfigError(f"invalid config key {bad_key!r}: {_first_line(exc)}")
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -1,35 +1,32 @@
 """The config's schema: every knob, its type and default, as dataclasses and Choice enums.
 
-The one file that knows every section. Loading and diagnosing a YAML file lives in `load.py`, the checks
-that types cannot express in `validate.py`; `settings()` turns a loaded config into these dataclasses,
-once, at the edge (CLI, callback, hook), and each part of the code receives only its own section.
+The sections config owns are here; each plug-in's section is declared by the plug-in, next to its code, and
+collected from its table (`plugins.py`): a sink's knobs into `rollout.sink` (`sinks.py`), a rollout engine's
+section as the top-level `<engine>` section of `WeightSyncConfig`. Loading and diagnosing a YAML file lives
+in `load.py`, the checks that types cannot express in `validate.py`; `settings()` turns a loaded config into
+these dataclasses, once, at the edge (CLI, callback, hook), and each part of the code receives only its own
+section.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from ..choice import Choice
+from ..plugins import BACKENDS, ROLLOUT_ENGINES
 from ..protocol.messages import MAX_IDENTITY_LEN
-from ..registry import Registry
-from ..rollout_engines import ROLLOUT_ENGINES
-from ..rollout_engines.sglang.config import SGLangConfig
-from ..rollout_engines.vllm.config import VLLMConfig
-from ..transport.backends import BACKENDS
+from .sinks import SinkConfig
 
-# The names are defined once, by the backend table `BACKENDS` (`transport/backends/__init__.py`, one line a
-# backend, no backend imported); the config field is an Enum built from it, so OmegaConf rejects any other
-# name at load time.
+# The names are defined once, by the backend table `BACKENDS` (`plugins.py`, one line a backend, no backend
+# imported); the config field is an Enum built from it, so OmegaConf rejects any other name at load time.
 if TYPE_CHECKING:
     # mypy reads `Choice(name, members)` as str's constructor, not Enum's functional API, and takes no
     # variable for a type: to it each of these is a Choice subclass whose members it does not know (the
     # code looks them up by name, `BackendName["gloo"]`).
     class BackendName(Choice): ...
-
-    class SinkType(Choice): ...
 
     class RolloutEngineName(Choice): ...
 
@@ -48,21 +45,7 @@ class ApplyMode(Choice):
     streaming = "streaming"
 
 
-SINKS: Registry[type[Any]] = Registry("rollout.sink.type", "sink")
-"""The daemon sinks by their `rollout.sink.type` name (one file each in `rollout/sinks/`, a `Sink`
-subclass), imported when the daemon builds one (`rollout.sinks.build_sink`). The table lives here, not
-next to the sinks, because config sits below the rollout layer and lists the choices from it."""
-SINKS.add("module", "lightning_weightsync.rollout.sinks.module:ModuleSink")
-SINKS.add("safetensors", "lightning_weightsync.rollout.sinks.safetensors:SafetensorsSink")
-SINKS.add("callable", "lightning_weightsync.rollout.sinks.callable:CallableSink")
-
-if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
-    SinkType = Choice("SinkType", {name: name for name in SINKS})
-SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each version (the names in `SINKS`).
-A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
-
-
-# Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (rollout_engines/__init__.py).
+# Like BackendName: the engines are named once, in `ROLLOUT_ENGINES` (plugins.py).
 if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     RolloutEngineName = Choice("RolloutEngineName", {"none": "none", **{name: name for name in ROLLOUT_ENGINES}})
 RolloutEngineName.__doc__ = """`rollout.engine`: none (the daemon and its sink) or a registered rollout engine."""
@@ -116,13 +99,6 @@ class LoraBase(Choice):
     rollout_has = "rollout_has"
 
 
-class LoraApply(Choice):
-    """`rollout.sink.lora`: what the module sink does with adapter versions."""
-
-    keep = "keep"
-    merge = "merge"
-
-
 if not TYPE_CHECKING:  # the checker's view is the TYPE_CHECKING block at BackendName
     FailurePolicy = Choice("FailurePolicy", {"raise": "raise", "warn": "warn"})
 FailurePolicy.__doc__ = """`trainer.on_failure`: what a failed sync does to training."""
@@ -149,7 +125,7 @@ class DeltaMode(Choice):
     """`transport.delta`: send only the elements that changed since the version every receiver holds."""
 
     off = "off"
-    auto = "auto"  # a delta where it is worth it (engine/delta.py AUTO_MAX_PAYLOAD_FRACTION), else whole
+    auto = "auto"  # a delta where it is worth it (versions/delta.py AUTO_MAX_PAYLOAD_FRACTION), else whole
     always = "always"  # a delta whenever it is smaller at all
 
 
@@ -283,33 +259,6 @@ class TrainerConfig:
 
 
 @dataclass
-class SinkConfig:
-    """Where a rollout puts each version."""
-
-    type: SinkType = SinkType["module"]
-    """The sink kind."""
-    factory: str | None = None
-    """`package.module:function` returning the torch module to load into (module sink)."""
-    dir: str | None = None
-    """Output directory (safetensors sink)."""
-    template_dir: str | None = None
-    """safetensors sink: a checkpoint directory whose non-weight files (config.json, tokenizer) are copied
-    next to each version's model.safetensors, so each version is a directory from_pretrained/vLLM loads."""
-    keep_last: int = 3
-    """Complete versions the safetensors sink keeps on disk."""
-    target: str | None = None
-    """`package.module:function` (callable sink) or the model (vllm)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Sink-specific keyword options, passed through."""
-    lora: LoraApply = LoraApply.keep
-    """Adapter versions (trainer.lora=adapter): keep (the module sink's factory builds a PEFT model, the
-    adapter is loaded into it) or merge (a plain module; W + scale * B @ A merged on arrival)."""
-    file_mode: int | None = None
-    """safetensors sink: permission bits of the files it writes, e.g. 0600 (YAML octal) so only this user
-    reads the weights; null = the process umask decides (usually 0644)."""
-
-
-@dataclass
 class RolloutConfig:
     """The rollout daemon."""
 
@@ -333,15 +282,44 @@ class RolloutConfig:
 
 
 @dataclass
-class WeightSyncConfig:
+class CoreConfig:
+    """The sections config owns; `WeightSyncConfig` adds each rollout engine's after them."""
+
     transport: TransportConfig = field(default_factory=TransportConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    recipe: dict[str, Any] = field(default_factory=dict)
-    """A recipe script's own knobs (steps, lr, ...): free-form here, validated by that script's schema at
-    start-up (`examples/recipe.py`), so one recipe YAML serves the trainer script and the rollout CLI."""
+
+
+RECIPE_DOC = """A recipe script's own knobs (steps, lr, ...): free-form here, validated by that script's schema at
+start-up (`demo/recipe.py`), so one recipe YAML serves the trainer script and the rollout CLI."""
+
+
+def _engine_sections() -> list[tuple[str, Any, Any]]:
+    """Each registered engine's section (its entry's `section=`, `<engine>/config.py`), as a field of that name."""
+    return [(name, ROLLOUT_ENGINES.section(name), field(default_factory=ROLLOUT_ENGINES.section(name)))
+            for name in ROLLOUT_ENGINES]  # fmt: skip
+
+
+if TYPE_CHECKING:  # the checker's view of the generated class
+
+    @dataclass
+    class WeightSyncConfig(CoreConfig):
+        recipe: dict[str, Any] = field(default_factory=dict)
+
+        def __getattr__(self, name: str) -> Any: ...  # a rollout engine's section (`config.vllm`)
+
+else:
+    WeightSyncConfig = make_dataclass(
+        "WeightSyncConfig",
+        [*_engine_sections(), ("recipe", dict[str, Any], field(default_factory=dict))],
+        bases=(CoreConfig,),
+        namespace={"__module__": __name__},
+    )
+    WeightSyncConfig.__doc__ = (
+        """The whole config: transport, trainer, rollout, one section a rollout engine
+(`vllm`, `sglang`: collected from `ROLLOUT_ENGINES`), and `recipe`: """
+        + RECIPE_DOC
+    )
 
 
 def default_config() -> DictConfig:

@@ -1,62 +1,73 @@
-"""Each sink's own config section: the `rollout.sink.*` knobs that sink reads, and nothing else.
+"""`rollout.sink`: one section users write, made of every sink's own section, collected from the sink table.
 
-Users keep writing one `rollout.sink` section (`rollout.sink.type: safetensors`, `rollout.sink.dir: ...`):
-`SinkConfig` in `schema.py` is the shape that YAML is checked against (every sink's knobs, so a misspelt key
-fails at load time). `SINK_SECTIONS` says which of those knobs each sink reads; `sink_section` hands a sink
-only its own, and `unread_sink_knobs` names what was set that the chosen sink will not read.
-
-The sections live here, not in the sinks' modules, because config sits below the rollout layer: the
-table names them without importing any sink (`tests/unit/test_layers.py`).
+Each sink declares the knobs it reads once, in its section (`rollout/sinks/config.py`, named by its line of
+`plugins.SINKS`). `SinkConfig`, the shape users' YAML is checked against (so a misspelt key fails at load
+time), is `type` plus the union of those sections' fields, built here; `sink_section` hands a sink only its
+own, and `unread_sink_knobs` names what was set that the chosen sink will not read. Nothing of the rollout
+layer but those section modules is imported (they import only `choice`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .schema import ApplyMode, LoraApply, SinkConfig
-from .settings import UserConfig, settings
+from ..choice import Choice
+from ..plugins import SINKS
+
+if TYPE_CHECKING:  # the checker's view of the generated classes (the code looks members up by name)
+
+    class SinkType(Choice): ...
+
+    @dataclass(init=False)
+    class SinkConfig:
+        type: SinkType
+
+        def __init__(self, **knobs: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...  # a knob of some sink's section
+
+else:
+    SinkType = Choice("SinkType", {name: name for name in SINKS})
+SinkType.__doc__ = """`rollout.sink.type`: where a rollout daemon puts each version (the names in `SINKS`).
+A rollout engine that receives by itself (vLLM, SGLang) is `rollout.engine`, not a sink."""
+
+SINK_SECTIONS: dict[str, type[Any]] = {name: SINKS.section(name) for name in SINKS}
+"""Each name in `SINKS` and the dataclass of the knobs that sink reads (its entry's `section=`)."""
 
 
-@dataclass(frozen=True)
-class ModuleSinkSection:
-    """`rollout.sink.type=module`: the factory that builds the live module, its keyword options, and what
-    adapter versions do to it."""
-
-    factory: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    lora: LoraApply = LoraApply.keep
+def _default(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
-@dataclass(frozen=True)
-class SafetensorsSinkSection:
-    """`rollout.sink.type=safetensors`: where versions are written, how many are kept, the checkpoint whose
-    non-weight files go next to each, and the written files' permission bits."""
+def _knobs() -> list[tuple[str, Any, Any]]:
+    """Every sink's knobs as (name, type, field), once each; a knob two sinks read must agree on both."""
+    knobs: dict[str, tuple[str, Any, Any]] = {}
+    for kind, section in SINK_SECTIONS.items():
+        hints = typing.get_type_hints(section)
+        for f in fields(section):
+            same = knobs.get(f.name)
+            if same is not None and (same[1] != hints[f.name] or _default(same[2]) != _default(f)):
+                raise TypeError(f"rollout.sink.{f.name}: sink {kind!r} declares it unlike another sink")
+            dflt = (
+                field(default_factory=f.default_factory)
+                if f.default_factory is not MISSING
+                else field(default=f.default)
+            )
+            knobs[f.name] = (f.name, hints[f.name], dflt)
+    return list(knobs.values())
 
-    dir: str | None = None
-    template_dir: str | None = None
-    keep_last: int = 3
-    file_mode: int | None = None
 
-
-@dataclass(frozen=True)
-class CallableSinkSection:
-    """`rollout.sink.type=callable`: the function every version is handed to."""
-
-    target: str | None = None
-
-
-SinkSection = ModuleSinkSection | SafetensorsSinkSection | CallableSinkSection
-"""Any sink's own section (what `sink_section` returns)."""
-
-SINK_SECTIONS: dict[str, type[Any]] = {
-    "module": ModuleSinkSection,
-    "safetensors": SafetensorsSinkSection,
-    "callable": CallableSinkSection,
-}
-"""Each name in `SINKS` (schema.py) and the dataclass of the knobs that sink reads (a test keeps the two in step)."""
+if not TYPE_CHECKING:
+    SinkConfig = make_dataclass(
+        "SinkConfig",
+        [("type", SinkType, field(default=SinkType["module"])), *_knobs()],
+        namespace={"__module__": __name__},
+    )
+    SinkConfig.__doc__ = """`rollout.sink`: where a rollout puts each version (`type`, then every sink's knobs)."""
 
 
 def _as_dict(sink: DictConfig | SinkConfig) -> dict[str, Any]:
@@ -75,33 +86,11 @@ def sink_section(sink: DictConfig | SinkConfig, kind: str | None = None) -> Any:
     return section(**{f.name: values[f.name] for f in fields(section) if f.name in values})
 
 
-@dataclass(frozen=True)
-class SinkSettings:
-    """All a sink is built from: its own section of `rollout.sink` and the three knobs outside it that sinks
-    read. Made once, by `SinkSettings.of` at the sink's constructor (the edge: `ModuleSink(cfg)` with a
-    `load_config()` result keeps working), so a sink reads no other part of the config."""
-
-    section: SinkSection
-    """The sink's `SINK_SECTIONS` dataclass."""
-    apply: ApplyMode = ApplyMode.atomic
-    """`rollout.apply`."""
-    device: str = "cpu"
-    """`rollout.device`: where a module sink puts the module its factory built."""
-    timeout_s: float = 600.0
-    """`transport.timeout_s`: how long a callable sink's hand-off waits for the user's function."""
-
-    @classmethod
-    def of(cls, cfg: UserConfig | SinkSettings | SinkSection, kind: str) -> SinkSettings:
-        """`cfg` as the settings of sink `kind`: a user's config (converted here), `SinkSettings`, or the
-        sink's own section alone (the other knobs at their defaults)."""
-        if isinstance(cfg, SinkSettings):
-            return cfg
-        if isinstance(cfg, SINK_SECTIONS[kind]):
-            return cls(cfg)
-        assert not isinstance(cfg, SinkSection), f"a {type(cfg).__name__} is not the {kind} sink's section"
-        typed = settings(cfg)
-        ro = typed.rollout
-        return cls(sink_section(ro.sink, kind), ro.apply, ro.device, typed.transport.timeout_s)
+def check_sink_sections(sink: DictConfig | SinkConfig) -> None:
+    """Every sink's section of `rollout.sink` checks its own knobs (`validate`: ranges types cannot express),
+    whichever sink is chosen: a bad value fails at load time, not when another sink is picked."""
+    for kind in SINK_SECTIONS:
+        sink_section(sink, kind).validate()
 
 
 def unread_sink_knobs(sink: DictConfig | SinkConfig) -> list[str]:
@@ -110,3 +99,6 @@ def unread_sink_knobs(sink: DictConfig | SinkConfig) -> list[str]:
     own = {f.name for f in fields(SINK_SECTIONS[str(values.get("type", "module"))])} | {"type"}
     defaults = _as_dict(SinkConfig())
     return [f"rollout.sink.{k}" for k, v in values.items() if k not in own and k in defaults and v != defaults[k]]
+
+
+__all__ = ["SINK_SECTIONS", "SinkConfig", "SinkType", "check_sink_sections", "sink_section", "unread_sink_knobs"]

@@ -8,8 +8,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from ..rollout_engines import ROLLOUT_ENGINES
+from ..plugins import ROLLOUT_ENGINES
 from .schema import MAX_BUCKET_SIZE_MB, MAX_CONFIG_IDENTITY_LEN, MIN_TOKEN_LEN, bucket_size_bytes
+from .sinks import check_sink_sections
 
 
 def _port(key: str, value: int | None, *, allow_zero: bool) -> None:
@@ -61,8 +62,6 @@ def _check_bounds(cfg: DictConfig) -> None:
     for key, value in (("trainer.min_receivers", tr.min_receivers), ("trainer.every_n_steps", tr.every_n_steps)):
         if value > MAX_COUNT:
             raise ConfigError(f"{key}={value} is out of range (at most {MAX_COUNT})")
-    if cfg.rollout.sink.keep_last > MAX_COUNT:
-        raise ConfigError(f"rollout.sink.keep_last={cfg.rollout.sink.keep_last} is out of range (at most {MAX_COUNT})")
     rename = OmegaConf.to_container(tr.names.rename)
     for old, new in (rename or {}).items():  # type: ignore[union-attr]
         if not isinstance(new, str) or not new:
@@ -113,14 +112,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.every_n_steps={tr.every_n_steps} must be >= 1")
     if tr.min_receivers < 0:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
-    mode = ro.sink.file_mode
-    if mode is not None and not (0 <= mode <= 0o777 and mode & 0o600 == 0o600):
-        raise ConfigError(
-            f"rollout.sink.file_mode={mode:o} (octal) must be permission bits the owner can read and write, e.g. "
-            "0600 or 0640; null = the umask decides"
-        )
-    if ro.sink.keep_last < 1:
-        raise ConfigError(f"rollout.sink.keep_last={ro.sink.keep_last} must be >= 1")
+    check_sink_sections(ro.sink)
     _check_identity(ro.identity)
     _check_token_knobs(t)
     for name in ROLLOUT_ENGINES:

@@ -1,5 +1,5 @@
 """Thin adapters that let other frameworks select us: each maps a framework's plug point onto the public API
-(`BlockingWeightSender`, `WeightReceiver`, `load_config`, the rollout engines' `RolloutControl`) and adds no
+(`BlockingWeightSender`, `WeightReceiver`, `load_config`, the rollout engines' `RolloutFleet`) and adds no
 send path of its own. The framework is imported lazily; a missing one is an `ImportError` naming our extra.
 
 - `trl`: TRL's `AsyncGRPOTrainer(weight_transfer=...)` (`WeightTransferProtocol`), `WeightSyncTransfer`;

@@ -44,9 +44,9 @@ from ..trainer.gather import drain
 from .common import StreamRules, close_both
 
 if TYPE_CHECKING:
-    from ..engine.sender import BlockingWeightSender
-    from ..engine.stats import SendStats
-    from ..rollout_engines.control import RolloutControl
+    from ..trainer.fleet import RolloutFleet
+    from ..versions.sender import BlockingWeightSender
+    from ..versions.stats import SendStats
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class WeightSyncTransfer:
         config: our YAML's path, a `load_config()` result, or None (the defaults). Uses `transport.*`,
             `trainer.min_receivers`, `trainer.on_failure`, `trainer.dtype`, `trainer.names.*`, and the rollout
             engines' sections (`vllm.urls`, `sglang.urls`): those servers are paused, updated and resumed around
-            each version exactly as `WeightSyncCallback` does (`RolloutControl`). Rollouts without an engine (our
+            each version exactly as `WeightSyncCallback` does (`RolloutFleet`). Rollouts without an engine (our
             daemon, a `WeightReceiver`, `CpuRolloutWorker`) just receive.
         initial_version: the version number of the first sync (TRL's model version after it; module docstring).
 
@@ -71,7 +71,7 @@ class WeightSyncTransfer:
         self.config = settings(loaded)  # the edge: the one conversion to the typed config
         self.next_version = int(initial_version)
         self.sender: BlockingWeightSender | None = None
-        self.rollouts: RolloutControl | None = None
+        self.rollouts: RolloutFleet | None = None
         self.last_stats: SendStats | None = None
         self.failures = 0
         self._rules = StreamRules(self.config.trainer)
@@ -83,13 +83,13 @@ class WeightSyncTransfer:
         """Bind the sender (`transport.host:port`) and connect the rollout engines' clients. Idempotent."""
         if self.sender is not None:
             return
-        from ..engine.sender import BlockingWeightSender
-        from ..rollout_engines.control import RolloutControl
+        from ..trainer.fleet import RolloutFleet
+        from ..versions.sender import BlockingWeightSender
 
         sender = BlockingWeightSender(SenderSettings.of(self.config))
         try:
             sender.start()
-            self.rollouts = RolloutControl.from_config(self.config)
+            self.rollouts = RolloutFleet.from_config(self.config)
         except BaseException:
             sender.close()
             raise

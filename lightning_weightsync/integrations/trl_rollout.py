@@ -15,7 +15,7 @@ trl/experimental/async_grpo/async_grpo_trainer.py:115-152), so a whole AsyncGRPO
 Build it on TRL's main process only (`rollout_worker=... if PartialState().is_main_process else None`): TRL
 ignores it elsewhere (:1396-1398), and it must exist before the trainer's first sync (TRL calls `start()` only
 after it, :232-234), or that sync has no receiver. `versions()` says, for every version the worker generated
-with, the digest of the weights it held (`engine.verify.weights_digest`), for checks that they were the
+with, the digest of the weights it held (`versions.verify.weights_digest`), for checks that they were the
 trainer's. The worker is a test and an example, not a production generator: one process, sampled token by
 token with the model's plain forward.
 """
@@ -204,8 +204,8 @@ def _rollout_process(
 
 
 async def _rollout_loop(plan: RolloutPlan, buffer: Any, events: Any, generate: Event, stop: Event, last: Any) -> None:
-    from ..engine.receiver import WeightReceiver
-    from ..engine.verify import weights_digest
+    from ..versions.receiver import WeightReceiver
+    from ..versions.verify import weights_digest
 
     transformers = require("transformers", "trl", "CpuRolloutWorker")
     model = transformers.AutoModelForCausalLM.from_pretrained(plan.model_dir).eval()

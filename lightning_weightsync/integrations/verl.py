@@ -63,11 +63,11 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from ..config import ReceiverSettings, SenderSettings, WeightSyncConfig, load_config, settings
-from ..engine.receiver import WeightReceiver
-from ..engine.sender import WeightSender
 from ..errors import PeerError, WeightSyncError
 from ..rollout_engines.worker import LoopThread
 from ..transport.device import handoff
+from ..versions.receiver import WeightReceiver
+from ..versions.sender import WeightSender
 
 logger = logging.getLogger(__name__)
 

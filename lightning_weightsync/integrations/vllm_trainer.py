@@ -18,7 +18,7 @@ What each call does here:
                     and calls `client.init_weight_transfer_engine({"overrides": worker_overrides})`, which (re)starts
                     the receiver of our vLLM worker engine (`--weight-transfer-config '{"backend":
                     "lightning_weightsync"}'`, rollout_engines/vllm/) from its own config
-    send_weights    rank 0: `RolloutControl.run_version` over the client (start_weight_update, update_weights in a
+    send_weights    rank 0: `RolloutFleet.run_version` over the client (start_weight_update, update_weights in a
                     thread while our sender streams `source.iter_full()`, finish_weight_update(str(version))); other
                     ranks: walk `iter_full()` (its FSDP all-gathers); a failure drains the stream first, then raises
     shutdown        rank 0: close the sender
@@ -40,7 +40,8 @@ import torch
 
 from ..config import SenderSettings, load_config, settings
 from ..errors import ConfigError
-from ..rollout_engines.control import RolloutControl
+from ..plugins import RolloutClient
+from ..trainer.fleet import RolloutFleet
 from ..trainer.gather import drain
 from . import require
 from .common import StreamRules, close_both
@@ -71,8 +72,8 @@ class LightningWeightSyncTrainerInitInfo(_base.TrainerInitInfo):  # type: ignore
     initial_version: int = 1
 
 
-class _VLLMServer:
-    """The `VLLMWeightSyncClient` as a `RolloutClient` (rollout_engines/__init__.py), so `RolloutControl` runs the
+class _VLLMServer(RolloutClient):
+    """The `VLLMWeightSyncClient` as a `RolloutClient` (plugins.py), so `RolloutFleet` runs the
     version's steps, with its bounds and error lines, as it does for `vllm.urls`. Pause and resume are the
     caller's (vLLM's trainer API has none); `workers()` is unknown (the client cannot say)."""
 
@@ -130,10 +131,10 @@ class LightningWeightSyncTrainerEngine(_base.TrainerWeightTransferEngine):  # ty
         self.next_version = int(info.initial_version)
         self._rules = StreamRules(self.config.trainer)
         self.sender: Any = None
-        self.rollouts: RolloutControl | None = None
+        self.rollouts: RolloutFleet | None = None
         if not self.is_sender:
             return
-        from ..engine.sender import BlockingWeightSender
+        from ..versions.sender import BlockingWeightSender
 
         sender = BlockingWeightSender(SenderSettings.of(self.config))
         sender.start()
@@ -144,7 +145,7 @@ class LightningWeightSyncTrainerEngine(_base.TrainerWeightTransferEngine):  # ty
             raise
         self.sender = sender
         t = self.config.transport
-        self.rollouts = RolloutControl([_VLLMServer(self.client)], timeout_s=t.timeout_s, receive_timeout_s=t.timeout_s)
+        self.rollouts = RolloutFleet([_VLLMServer(self.client)], timeout_s=t.timeout_s, receive_timeout_s=t.timeout_s)
         logger.info("vLLM trainer engine %r: weight sender listening on %s:%d", BACKEND_NAME, t.host, sender.port)
 
     @property

@@ -89,18 +89,6 @@ class TensorShard:
             raise ValueError(f"shard [{self.byte_offset}, +{size}) is outside the tensor's {whole} bytes")
 
 
-def row_shard(tensor: torch.Tensor, rank: int, world: int) -> TensorShard | None:
-    """Rank `rank`'s rows of `tensor` split `world` ways as FSDP2's `Shard(0)` cuts them (`torch.chunk`), as a
-    byte range of the whole; None where the rank owns no rows (more ranks than rows). What the sharded tests and
-    `bench.sharded_links` send by hand, without FSDP."""
-    parts = torch.chunk(tensor, world, dim=0)
-    if rank >= len(parts) or parts[rank].numel() == 0:
-        return None
-    first = sum(p.shape[0] for p in parts[:rank])
-    row_bytes = tensor[0].numel() * tensor.element_size()
-    return TensorShard(tuple(tensor.shape), tensor.dtype, first * row_bytes, parts[rank].contiguous())
-
-
 async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
     """Iterate a sync or async iterable uniformly."""
     if isinstance(items, AsyncIterable):
@@ -164,7 +152,7 @@ class BucketLayout:
     """Assigns chunks their bucket offsets; `filled` (and `count`) carry over from one tensor to the next.
 
     The synchronous core of `split_weight_chunks`, one tensor at a time (`chunks`): the sender's bucket
-    planner (`engine/planner.py`) drives it directly, so the layout is decided here and only here."""
+    planner (`versions/planner.py`) drives it directly, so the layout is decided here and only here."""
 
     __slots__ = ("alone_from", "bucket_size", "count", "filled")
 

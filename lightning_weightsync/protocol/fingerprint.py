@@ -1,7 +1,7 @@
 """A tensor's fingerprint: 64 bits that say whether two copies of a weight hold the same bytes.
 
 The sender computes it while it has the tensor in hand, it travels in the bucket metadata, and a
-receiver recomputes it over the merged tensor (`engine/verify.py`). It must be cheap where the bytes
+receiver recomputes it over the merged tensor (`versions/verify.py`). It must be cheap where the bytes
 are (a GPU reduction on the trainer, a CPU pass on a rollout that merges on the host) and give the same
 value on every device, so it is integer arithmetic over the raw bytes, modulo 2**64:
 

@@ -67,17 +67,6 @@ def adapter_name(name: str, adapter: str = "default") -> str:
     return ".".join(out)
 
 
-def live_adapter_name(saved: str, adapter: str = "default") -> str:
-    """The inverse of `adapter_name` for a ``lora_*`` tensor: the name it has in a PEFT model with `adapter`."""
-    parts = saved.split(".")
-    out: list[str] = []
-    for i, part in enumerate(parts):
-        out.append(part)
-        if part in LORA_PARTS and i + 1 < len(parts):
-            out.append(adapter)
-    return ".".join(out)
-
-
 def lora_scaling(lora_alpha: float, r: int, *, use_rslora: bool = False) -> float:
     """PEFT's `LoraLayer.update_layer` scaling, computed the same way (so the float is the same)."""
     return lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r

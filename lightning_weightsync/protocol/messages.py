@@ -196,7 +196,7 @@ class BucketMeta(msgspec.Struct, tag="bucket", frozen=True):
     `fingerprints` (optional): empty, or one per entry, the fingerprint of that entry's whole tensor
     (`protocol/fingerprint.py`; `NO_FINGERPRINT` = none), checked by a receiver once the tensor is merged.
     `deltas` (optional): empty, or one per entry: -1 when the entry's chunk is of the tensor's bytes, else the
-    size of the delta payload it is a chunk of (`engine/delta.py`), which applies to version `delta_base`.
+    size of the delta payload it is a chunk of (`versions/delta.py`), which applies to version `delta_base`.
     `delta_ranges` (optional, sharded send mode): empty (every delta rebuilds its whole tensor), or one per
     entry: `[byte start, bytes]` of the tensor that entry's delta payload rebuilds (a sender's shard; `[0, 0]`
     for an entry that is not a delta).

@@ -10,7 +10,7 @@
   version and propagates; the receiver has nacked it already.
 - A sink's environmental failure (an `OSError`: ENOSPC, EACCES, EIO, ...) is a `SinkError` like any
   other: the version fails, the trainer is told why, the rollout keeps serving and the next version
-  retries (a full disk used to crash the daemon with a traceback).
+  retries (a full disk must not end the daemon with a traceback).
 - Cancellation (a daemon stopping) before the commit aborts the version, nacks it with the reason (so
   the trainer hears it from the rollout, not from a broken connection) and propagates. A commit that has
   started is never cancelled: it finishes (a renamed file, a copied module cannot be taken back half-way),
@@ -29,35 +29,22 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError, explain
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
+from ..versions.receiver import WeightReceiver
 from .observability import VersionRecord
+from .sinks.base import VersionSink
 
 logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 """`await call(fn, *args)` runs the sink method `fn(*args)` where it must run and returns its result."""
-
-
-class VersionSink(Protocol):
-    """What `consume_version` drives: the daemon's `Sink` is one; a rollout engine brings its own."""
-
-    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None: ...
-
-    def destination(self, meta: TensorMeta) -> torch.Tensor | None: ...
-
-    def accept(self, name: str, tensor: torch.Tensor) -> None: ...
-
-    def commit(self, version: int) -> None: ...
-
-    def abort(self, version: int, reason: str) -> None: ...
 
 
 async def call_inline(fn: Callable[..., Any], *args: Any) -> Any:
@@ -66,13 +53,39 @@ async def call_inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class _Version:
-    """Bookkeeping for the version in flight."""
+    """The version in flight into `sink`: begun at its first tensor (or its end), and the `SinkError` that
+    failed it, if any (the rest is then received and dropped, so the group stays in step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, receiver: WeightReceiver, sink: VersionSink) -> None:
+        self.receiver, self.sink = receiver, sink
         self.version: int | None = None
         self.began = False
         self.failed: SinkError | None = None
         self.num_chunked_tensors = 0
+
+    def begin(self) -> None:
+        if self.began:
+            return
+        assert self.receiver.version is not None  # the stream set it (wait_version) before a tensor or its end
+        self.version = int(self.receiver.version)
+        self.began = True
+        try:  # bucket 0 (tied names, LoRA spec) is here
+            begin_version(self.sink, self.version, self.receiver.tied, self.receiver.lora)
+        except (SinkError, OSError) as exc:
+            self.failed = sink_failure(exc, "begin", self.version)
+
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None:
+        """Where the receiver merges `meta`'s bytes (`into=`): the sink's say, or None once the version failed."""
+        self.begin()
+        if meta.chunk_size < meta.nbytes:
+            self.num_chunked_tensors += 1
+        if self.failed is not None:
+            return None  # keep receiving, drop it: the group must stay in step
+        try:
+            return self.sink.destination(meta)
+        except (SinkError, OSError) as exc:
+            self.failed = sink_failure(exc, f"a destination for {meta.name!r}", self.version)
+            return None
 
 
 async def consume_version(
@@ -86,82 +99,80 @@ async def consume_version(
 
     `wait_s` bounds the wait for the version to start (None: `transport.timeout_s`).
     """
-    v = _Version()
-
-    def begin() -> None:
-        if v.began:
-            return
-        assert receiver.version is not None  # the stream set it (wait_version) before a tensor or its end
-        v.version = int(receiver.version)
-        v.began = True
-        try:
-            begin_version(sink, v.version, receiver.tied, receiver.lora)  # bucket 0 (tied names, LoRA spec) is here
-        except (SinkError, OSError) as exc:
-            v.failed = sink_failure(exc, "begin", v.version)
-
-    def into(meta: TensorMeta) -> torch.Tensor | None:
-        begin()
-        if meta.chunk_size < meta.nbytes:
-            v.num_chunked_tensors += 1
-        if v.failed is not None:
-            return None  # keep receiving, drop it: the group must stay in step
-        try:
-            return sink.destination(meta)
-        except (SinkError, OSError) as exc:
-            v.failed = sink_failure(exc, f"a destination for {meta.name!r}", v.version)
-            return None
-
+    v = _Version(receiver, sink)
     # a sink that holds its tensors (module) takes deltas onto the version it holds; others get whole tensors
-    held: Callable[[TensorMeta], torch.Tensor | None] | None = getattr(sink, "held", None)
-    receiver.delta_base = getattr(sink, "delta_version", None) if held is not None else None
-    stream = receiver.receive_weights(into=into, auto_ack=False, wait_s=wait_s, base=held)
-    stopped: asyncio.CancelledError | None = None
+    receiver.delta_base = sink.delta_version if sink.holds_tensors else None
+    base = sink.held if sink.holds_tensors else None
+    stream = receiver.receive_weights(into=v.destination, auto_ack=False, wait_s=wait_s, base=base)
     try:
-        try:
-            async for name, tensor in stream:
-                if v.failed is None:
-                    try:
-                        await call(sink.accept, name, tensor)
-                    except (SinkError, OSError) as exc:
-                        v.failed = sink_failure(exc, f"{name!r}", v.version)
-                del tensor  # the consumer's reference: memory is bounded by what the receiver holds
-        except (WeightSyncError, asyncio.CancelledError):
-            raise
-        except BaseException:
-            await stream.aclose()  # a bug in the consumer: take part in the rest, then propagate
-            raise
-        begin()  # a version with no tensors still begins and commits
-        assert v.version is not None
+        await _receive_into(stream, v, call)
+        v.begin()  # a version with no tensors still begins and commits
         if v.failed is not None:
             raise v.failed
-        commit_start = time.perf_counter()
-        commit = asyncio.ensure_future(call(sink.commit, v.version))
-        while not commit.done():  # the point of no return: a stop waits for it (see the module docstring)
-            try:
-                await asyncio.shield(commit)
-            except asyncio.CancelledError as exc:
-                if stopped is None:
-                    logger.info("version %d: stopping once its commit, already under way, is done", v.version)
-                stopped = exc
-        try:
-            commit.result()
-        except OSError as exc:
-            raise sink_failure(exc, "commit", v.version) from exc
-        commit_s = time.perf_counter() - commit_start
+        commit_s = await _commit(v, call)
     except BaseException as exc:
-        if v.began and v.version is not None:
-            sink.abort(v.version, explain(exc))
-        if receiver.version is not None and isinstance(exc, (SinkError, asyncio.CancelledError)):
-            reason = f"SinkError: {exc}" if isinstance(exc, SinkError) else f"rollout stopped mid-version: {exc}"
-            with contextlib.suppress(WeightSyncError):  # owed only while the version is in flight (once)
-                await receiver.ack(ok=False, error=reason[:1000])
+        await _fail(v, exc)
         raise
     await receiver.ack(ok=True)  # applied: acked and returned even when cancelled meanwhile (the caller stops)
-    stats = receiver.last_stats
-    assert stats is not None  # set by the complete receive above
+    return _record(v, commit_s)
+
+
+async def _receive_into(stream: AsyncGenerator[tuple[str, torch.Tensor], None], v: _Version, call: Call) -> None:
+    """Every tensor of the version to the sink's `accept` (dropped once the version failed): a receive that
+    fails propagates as it is; a bug in the consumer drains the stream first (the group stays in step)."""
+    try:
+        async for name, tensor in stream:
+            if v.failed is None:
+                try:
+                    await call(v.sink.accept, name, tensor)
+                except (SinkError, OSError) as exc:
+                    v.failed = sink_failure(exc, f"{name!r}", v.version)
+            del tensor  # the consumer's reference: memory is bounded by what the receiver holds
+    except (WeightSyncError, asyncio.CancelledError):
+        raise
+    except BaseException:
+        await stream.aclose()  # a bug in the consumer: take part in the rest, then propagate
+        raise
+
+
+async def _commit(v: _Version, call: Call) -> float:
+    """Commit the version; seconds it took. The point of no return: a stop (cancellation) waits for a commit
+    under way, and the version is then acked as applied (see the module docstring)."""
+    assert v.version is not None
+    start = time.perf_counter()
+    commit = asyncio.ensure_future(call(v.sink.commit, v.version))
+    stopping = False
+    while not commit.done():
+        try:
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            if not stopping:
+                logger.info("version %d: stopping once its commit, already under way, is done", v.version)
+            stopping = True
+    try:
+        commit.result()
+    except OSError as exc:
+        raise sink_failure(exc, "commit", v.version) from exc
+    return time.perf_counter() - start
+
+
+async def _fail(v: _Version, exc: BaseException) -> None:
+    """The version failed with `exc`: the sink drops it, and a sink failure or a stop is nacked with its reason
+    (the trainer hears it from the rollout), once, while the version is still in flight."""
+    if v.began and v.version is not None:
+        v.sink.abort(v.version, explain(exc))
+    if v.receiver.version is not None and isinstance(exc, (SinkError, asyncio.CancelledError)):
+        reason = f"SinkError: {exc}" if isinstance(exc, SinkError) else f"rollout stopped mid-version: {exc}"
+        with contextlib.suppress(WeightSyncError):
+            await v.receiver.ack(ok=False, error=reason[:1000])
+
+
+def _record(v: _Version, commit_s: float) -> VersionRecord:
+    stats = v.receiver.last_stats
+    assert stats is not None and v.version is not None  # set by the complete receive
     seconds = float(stats.seconds) + commit_s
     nbytes = int(stats.nbytes)
-    record = VersionRecord(
+    return VersionRecord(
         version=v.version,
         ok=True,
         nbytes=nbytes,
@@ -172,15 +183,14 @@ async def consume_version(
         bytes_per_second=nbytes / seconds if seconds > 0 else 0.0,
         verified=int(stats.verified),
     )
-    return record
 
 
 def begin_version(sink: VersionSink, version: int, tied: Mapping[str, Sequence[str]], lora: LoraSpec | None) -> None:
     """`sink.begin`, with the version's LoRA spec for a sink that takes one (`takes_lora`). An adapter version
     (`trainer.lora=adapter`) into a sink that does not is refused here, before anything is applied; merged and
     full versions are plain weights under the base model's names, which every sink takes."""
-    if lora is not None and getattr(sink, "takes_lora", False):
-        sink.begin(version, tied=tied, lora=lora)  # type: ignore[call-arg]
+    if lora is not None and sink.takes_lora:
+        sink.begin(version, tied=tied, lora=lora)
         return
     if lora is not None and lora.mode == "adapter":
         raise SinkError(

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..config import ApplyMode, ReceiverSettings, UserConfig, settings
-from ..engine.receiver import WeightReceiver
 from ..errors import VerifyError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
 from ..transport.device import handoff
+from ..versions.receiver import WeightReceiver
 from .consume import consume_version
 from .held import held_weights_report
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
-from .sinks import Sink, SinkState, build_sink
+from .sinks.base import Sink, SinkState
+from .sinks.build import build_sink
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class RolloutDaemon:
     async def _watch_trainer(self) -> None:
         """Whether a trainer is there, kept for `/healthz` and the metrics, and said in the log: one WARNING
         once none has been connected for `NO_TRAINER_WARN_S` (again every `NO_TRAINER_REPEAT_S` while that
-        lasts: a daemon pointed at the wrong port or token used to wait in silence), one line when one is."""
+        lasts: a daemon pointed at the wrong port or token must not wait in silence), one line when one is."""
         assert self.receiver is not None
         t = self.config.transport
         warn_at = NO_TRAINER_WARN_S  # seconds without a trainer at which to say so (next)

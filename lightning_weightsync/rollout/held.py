@@ -1,7 +1,7 @@
 """What a rollout answers to "which version do I hold, and do my weights match it" (daemon: GET /weights).
 
 The receiver remembers, for the last version it took whole, the fingerprint of every tensor it checked
-(`engine/verify.py`: they matched the trainer's on arrival, or the version would have failed). Where the
+(`versions/verify.py`: they matched the trainer's on arrival, or the version would have failed). Where the
 sink holds its tensors (`Sink.snapshot`: the module sink), the answer recomputes their fingerprints now
 and compares, so memory corrupted *after* the sync shows too; elsewhere it is what was checked on arrival.
 The shape follows vLLM's POST /weight_checker (vllm 0.33.0, entrypoints/rl/online/api_router.py:232-266):
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..engine.verify import VerifyReport, compare_checksums, held_checksums
+from ..versions.verify import VerifyReport, compare_checksums, held_checksums
 
 
 def held_weights_report(

@@ -21,9 +21,9 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..engine.stats import human_bytes
 from ..errors import ConfigError
-from .sinks import SinkState
+from ..versions.stats import human_bytes
+from .sinks.base import SinkState
 
 logger = logging.getLogger(__name__)
 

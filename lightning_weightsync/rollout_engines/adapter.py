@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..config import SafetensorsSinkSection
 from ..errors import SinkError
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
+from ..rollout.consume import VersionSink
+from ..rollout.sinks.config import SafetensorsSinkSection
 from ..rollout.sinks.safetensors import SafetensorsSink
 from .worker import ModelLoadSink
 
@@ -60,7 +61,7 @@ class AdapterDirectory:
         return self._sink
 
 
-class EngineVersionSink:
+class EngineVersionSink(VersionSink):
     """The receive loop's sink in an engine worker (`consume.VersionSink`, taking the LoRA spec): each version
     goes to `model.load_weights` (`ModelLoadSink`), or, if it is a LoRA adapter, to `adapters`."""
 

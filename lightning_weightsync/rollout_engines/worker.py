@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 import torch
 
 from ..config import ReceiverSettings
-from ..engine.receiver import WeightReceiver
 from ..errors import SinkError, WeightSyncError
 from ..protocol.chunks import TensorMeta
+from ..protocol.messages import LoraSpec
 from ..rollout.consume import Call, VersionSink, consume_version
 from ..rollout.observability import VersionRecord
 from ..transport.device import handoff
+from ..versions.receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class WorkerReceiver:
         self.loop.stop()
 
 
-class ModelLoadSink:
+class ModelLoadSink(VersionSink):
     """The shared receive loop's sink for an engine worker: each tensor goes to `model.load_weights`
     (the engine's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
     version is whole only when the loop commits, and `touched` says whether a failed one reached
@@ -174,7 +175,10 @@ class ModelLoadSink:
         self.expected = expected
         self.touched = False
 
-    def begin(self, version: int, tied: Mapping[str, Sequence[str]] | None = None) -> None:
+    def begin(
+        self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
+    ) -> None:
+        """`lora` is not taken (`takes_lora` False): `EngineVersionSink` routes adapter versions elsewhere."""
         if self.expected is not None and version != self.expected:
             raise SinkError(f"the trainer announced version {self.expected} but version {version} arrived")
 

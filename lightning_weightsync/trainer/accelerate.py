@@ -28,8 +28,9 @@ from torch import nn
 
 from ..config import UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
-from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
+from .driver import SENDER_RANK, SyncDriver
 from .gather import NamedTensor, is_sharded
+from .record import SyncRecord, SyncRecordView
 
 logger = logging.getLogger(__name__)
 

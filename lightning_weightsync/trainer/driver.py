@@ -14,7 +14,7 @@ of it through the process group's store and stops sending at once, every rank dr
 only then is the signal handed on, on every rank alike, where no collective is in flight.
 
 How long a lost rollout costs: the sender's waits on receivers are bounded by `transport.liveness_s`
-when a receiver is gone (engine/session.py), so under `trainer.on_failure: warn` a step pays at most
+when a receiver is gone (versions/steps.py), so under `trainer.on_failure: warn` a step pays at most
 that, and the failure is logged once (then at most every `WARN_AGAIN_S` while it lasts), not per step.
 
 The bookkeeping both integrations report (last synced version, failures, the sending rank's
@@ -30,8 +30,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,41 +40,28 @@ from torch import nn
 
 from ..config import FailurePolicy, SenderSettings, SendMode, UserConfig, settings
 from ..errors import ConfigError, WeightSyncError
-from .gather import NamedTensor, is_sharded, iter_full_parameters, yields_stable_tensors
+from ..protocol.messages import SenderAddress
+from ..versions.options import VersionOptions
+from .agree import FATAL, OK, RECOVERABLE, SyncFailed, all_ranks_max, all_ranks_max_each, outcome_code
+from .facts import ModelFacts
+from .gather import iter_full_parameters
 from .interrupt import SyncStopWatch, raise_signal, signal_name
 from .lora import LoraSync
-from .names import tied_names
-from .sharded import ReplicaDrift
+from .record import SyncRecord
+from .send import Outbound, SendRoute, send_version
+from .sharded import MembersRelay, ReplicaDrift, iter_local_shards
 
 if TYPE_CHECKING:
-    from ..engine.sender import BlockingWeightSender
-    from ..engine.stats import SendStats
-    from ..rollout_engines.control import RolloutControl
+    from ..versions.sender import BlockingWeightSender
+    from ..versions.stats import SendStats
+    from .fleet import RolloutFleet
     from .overlap import OverlapSync
 
 logger = logging.getLogger(__name__)
 
 SENDER_RANK = 0  # the global rank that owns the sender; every stream is gathered onto it
 
-OK, RECOVERABLE, FATAL = 0, 1, 2
 WARN_AGAIN_S = 60.0  # under on_failure=warn, while syncs keep failing: one WARNING this often, not one a step
-
-
-def all_ranks_max(code: int, device: torch.device | None) -> int:
-    """The largest `code` over every rank of the default process group (identity without one).
-
-    `device` must suit the group's backend (the strategy's root device: CUDA for NCCL, NPU for HCCL).
-    """
-    return all_ranks_max_each([code], device)[0]
-
-
-def all_ranks_max_each(values: list[int], device: torch.device | None) -> list[int]:
-    """Element-wise maximum of `values` over every rank (one all-reduce; identity without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    flags = torch.tensor(values, dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [int(v) for v in flags.tolist()]
 
 
 def _world_size() -> int:
@@ -96,10 +83,6 @@ def show_logs() -> None:
         pkg.setLevel(logging.INFO)
 
 
-class SyncFailed(WeightSyncError):
-    """Raised on ranks that did not send when the sending rank's sync failed (`on_failure: raise`)."""
-
-
 def process_rank(fallback: int) -> int:
     """This process's global rank: torch.distributed's when it is initialised, else `fallback`.
 
@@ -117,76 +100,6 @@ def process_rank(fallback: int) -> int:
             "create the Accelerator / Lightning Trainer (or call torch.distributed.init_process_group) first"
         )
     return fallback
-
-
-@dataclass
-class SyncRecord:
-    """What the integrations report and checkpoint, kept once for both (Lightning, Accelerate).
-
-    The same on every rank, except `last_stats` (the sending rank's `SendStats`, None elsewhere).
-    It exists before the driver does (a callback is built before the processes are), so resumed
-    state can be loaded into it at any time.
-    """
-
-    last_synced_version: int | None = None
-    failures: int = 0
-    last_stats: SendStats | None = None
-    last_stall_seconds: float = 0.0  # how long the last sync blocked the training loop on this rank
-    overlap_skipped: int | None = None  # trainer.overlap_policy=latest: versions skipped (None: no overlap)
-
-    def delivered(self, version: int, stats: SendStats | None) -> None:
-        self.last_synced_version = version
-        if stats is not None:
-            self.last_stats = stats
-
-    def metrics(self, version: int) -> dict[str, float] | None:
-        """The `weightsync/*` metrics both integrations log for a delivered `version` (sending rank only)."""
-        stats = self.last_stats
-        if stats is None or self.last_synced_version != version or stats.version != version:
-            return None
-        return {
-            "weightsync/seconds": float(stats.seconds),
-            "weightsync/GBps": float(stats.gbps),
-            "weightsync/version": float(version),
-            "weightsync/receivers": float(stats.receivers),
-            # every rank leaves a sync at the same agreement all-reduce, so the sending rank's stall is
-            # the training loop's stall
-            "weightsync/stall_seconds": float(self.last_stall_seconds),
-            **({} if self.overlap_skipped is None else {"weightsync/overlap_skipped": float(self.overlap_skipped)}),
-            # sharded mode: tensors every rank holds whole whose copies differed (sent from global rank 0)
-            "weightsync/replica_drift": float(stats.replica_drift),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_synced_version": self.last_synced_version, "failures": self.failures}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_synced_version = state.get("last_synced_version")
-        self.failures = int(state.get("failures", 0))
-
-
-class SyncRecordView:
-    """What both integrations expose of their `SyncRecord` (one definition, not two copies)."""
-
-    record: SyncRecord
-
-    @property
-    def last_synced_version(self) -> int | None:
-        return self.record.last_synced_version
-
-    @property
-    def failures(self) -> int:
-        return self.record.failures
-
-    @property
-    def last_stats(self) -> SendStats | None:
-        """`SendStats` of the last delivered version (the sending rank; None elsewhere)."""
-        return self.record.last_stats
-
-    @property
-    def last_stall_seconds(self) -> float:
-        """How long the last sync blocked the training loop on this rank (`weightsync/stall_seconds`)."""
-        return self.record.last_stall_seconds
 
 
 class SyncDriver:
@@ -225,9 +138,11 @@ class SyncDriver:
         self.last_stats: SendStats | None = None
         self.replica_drift = ReplicaDrift()  # sharded mode: replicas that differ, warned once per tensor
         self.record = record if record is not None else SyncRecord()
-        self.lora = LoraSync(tr, self.record)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
+        self.lora = LoraSync(tr)  # trainer.lora: a PEFT model's versions (trainer/lora.py)
+        self.record.on_delivered(self.lora.delivered)  # the base goes until a version with it was delivered
         self._tied_logged = False
-        self._syncs = 0  # syncs started: the same count on every rank (names a sync in the store)
+        self._facts: dict[int, ModelFacts] = {}  # by id(module): what the model is, derived at its first sync
+        self.syncs = 0  # syncs started: the same count on every rank (names a sync in the store)
         self._failing_since: int | None = None  # first version of the current run of failures (warn)
         self._skipped = 0
         self._warned_at = -math.inf
@@ -235,8 +150,8 @@ class SyncDriver:
         # default raised again on this process; the Lightning callback sets Lightning's own flag instead
         self.deliver_signal: Callable[[int], None] = raise_signal
         # vLLM rollouts driven around every send (sending rank): from `vllm.urls` at start(), or set
-        # your own before start() (e.g. `RolloutControl([EngineRolloutClient(llm)])`, rollout_engines/vllm/client.py)
-        self.rollouts: RolloutControl | None = None
+        # your own before start() (e.g. `RolloutFleet([EngineRolloutClient(llm)])`, rollout_engines/vllm/client.py)
+        self.rollouts: RolloutFleet | None = None
         # trainer.send_mode=sharded (trainer/sharded.py): every rank has a sender; their endpoints, by rank
         self.sharded = tr.send_mode is SendMode.sharded and _world_size() > 1
         self.addresses: list[tuple[str, int]] = []
@@ -263,7 +178,7 @@ class SyncDriver:
         show_logs()
         error: BaseException | None = None
         if (self.is_sender or self.sharded) and self.sender is None:
-            from ..engine.sender import BlockingWeightSender
+            from ..versions.sender import BlockingWeightSender
 
             own = self._sender_settings()
             sender = BlockingWeightSender(own)
@@ -272,9 +187,9 @@ class SyncDriver:
                 self.sender = sender
                 logger.info("weight sender listening on %s:%d", own.transport.host, sender.port)
                 if self.rollouts is None and self.is_sender:
-                    from ..rollout_engines.control import RolloutControl
+                    from .fleet import RolloutFleet
 
-                    self.rollouts = RolloutControl.from_config(self.config)
+                    self.rollouts = RolloutFleet.from_config(self.config)
             except Exception as exc:
                 error = exc
                 sender.close()
@@ -318,6 +233,13 @@ class SyncDriver:
         return self.sender.port if self.sender is not None else None
 
     # -- one sync ---------------------------------------------------------------------------------
+    def facts(self, module: nn.Module) -> ModelFacts:
+        """What `module` is, derived at its first sync and kept (see `ModelFacts`)."""
+        facts = self._facts.get(id(module))
+        if facts is None:
+            facts = self._facts[id(module)] = ModelFacts.of(module, self.lora, self.trainer, self.prefix)
+        return facts
+
     def weights(
         self, module: nn.Module, *, keep_on_rank: int | None = SENDER_RANK, defer_gather: bool = False
     ) -> Iterator[tuple[str, Any]]:
@@ -325,7 +247,7 @@ class SyncDriver:
         tensors come as `PendingGather` on every rank (overlap's background gather; not with LoRA, whose
         merge needs whole tensors: `gathers_in_background`)."""
         tr = self.trainer
-        if self.lora.applies(module, self.prefix, tr.include_buffers):
+        if self.facts(module).lora:
             assert not defer_gather, "LoRA streams are gathered in place"
             return self.lora.weights(
                 module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
@@ -345,9 +267,34 @@ class SyncDriver:
         """{name sent: other names of the same tensor} under this sync's rules (tied embeddings are
         sent once). Local, no collectives; travels in the version's first `BucketMeta.tied`."""
         tr = self.trainer
-        if self.lora.applies(module, self.prefix, tr.include_buffers):
+        facts = self.facts(module)
+        if facts.lora:
             return self.lora.tied(module, include_buffers=tr.include_buffers, names_cfg=tr.names, prefix=self.prefix)
-        return tied_names(module, include_buffers=tr.include_buffers, names_cfg=tr.names, prefix=self.prefix)
+        return facts.tied
+
+    def outbound(self, module: nn.Module, version: int, *, sharded: bool, defer_gather: bool = False) -> Outbound:
+        """This rank's part of `version`, from the live model: its own shards (sharded mode) or the gather
+        stream (every rank runs the all-gathers; global rank 0 alone gets tensors). A bad layout raises
+        `ConfigError` here, on every rank alike, before any rank sends."""
+        tr = self.trainer
+        if sharded:
+            weights = iter_local_shards(
+                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
+                prefix=self.prefix, device=self.device, version=version, drift=self.replica_drift,
+            )  # fmt: skip
+            options = VersionOptions(tied=self.tied(module))
+            return Outbound(version, weights, options, sharded=True, replica_drift=self.replica_drift.last)
+        facts = self.facts(module)
+        stream = self.weights(module, defer_gather=defer_gather)  # LoRA: decides the version's content
+        lora = self.lora.spec if facts.lora else None
+        options = VersionOptions(tied=self.tied(module), lora=lora, stable_tensors=facts.stable)
+        return Outbound(version, stream, options)
+
+    def route(self, sharded: bool) -> SendRoute:
+        """What this rank sends through in a version of this mode (see `send.SendRoute`)."""
+        sender = self.sender if (self.is_sender or sharded) else None
+        others = tuple(SenderAddress(h, p) for h, p in self.addresses[1:]) if sharded else ()
+        return SendRoute(self.rank, sender, self.rollouts if self.is_sender else None, others)
 
     def sync(self, module: nn.Module, version: int) -> bool:
         """Gather and send `version`; call on every rank. True (on every rank) when it was delivered;
@@ -364,49 +311,73 @@ class SyncDriver:
     def sends_sharded(self, module: nn.Module) -> bool:
         """Whether this sync sends in sharded mode: configured, started, and an FSDP2-sharded model (others
         fall back to the gather, said once)."""
-        if not self.sharded or not self.addresses or self.lora.applies(module, self.prefix, True):
+        facts = self.facts(module)
+        if not self.sharded or not self.addresses or facts.lora:
             return False
-        sharded = is_sharded(module)
-        if not sharded and not self._mode_logged:
+        if not facts.sharded and not self._mode_logged:
             self._mode_logged = True
             logger.warning(
                 "trainer.send_mode=sharded, but the model is not FSDP-sharded: sending in gather mode (global rank %d "
                 "sends everything)", SENDER_RANK,
             )  # fmt: skip
-        return sharded
+        return facts.sharded
 
     def _sync(self, module: nn.Module, version: int) -> bool:
-        self._syncs += 1
+        self.syncs += 1
         sharded = self.sends_sharded(module)
-        sender = self.sender if (self.is_sender or sharded) else None
+        route = self.route(sharded)
+        sender = route.sender
         if self.is_sender and sender is None:
             raise WeightSyncError("SyncDriver.sync() before start()")
         if sender is not None:
             sender.clear_interrupt()
-        watch = SyncStopWatch(rank=self.rank, sync_id=self._syncs, on_stop=sender.interrupt if sender else None)
+        watch = SyncStopWatch(rank=self.rank, sync_id=self.syncs, on_stop=sender.interrupt if sender else None)
         with watch:
-            if sharded:
-                assert sender is not None
-                error = self._send_sharded(module, version, sender)
-            else:
-                error = self._send_or_drain(module, version, self.weights(module), sender)
-            code = OK if error is None else (RECOVERABLE if isinstance(error, WeightSyncError) else FATAL)
+            error = self._send_blocking(module, version, sharded, route)
             # 3. agree: the outcome, and whether a rank was stopped by a signal (and which)
-            agreed, signum, signalled = all_ranks_max_each([code, *watch.seen()], self.device)
+            agreed, signum, signalled = all_ranks_max_each([outcome_code(error), *watch.seen()], self.device)
         # 4. the signal handlers are back: hand on what stopped the sync, on every rank alike
         for late in watch.late(signum):
             raise_signal(late)  # came after this rank had agreed: handled here alone, as without a sync
         if signum:
-            if agreed == OK:  # it came too late to stop the send: the version is delivered
-                self.record.delivered(version, self.last_stats)
-            logger.warning(
-                "weight sync of version %d %s by %s on global rank %d%s",
-                version, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
-                signal_name(signum), signalled - 1, self.stopped_fate(agreed),
-            )  # fmt: skip
-            self.deliver_signal(signum)
-            return agreed == OK
+            return self.signal_stopped(version, "weight sync", agreed, signum, signalled, self.last_stats)
         return self.settle(version, error, agreed)
+
+    def _send_blocking(self, module: nn.Module, version: int, sharded: bool, route: SendRoute) -> Exception | None:
+        """1. every rank gathers (or takes its shards); 2. the ranks that send, send. Returns this rank's
+        failure (None: its part went out, or it sends nothing); the stream is exhausted on every rank."""
+        self.last_stats = None
+        out = self.outbound(module, version, sharded=sharded)
+        if route.sender is not None and route.coordinates:
+            self._log_tied(out.options.tied)
+        try:
+            self.last_stats = send_version(out, route, MembersRelay(self.device) if sharded else None)
+        except ConfigError:
+            raise  # raised by the gather on every rank at the same point: nobody is left waiting
+        except Exception as exc:
+            return exc
+        return None
+
+    def _log_tied(self, tied: Mapping[str, Iterable[str]]) -> None:
+        if not self._tied_logged:
+            self._tied_logged = True
+            for sent, aliases in tied.items():
+                logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
+
+    def signal_stopped(
+        self, version: int, what: str, agreed: int, signum: int, signalled: int, stats: SendStats | None
+    ) -> bool:
+        """A SIGTERM / SIGINT came during the sync of `version`: record it if every rank sent it anyway, say
+        what became of it, and hand the signal on (every rank alike)."""
+        if agreed == OK:  # it came too late to stop the send: the version is delivered
+            self.record.delivered(version, stats)
+        logger.warning(
+            "%s of version %d %s by %s on global rank %d%s",
+            what, version, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
+            signal_name(signum), signalled - 1, self.stopped_fate(agreed),
+        )  # fmt: skip
+        self.deliver_signal(signum)
+        return agreed == OK
 
     def stopped_fate(self, agreed: int) -> str:
         """What became of a version a signal stopped, for its log line ("" when it was delivered anyway)."""
@@ -434,83 +405,6 @@ class SyncDriver:
             f"global rank {self.rank}: weight sync of version {version} failed on the sending global rank "
             f"{SENDER_RANK} (trainer.on_failure={self.on_failure}); see that rank's log"
         )
-
-    def _send_or_drain(
-        self, module: nn.Module, version: int, weights: Iterator[NamedTensor], sender: BlockingWeightSender | None
-    ) -> Exception | None:
-        """1. every rank gathers; 2. the sending rank sends. Returns the sending rank's failure (None:
-        delivered, or not the sending rank); `weights` is exhausted on every rank, whatever happened."""
-        self.last_stats = None
-        if sender is None:
-            for _ in weights:  # joins the all-gathers; yields nothing here
-                pass
-            return None
-        stable, tied = yields_stable_tensors(module), self.tied(module)
-        if not self._tied_logged:
-            self._tied_logged = True
-            for sent, aliases in tied.items():
-                logger.info("tied weights: %s is sent once, as %r (the rollout restores the tie)", aliases, sent)
-
-        def send() -> SendStats:
-            return sender.send_weights(weights, version=version, stable_tensors=stable, tied=tied, lora=self.lora.spec)
-
-        try:
-            if self.rollouts is not None:  # pause -> start -> [update_weights || send] -> finish -> resume
-                self.last_stats = self.rollouts.run_version(version, send, lora=self.lora.spec)
-            else:
-                self.last_stats = send()
-        except ConfigError:
-            raise  # raised by the gather on every rank at the same point: nobody is left waiting
-        except Exception as exc:
-            for _ in weights:  # not sent (a rollout could not pause): still join the other ranks' gathers
-                pass
-            return exc
-        return None
-
-    def _send_sharded(self, module: nn.Module, version: int, sender: BlockingWeightSender) -> Exception | None:
-        """Every rank sends its own bytes (trainer/sharded.py); rank 0 coordinates the version and tells the
-        others which receivers it gathered. Returns this rank's failure (None: its part went out)."""
-        from ..engine.sender import Sharding
-        from ..protocol.messages import SenderAddress
-        from .sharded import MembersRelay, iter_local_shards
-
-        tr = self.trainer
-        # every rank alike, before any rank sends: a bad layout raises ConfigError; differing replicas go from rank 0
-        weights = iter_local_shards(
-            module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype,
-            prefix=self.prefix, device=self.device, version=version, drift=self.replica_drift,
-        )  # fmt: skip
-        relay = MembersRelay(self.device)
-        tied = self.tied(module)
-        self.last_stats = None
-        if self.is_sender:
-            sharding = Sharding(0, others=tuple(SenderAddress(h, p) for h, p in self.addresses[1:]), on_members=relay)
-
-            def send() -> SendStats:
-                return sender.send_weights(weights, version=version, tied=tied, sharding=sharding)
-
-            try:
-                if self.rollouts is not None:
-                    self.last_stats = self.rollouts.run_version(version, send)
-                else:
-                    self.last_stats = send()
-                self.last_stats.replica_drift = self.replica_drift.last
-            except ConfigError:
-                raise
-            except Exception as exc:
-                return exc
-            finally:
-                relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
-            return None
-        members = relay.receive()
-        try:
-            sharding = Sharding(self.rank, members=tuple(members))
-            self.last_stats = sender.send_weights(weights, version=version, sharding=sharding)
-        except ConfigError:
-            raise
-        except Exception as exc:
-            return exc
-        return None
 
     def _skipped_version(self, version: int, error: Exception | None) -> None:
         """`on_failure: warn`: one WARNING when syncs start failing, then one every `WARN_AGAIN_S` while they

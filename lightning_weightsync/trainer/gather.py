@@ -120,6 +120,45 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+@dataclass(frozen=True)
+class _Emit:
+    """The per-tensor step of `iter_full_parameters`: select and name it, then gather it (every rank: a
+    collective) or defer the gather, and yield it on the keeping rank, cast."""
+
+    named: SentNames
+    cast: torch.dtype | None
+    keep: bool
+    select: Callable[[str], bool] | None
+    defer_gather: bool
+
+    def emit(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | PendingGather]]:
+        cast = self.cast
+        for raw, tensor in tensors:
+            if self.select is not None and not self.select(raw):
+                continue
+            name = self.named(raw)
+            if name is None:
+                continue
+            if isinstance(tensor, DTensor) and self.defer_gather:
+                sent_as = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+                detached = tensor.detach()
+                assert isinstance(detached, DTensor)  # torch types detach() as a Tensor; a DTensor's is a DTensor
+                yield name, PendingGather(detached, sent_as)
+                continue
+            if isinstance(tensor, DTensor):
+                with torch.no_grad():
+                    full = tensor.full_tensor()  # a collective: every rank, same order
+            elif not self.keep:
+                continue
+            else:
+                full = tensor
+            if not self.keep:
+                del full
+                continue
+            yield name, cast_floating(full.detach(), cast)
+            del full
+
+
 def iter_full_parameters(
     module: nn.Module,
     *,
@@ -153,34 +192,8 @@ def iter_full_parameters(
             every rank at the same point, so no rank is left waiting in a collective).
     """
     named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
-    cast = resolve_dtype(dtype)
     keep = keep_on_rank is None or _global_rank() == keep_on_rank
-
-    def emit(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | PendingGather]]:
-        for raw, tensor in tensors:
-            if select is not None and not select(raw):
-                continue
-            name = named(raw)
-            if name is None:
-                continue
-            if isinstance(tensor, DTensor) and defer_gather:
-                sent_as = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-                detached = tensor.detach()
-                assert isinstance(detached, DTensor)  # torch types detach() as a Tensor; a DTensor's is a DTensor
-                yield name, PendingGather(detached, sent_as)
-                continue
-            if isinstance(tensor, DTensor):
-                with torch.no_grad():
-                    full = tensor.full_tensor()  # a collective: every rank, same order
-            elif not keep:
-                continue
-            else:
-                full = tensor
-            if not keep:
-                del full
-                continue
-            yield name, cast_floating(full.detach(), cast)
-            del full
+    emit = _Emit(named, resolve_dtype(dtype), keep, select, defer_gather).emit
 
     units = fsdp1_units(module)
     if not units:

@@ -18,10 +18,11 @@ import torch
 
 from ..config import UserConfig, settings
 from ..errors import BackendUnavailable, WeightSyncError
-from .driver import SENDER_RANK, SyncDriver, SyncRecord, SyncRecordView
+from .driver import SENDER_RANK, SyncDriver
 from .gather import NamedTensor
 from .interrupt import raise_signal
 from .names import served_child
+from .record import SyncRecord, SyncRecordView
 
 try:
     import lightning.pytorch as pl

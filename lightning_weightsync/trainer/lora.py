@@ -31,7 +31,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,9 +42,6 @@ from ..protocol.lora import LORA_PARTS, adapter_name, base_name, merge_weight
 from ..protocol.messages import LoraSpec
 from .gather import NamedTensor, cast_floating, iter_full_parameters, resolve_dtype
 from .names import NameMapper, SentNames, own_tensors, tied_names, walk_modules
-
-if TYPE_CHECKING:
-    from .driver import SyncRecord
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +80,7 @@ class Layer:
 
 
 @dataclass
-class Plan:
+class LoraRoles:
     """Every tensor's role, by raw (wrapper-free, full) name; built once per module (local, no collectives)."""
 
     spec: LoraSpec
@@ -161,7 +158,7 @@ def _spec_of(peft_model: Any, mode: LoraMode, *, base: bool) -> tuple[LoraSpec, 
     return spec, adapter
 
 
-def build_plan(module: nn.Module, mode: LoraMode, *, prefix: str | None, include_buffers: bool) -> Plan | None:
+def build_roles(module: nn.Module, mode: LoraMode, *, prefix: str | None, include_buffers: bool) -> LoraRoles | None:
     """The plan of a PEFT LoRA `module` for `mode` (the base flag is set per version), None without PEFT.
 
     Raises ConfigError (naming `trainer.lora`) for a non-LoRA adapter, FSDP1, or `merged`/`full` on layers
@@ -177,7 +174,7 @@ def build_plan(module: nn.Module, mode: LoraMode, *, prefix: str | None, include
     peft_path, peft_model = found
     resolved = LoraMode.adapter if mode is LoraMode.auto else mode
     spec, adapter = _spec_of(peft_model, resolved, base=True)
-    plan = Plan(spec=spec, adapter=adapter, peft_path=peft_path, prefix=prefix)
+    plan = LoraRoles(spec=spec, adapter=adapter, peft_path=peft_path, prefix=prefix)
     lora_layer = peft.tuners.lora.LoraLayer
     linear = peft.tuners.lora.Linear
     seen: set[int] = set()
@@ -254,35 +251,36 @@ class LoraSync:
 
     Cheap until a sync meets a PEFT model; `weights` decides the version's content eagerly (the
     returned iterator is lazy), so `spec` and `tied` describe the version `weights` was last called for.
+    The driver tells it of every delivered version (`delivered`, from the `SyncRecord`, on every rank alike).
     """
 
-    def __init__(self, trainer: TrainerConfig, record: SyncRecord) -> None:
+    def __init__(self, trainer: TrainerConfig) -> None:
         self.mode = trainer.lora
         self.base_policy = trainer.lora_base
-        self.record = record
-        self._plans: dict[tuple[int, str | None], Plan | None] = {}
+        self._roles: dict[tuple[int, str | None], LoraRoles | None] = {}
+        self._tied: dict[tuple[int, str | None], dict[str, tuple[str, ...]]] = {}  # raw names, per model
         self._base_delivered = self.base_policy is LoraBase.rollout_has
-        self._base_pending = False  # a version with the base was sent, not yet known delivered
-        self._record_before: int | None = None  # record.last_synced_version when it was
+        self._base_pending = False  # a version with the base was produced; none known delivered since
         self.spec: LoraSpec | None = None  # of the version in flight
         self._logged = False
 
-    def plan(self, module: nn.Module, prefix: str | None, include_buffers: bool) -> Plan | None:
+    def delivered(self, version: int) -> None:
+        """`version` reached every rollout. Every LoRA version carries the base until one is delivered, so once
+        any is (after one with the base was produced), the rollouts hold the base and later versions go
+        without it. A version a resumed run's checkpoint recorded is not announced: the new run sends the
+        base again, for rollouts that may have restarted since."""
+        if self._base_pending:
+            self._base_delivered = True
+
+    def roles(self, module: nn.Module, prefix: str | None, include_buffers: bool) -> LoraRoles | None:
         key = (id(module), prefix)
-        if key not in self._plans:
-            self._plans[key] = build_plan(module, self.mode, prefix=prefix, include_buffers=include_buffers)
-        return self._plans[key]
+        if key not in self._roles:
+            self._roles[key] = build_roles(module, self.mode, prefix=prefix, include_buffers=include_buffers)
+        return self._roles[key]
 
     def applies(self, module: nn.Module, prefix: str | None, include_buffers: bool) -> bool:
         """Whether versions of `module` are LoRA versions (a PEFT LoRA model, trainer.lora not overridden)."""
-        return self.plan(module, prefix, include_buffers) is not None
-
-    def _sends_base(self) -> bool:
-        """Whether this version carries the base: until one that did was delivered (the record moved on; a
-        resumed run whose first version repeats the checkpoint's number sends the base once more, harmlessly)."""
-        if not self._base_delivered and self._base_pending:
-            self._base_delivered = self.record.last_synced_version != self._record_before
-        return not self._base_delivered
+        return self.roles(module, prefix, include_buffers) is not None
 
     def weights(
         self,
@@ -295,11 +293,11 @@ class LoraSync:
         prefix: str | None,
     ) -> Iterator[NamedTensor]:
         """The version's stream: the tensors `trainer.lora` sends, mapped and merged (see the module docstring)."""
-        plan = self.plan(module, prefix, include_buffers)
+        plan = self.roles(module, prefix, include_buffers)
         assert plan is not None, "LoraSync.weights on a model that is not a PEFT LoRA model"
-        base = self._sends_base()
+        base = not self._base_delivered
         if base:
-            self._base_pending, self._record_before = True, self.record.last_synced_version
+            self._base_pending = True
         spec = self.spec = _with_base(plan.spec, base)
         if not self._logged:
             self._logged = True
@@ -324,12 +322,15 @@ class LoraSync:
         self, module: nn.Module, *, include_buffers: bool, names_cfg: NamesConfig | None, prefix: str | None
     ) -> dict[str, tuple[str, ...]]:
         """Tied names of the version `weights` was last called for, under the names sent."""
-        plan = self.plan(module, prefix, include_buffers)
+        plan = self.roles(module, prefix, include_buffers)
         if plan is None or self.spec is None or not (self.spec.base or self.spec.mode == LoraMode.full.value):
             return {}
         mapper = NameMapper.from_config(names_cfg)
         out: dict[str, tuple[str, ...]] = {}
-        for source, aliases in tied_names(module, include_buffers=include_buffers, prefix=prefix).items():
+        key = (id(module), prefix)
+        if key not in self._tied:
+            self._tied[key] = tied_names(module, include_buffers=include_buffers, prefix=prefix)
+        for source, aliases in self._tied[key].items():
             sent = mapper(base_name(source, plan.adapter))
             mapped = tuple(a for a in (mapper(base_name(a, plan.adapter)) for a in aliases) if a and a != sent)
             if sent and mapped:
@@ -344,7 +345,7 @@ def _with_base(spec: LoraSpec, base: bool) -> LoraSpec:
 
 
 def _mapped(
-    raw_stream: Iterator[NamedTensor], plan: Plan, spec: LoraSpec, mapper: NameMapper, cast: torch.dtype | None
+    raw_stream: Iterator[NamedTensor], plan: LoraRoles, spec: LoraSpec, mapper: NameMapper, cast: torch.dtype | None
 ) -> Iterator[NamedTensor]:
     """Map (and in merged/full, merge) the raw stream. A LoRA layer's tensors come in module order (base
     weight, then A, then B): the base weight is held until B arrives, then merged and sent as one tensor."""

@@ -46,12 +46,13 @@ never apply half a version (atomic apply, or streaming rolled back), then drains
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -60,14 +61,20 @@ from torch import nn
 from ..config import FailurePolicy, OverlapGather, OverlapPolicy, OverlapStaging
 from ..errors import ConfigError, WeightSyncError
 from ..protocol.chunks import TensorShard
-from .gather import PendingGather, drain, fsdp1_units, is_sharded
-from .interrupt import SyncStopWatch, raise_signal, signal_name
+from ..versions.options import VersionOptions
+from .agree import OK, RECOVERABLE, SyncFailed, all_ranks_max_each, outcome_code
+from .gather import PendingGather
+from .interrupt import SyncStopWatch, raise_signal
+from .send import Outbound, SendRoute, send_version
+from .sharded import MembersRelay
 from .side_gather import MirrorMeshes, StagedShard
 
 if TYPE_CHECKING:
-    from ..engine.sender import BlockingWeightSender
-    from ..engine.stats import SendStats
-    from .driver import SyncDriver
+    from ..config import TrainerConfig, WeightSyncConfig
+    from ..versions.sender import BlockingWeightSender
+    from ..versions.stats import SendStats
+    from .facts import ModelFacts
+    from .record import SyncRecord
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +133,9 @@ class Snapshot:
 
     version: int
     items: list[Item] = field(default_factory=list)
-    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    options: VersionOptions = field(default_factory=VersionOptions)  # tied names, LoRA spec (gather mode)
     sharded: bool = False
     gathers: bool = False  # gather mode, background gather: items hold `StagedShard`s every rank gathers
-    lora: Any = None  # gather mode, a PEFT model: the version's `LoraSpec` (rollout engines load adapter versions)
     ready: Any = None  # a CUDA event the background waits for before the first byte (device / pinned staging)
     ready_device: int | None = None  # the CUDA device `ready` was recorded on
     replica_drift: int = 0  # sharded mode: tensors whose whole copies differed between ranks (rank 0's staged)
@@ -140,15 +146,38 @@ class Snapshot:
         assert not self.gathers
         return cast("Iterator[tuple[str, torch.Tensor | TensorShard]]", iter(self.items))
 
+    def outbound(self, weights: Iterator[tuple[str, Any]]) -> Outbound:
+        """The version as the one send takes it; a snapshot's tensors are its own copies: stable."""
+        options = dataclasses.replace(self.options, stable_tensors=True)
+        return Outbound(self.version, weights, options, self.sharded, self.replica_drift)
 
-def _code(error: BaseException | None) -> int:
-    from .driver import FATAL, OK, RECOVERABLE
 
-    if error is None:
-        return OK
-    if isinstance(error, WeightSyncError) and not isinstance(error, ConfigError):
-        return RECOVERABLE
-    return FATAL
+class SyncHost(Protocol):
+    """What the overlap runner uses of the driver that owns it (`driver.SyncDriver`), named here so that
+    this module does not import the driver: the training-thread side settles through it; the background
+    thread gets none of it (`OverlapSync._send`)."""
+
+    config: WeightSyncConfig
+    trainer: TrainerConfig
+    device: torch.device | None
+    sender: BlockingWeightSender | None
+    is_sender: bool
+    rank: int
+    sharded: bool
+    on_failure: FailurePolicy
+    record: SyncRecord
+    syncs: int
+    last_stats: SendStats | None
+
+    def deliver_signal(self, signum: int) -> None: ...
+    def facts(self, module: nn.Module) -> ModelFacts: ...
+    def sends_sharded(self, module: nn.Module) -> bool: ...
+    def route(self, sharded: bool) -> SendRoute: ...
+    def outbound(self, module: nn.Module, version: int, *, sharded: bool, defer_gather: bool = False) -> Outbound: ...
+    def settle(self, version: int, error: Exception | None, agreed: int) -> bool: ...
+    def signal_stopped(
+        self, version: int, what: str, agreed: int, signum: int, signalled: int, stats: SendStats | None
+    ) -> bool: ...
 
 
 class OverlapSync:
@@ -159,7 +188,7 @@ class OverlapSync:
     in sharded mode, its own gloo group.
     """
 
-    def __init__(self, driver: SyncDriver) -> None:
+    def __init__(self, driver: SyncHost) -> None:
         tr = driver.trainer
         self.driver = driver
         self.policy = tr.overlap_policy
@@ -226,46 +255,57 @@ class OverlapSync:
         finally:
             self._arm_flight()
 
-    def _sync(self, module: nn.Module, version: int, policy: OverlapPolicy | None, carried: list[int]) -> bool:
-        from .driver import OK, RECOVERABLE, SyncFailed, all_ranks_max_each
-
+    def _route(self, module: nn.Module) -> tuple[bool, SendRoute]:
+        """This sync's mode and what this rank sends through; counts the sync (every rank alike)."""
         d = self.driver
-        policy = policy or self.policy
-        if fsdp1_units(module):
+        if d.facts(module).fsdp1:
             raise ConfigError(
                 "trainer.overlap does not support FSDP1: its summoned full parameters are views of storage it "
                 "reuses unit by unit, so a snapshot would cost a full gather into a second copy anyway; use "
                 "FSDP2 (fully_shard) or trainer.overlap=false"
             )
-        d._syncs += 1
+        d.syncs += 1
         sharded = d.sends_sharded(module)
-        sender = d.sender if (d.is_sender or sharded) else None
-        if d.is_sender and sender is None:
+        route = d.route(sharded)
+        if d.is_sender and route.sender is None:
             raise WeightSyncError("SyncDriver.sync() before start()")
+        return sharded, route
+
+    def _previous(self, policy: OverlapPolicy) -> tuple[int, BaseException | None]:
+        """Step 1: (still sending, this rank's failure of it) for the version in flight; `wait` waits for it."""
+        if policy is OverlapPolicy.wait and self._future is not None:
+            wait([self._future])  # bounded by the sender's own timeouts; a signal interrupts it (watch)
+        busy = int(self._future is not None and not self._future.done())
+        return busy, (self._future.exception() if not busy and self._future is not None else None)
+
+    def _sync(self, module: nn.Module, version: int, policy: OverlapPolicy | None, carried: list[int]) -> bool:
+        d = self.driver
+        sharded, route = self._route(module)
         snapshot: Snapshot | None = None
-        error: BaseException | None = None  # this rank's failure of the previous version
         snap_error: BaseException | None = None
         snap_code = OK
-        watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if sender is not None else None)
+        on_stop = self._interrupt if route.sender is not None else None
+        watch = SyncStopWatch(rank=d.rank, sync_id=d.syncs, on_stop=on_stop)
         with watch:
             for signum in carried:  # came while the previous version was in flight (`_arm_flight`)
                 watch.note(signum)
-            # 1. the previous version
-            if policy is OverlapPolicy.wait and self._future is not None:
-                wait([self._future])  # bounded by the sender's own timeouts; a signal interrupts it (watch)
-            busy = int(self._future is not None and not self._future.done())
-            if not busy and self._future is not None:
-                error = self._future.exception()
+            busy, error = self._previous(policy or self.policy)  # 1. the previous version
             # 2. agree: still sending anywhere, its outcome, a signal
-            busy_any, agreed, signum, signalled = all_ranks_max_each([busy, _code(error), *watch.seen()], d.device)
+            busy_any, agreed, signum, signalled = all_ranks_max_each(
+                [busy, outcome_code(error), *watch.seen()], d.device
+            )
             fatal = agreed != OK and not (agreed == RECOVERABLE and d.on_failure is FailurePolicy.warn)
+            if not busy_any and agreed == OK and self._version is not None:
+                # delivered on every rank: recorded before this version's snapshot, whose content may depend
+                # on it (LoRA sends the base until a version with it was delivered); settled again below
+                d.record.delivered(self._version, self._stats())
             if not signum and not busy_any and not fatal:
                 # 3. snapshot: every rank, the gather's all-gathers included
                 started = time.perf_counter()
                 snapshot, snap_error = self._snapshot(module, version, sharded)
                 self.snapshot_seconds = time.perf_counter() - started
                 # 4. agree again: every snapshot whole, no signal meanwhile
-                snap_code, signum, signalled = all_ranks_max_each([_code(snap_error), *watch.seen()], d.device)
+                snap_code, signum, signalled = all_ranks_max_each([outcome_code(snap_error), *watch.seen()], d.device)
         for late in watch.late(signum):
             raise_signal(late)  # came after this rank had agreed: handled here alone, as without a sync
         if busy_any:
@@ -278,7 +318,7 @@ class OverlapSync:
         previous, future = self._version, self._future
         self._version = self._future = None
         if snapshot is not None and snap_code == OK and not signum:
-            self._hand_off(snapshot, sender)
+            self._hand_off(snapshot, route)
         delivered = self._conclude(previous, future, agreed, error, signum, signalled)
         if snap_code != OK:
             if snap_error is not None:
@@ -289,24 +329,22 @@ class OverlapSync:
     def finish(self, module: nn.Module, version: int | None) -> bool:
         """End of training, every rank: the last version is sent (a final `version` that `latest` skipped
         is handed off now) and its outcome applied (`trainer.on_failure`) before this returns."""
-        from .driver import all_ranks_max_each
-
         d = self.driver
         if version is not None and self._skipped_last == version:
             self.skipped -= 1  # sent after all: not a skipped version
             d.record.overlap_skipped = self.skipped
             self.sync(module, version, policy=OverlapPolicy.wait)
         carried = self._end_flight()
-        d._syncs += 1
+        d.syncs += 1
         error: BaseException | None = None
-        watch = SyncStopWatch(rank=d.rank, sync_id=d._syncs, on_stop=self._interrupt if d.sender is not None else None)
+        watch = SyncStopWatch(rank=d.rank, sync_id=d.syncs, on_stop=self._interrupt if d.sender is not None else None)
         with watch:
             for signum in carried:
                 watch.note(signum)
             if self._future is not None:
                 wait([self._future])
                 error = self._future.exception()
-            agreed, signum, signalled = all_ranks_max_each([_code(error), *watch.seen()], d.device)
+            agreed, signum, signalled = all_ranks_max_each([outcome_code(error), *watch.seen()], d.device)
         for late in watch.late(signum):
             raise_signal(late)
         previous, future = self._version, self._future
@@ -325,8 +363,6 @@ class OverlapSync:
     ) -> bool:
         """Settle `previous` (the version that was in flight, done on every rank; None: nothing was) as a
         blocking sync would, and hand on a signal that stopped this sync."""
-        from .driver import OK
-
         d = self.driver
         if previous is None:
             if signum:
@@ -335,15 +371,7 @@ class OverlapSync:
         stats = future.result() if future is not None and error is None else None
         d.last_stats = stats
         if signum:
-            if agreed == OK:
-                d.record.delivered(previous, stats)
-            logger.warning(
-                "background weight sync of version %d %s by %s on global rank %d%s",
-                previous, "completed, then was followed" if agreed == OK else "stopped (not delivered)",
-                signal_name(signum), signalled - 1, d.stopped_fate(agreed),
-            )  # fmt: skip
-            d.deliver_signal(signum)
-            return agreed == OK
+            return d.signal_stopped(previous, "background weight sync", agreed, signum, signalled, stats)
         if error is not None and not isinstance(error, Exception):
             raise error  # a BaseException from the background thread (not a send failure)
         return d.settle(previous, error if isinstance(error, Exception) else None, agreed)
@@ -362,25 +390,15 @@ class OverlapSync:
         The stream is exhausted on every rank whatever fails (the other ranks' all-gathers need this
         one); a ConfigError (raised by the gather on every rank at the same point) propagates."""
         d = self.driver
-        tr = d.trainer
         gathers = not sharded and self.gathers_in_background(module)
-        snap = Snapshot(version, sharded=sharded, gathers=gathers)
+        # sync gather: every rank runs the all-gathers here; global rank 0 alone gets tensors
+        live = d.outbound(module, version, sharded=sharded, defer_gather=gathers)
+        snap = Snapshot(version, options=live.options, sharded=sharded, gathers=gathers)
+        snap.replica_drift = live.replica_drift
         error: BaseException | None = None
-        if sharded:
-            from .sharded import iter_local_shards
-
-            stream: Any = iter_local_shards(
-                module, include_buffers=tr.include_buffers, names_cfg=tr.names, dtype=tr.dtype, prefix=d.prefix,
-                device=d.device, version=version, drift=d.replica_drift,
-            )  # fmt: skip
-            snap.replica_drift = d.replica_drift.last
-        else:  # sync gather: every rank runs the all-gathers; global rank 0 alone gets tensors
-            stream = d.weights(module, defer_gather=gathers)
         keeps = d.is_sender or sharded or gathers
-        if keeps:
-            snap.tied = d.tied(module) if (d.is_sender or not sharded) else {}
         pending: list[tuple[int, PendingGather]] = []  # background gather: items to give their mirror mesh
-        for name, item in stream:
+        for name, item in live.weights:
             if error is not None:
                 continue  # still join the other ranks' all-gathers
             try:
@@ -398,8 +416,6 @@ class OverlapSync:
                 logger.error("global rank %d: the overlap snapshot of version %d failed: %s", d.rank, version, exc)
         if gathers:
             self._stage_shards(snap, pending)  # collective on the first snapshot: every rank, failed or not
-        elif not sharded:
-            snap.lora = d.lora.spec  # set by the LoRA stream just consumed (as the blocking sync passes it)
         if self.staging.uses_cuda:
             snap.ready = torch.cuda.Event()
             snap.ready.record()
@@ -415,12 +431,11 @@ class OverlapSync:
 
     def gathers_in_background(self, module: nn.Module) -> bool:
         """Gather mode: whether this sync's all-gathers run in the background thread (module docstring)."""
-        d = self.driver
+        facts = self.driver.facts(module)
         return (
             self.gather_where is OverlapGather.background
             and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            and is_sharded(module)
-            and not d.lora.applies(module, d.prefix, d.trainer.include_buffers)
+            and facts.sharded and not facts.lora
         )  # fmt: skip
 
     def _stage_shards(self, snap: Snapshot, pending: list[tuple[int, PendingGather]]) -> None:
@@ -438,21 +453,26 @@ class OverlapSync:
             mesh = self._mirrors.mirror(dt.device_mesh, device_type)
             snap.items[i] = (snap.items[i][0], StagedShard(local, mesh, tuple(dt.placements), dt.shape, dt.stride()))
 
-    def _hand_off(self, snapshot: Snapshot, sender: BlockingWeightSender | None) -> None:
+    def _hand_off(self, snapshot: Snapshot, route: SendRoute) -> None:
         """Every rank records the version in flight; a rank that sends (or, background gather, gathers)
-        starts its background work."""
+        starts its background work, given what it sends through (never the driver)."""
         self._version, self._future, self._skipped_last = snapshot.version, None, None
-        self._flight_stops = sender is not None
-        if sender is None and not snapshot.gathers:
+        self._flight_stops = route.sender is not None
+        if route.sender is None and not snapshot.gathers:
             return
-        if sender is not None:
-            sender.clear_interrupt()
+        if route.sender is not None:
+            route.sender.clear_interrupt()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-overlap")
-        if sender is not None:
-            self._future = self._pool.submit(self._send, snapshot, sender)
-        else:
-            self._future = self._pool.submit(self._gather_only, snapshot, None)
+        relay = MembersRelay(torch.device("cpu"), self._group) if snapshot.sharded else None
+        self._future = self._pool.submit(self._send, snapshot, route, relay)
+
+    def _stats(self) -> SendStats | None:
+        """The finished background send's stats (None: this rank sent nothing, or it failed)."""
+        future = self._future
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
 
     # -- a signal while a version is in flight --------------------------------------------------------
     def _arm_flight(self) -> None:
@@ -466,7 +486,7 @@ class OverlapSync:
             return
         d = self.driver
         watch = SyncStopWatch(
-            rank=d.rank, sync_id=f"flight-{d._syncs}", on_stop=self._interrupt if self._flight_stops else None,
+            rank=d.rank, sync_id=f"flight-{d.syncs}", on_stop=self._interrupt if self._flight_stops else None,
             escalate=True,
         )  # fmt: skip
         self._flight = watch.__enter__()
@@ -500,36 +520,17 @@ class OverlapSync:
             self._stream = torch.cuda.Stream(device=snap.ready_device)
         return torch.cuda.stream(self._stream)
 
-    def _send(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
-        """One version from the snapshot: the blocking sync's send (rollout control included), here."""
+    def _send(self, snap: Snapshot, route: SendRoute, relay: MembersRelay | None) -> SendStats | None:
+        """The background runner: one version from the snapshot, through the one send (`send.send_version`,
+        rollouts included); a rank without a sender runs its part of the background gather."""
         with self._side_stream(snap):
-            return self._send_on_stream(snap, sender)
+            weights = self._gathered(snap, keep=route.sender is not None) if snap.gathers else snap.sendable()
+            return send_version(snap.outbound(weights), route, relay)
 
-    def _send_on_stream(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
-        d = self.driver
-        if snap.sharded:
-            return self._send_sharded(snap, sender)
-        stream = self._gathered(snap) if snap.gathers else snap.sendable()
-
-        def send() -> SendStats:  # gathered tensors are fresh allocations: stable
-            return sender.send_weights(
-                stream, version=snap.version, stable_tensors=True, tied=snap.tied, lora=snap.lora
-            )
-
-        try:
-            return d.rollouts.run_version(snap.version, send, lora=snap.lora) if d.rollouts is not None else send()
-        finally:
-            drain(stream)  # whatever failed: the other ranks' gathers of the rest need this rank's
-
-    def _gather_only(self, snap: Snapshot, _sender: None) -> None:
-        """Background gather, a rank that does not send: its part of every all-gather, in order."""
-        with self._side_stream(snap):
-            drain(self._gathered(snap))
-
-    def _gathered(self, snap: Snapshot) -> Iterator[tuple[str, torch.Tensor]]:
+    @staticmethod
+    def _gathered(snap: Snapshot, *, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The version's full tensors, all-gathered one at a time on the mirror groups (every rank runs
-        this, in the same order); rank 0 alone keeps them (the other ranks hold only shards)."""
-        keep = self.driver.is_sender
+        this, in the same order); the sending rank alone keeps them (the other ranks hold only shards)."""
         for name, item in snap.items:
             if isinstance(item, StagedShard):
                 full = item.full()
@@ -538,31 +539,6 @@ class OverlapSync:
                 del full
             elif keep:
                 yield name, item  # type: ignore[misc]  # rank 0's whole tensors
-
-    def _send_sharded(self, snap: Snapshot, sender: BlockingWeightSender) -> SendStats | None:
-        from ..engine.sender import Sharding
-        from ..protocol.messages import SenderAddress
-        from .sharded import MembersRelay
-
-        d = self.driver
-        relay = MembersRelay(torch.device("cpu"), self._group)
-        if d.is_sender:
-            others = tuple(SenderAddress(h, p) for h, p in d.addresses[1:])
-            sharding = Sharding(0, others=others, on_members=relay)
-
-            def send() -> SendStats:
-                stats = sender.send_weights(snap.sendable(), version=snap.version, tied=snap.tied, sharding=sharding)
-                stats.replica_drift = snap.replica_drift
-                return stats
-
-            try:
-                return d.rollouts.run_version(snap.version, send) if d.rollouts is not None else send()
-            finally:
-                relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
-        members = relay.receive()
-        return sender.send_weights(
-            snap.sendable(), version=snap.version, sharding=Sharding(d.rank, members=tuple(members))
-        )
 
 
 __all__ = ["OverlapSync", "Snapshot", "Staging"]

@@ -24,13 +24,10 @@ def import_torch_npu() -> Any:
     return torch_npu
 
 
-def resolve_device(backend: str, configured: str | None, natural: str | None = None) -> torch.device:
+def resolve_device(backend: str, configured: str | None, natural: str | None) -> torch.device:
     """The device that holds buckets: `transport.device` if set, else the backend's natural device
-    (`natural`, or the registered backend's own when not given)."""
-    if natural is None and not configured:
-        from .backends import backend_class  # the backends import this module: resolve at call time
-
-        natural = backend_class(backend).natural_device
+    (`natural`: `backend_class(backend).natural_device`, which the caller looks up: the backends import
+    this module)."""
     kind = configured or natural or "cpu"
     if kind.startswith("npu"):
         import_torch_npu()

@@ -1,7 +1,7 @@
 """Blocking work off the event loop, on daemon threads.
 
 Blocking collectives run on a `SerialExecutor`, in order (every rank must issue them in the same
-order); one-off blocking calls (a sink's start, a file write) go through `run_in_daemon_thread`.
+order).
 Unlike `ThreadPoolExecutor` / `asyncio.to_thread`, a call stuck in a dead peer's collective or a hung
 device cannot keep the process from exiting: the interpreter does not join daemon threads at shutdown.
 """
@@ -105,15 +105,6 @@ def forget(future: asyncio.Future[Any] | None) -> None:
     a failure there is not reported again as "Future exception was never retrieved"."""
     if future is not None:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def run_in_daemon_thread(fn: Callable[[], T], *, name: str = "weightsync-call") -> asyncio.Future[T]:
-    """Run the blocking `fn()` on a new daemon thread; await the returned future (of the running loop)
-    for its result or exception. Cancelling the future does not stop `fn`, it only stops waiting."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-    threading.Thread(target=_call_and_settle, args=(fn, loop, future), name=name, daemon=True).start()
-    return future
 
 
 def _call_and_settle(call: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:

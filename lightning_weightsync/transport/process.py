@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -29,8 +31,39 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_CHOSEN_PORT = 10_000
+_RANDOM = random.SystemRandom()  # not the `random` module's state: forked workers share it, and tests seed it
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (0 where it does not say)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS says is free on `host` now (tests, the demo and benchmarks; never fixed ports)."""
+    """A TCP port free on `host` now (tests, the demo and benchmarks; never fixed ports), below the kernel's
+    ephemeral range where there is room: a port from bind(0) is ephemeral, and while the caller holds it only
+    by its number an outgoing connection (a gloo group, a ZeroMQ connect) may take it as its local port, so the
+    bind that follows fails with EADDRINUSE (seen in a test that binds minutes after choosing)."""
+    low = _ephemeral_low()
+    if low - LOWEST_CHOSEN_PORT >= 2_000:
+        for _ in range(64):
+            port = _RANDOM.randrange(LOWEST_CHOSEN_PORT, low)
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -17,8 +17,8 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 from lightning_weightsync import load_config  # noqa: E402
+from lightning_weightsync.demo.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.errors import ConfigError, WeightSyncError  # noqa: E402
-from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.trainer.accelerate import AccelerateWeightSync  # noqa: E402
 from tests.support.mp import free_port, output_of, popen, spawned  # noqa: E402
 from tests.support.receiver import assert_same_weights, received_versions, receiver_main  # noqa: E402
@@ -169,7 +169,7 @@ def test_recipe_module_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # type hints resolve through sys.modules
     spec.loader.exec_module(mod)
-    from lightning_weightsync.examples.recipe import load_recipe
+    from lightning_weightsync.demo.recipe import load_recipe
 
     recipe, cfg = load_recipe(RECIPE.with_suffix(".yaml"), ["recipe.steps=2"], schema=mod.AccelerateRecipe)
     assert recipe.steps == 2 and cfg.transport.bucket_size_mb == 0.03125

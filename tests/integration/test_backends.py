@@ -1,6 +1,6 @@
 """Backends that need hardware: what CPU can check (clear errors, handle encoding), and the real
 runs, skipped with a reason where the hardware is missing. gloo and shm are covered end to end in
-test_engine.py; nccl / hccl / cuda_ipc share its sender, receiver and group bookkeeping."""
+test_transfer.py; nccl / hccl / cuda_ipc share its sender, receiver and group bookkeeping."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from lightning_weightsync import BackendUnavailable, WeightReceiver, WeightSender
 from lightning_weightsync.transport.backends import backend_class, build_backend
 from lightning_weightsync.transport.device import resolve_device
-from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 from tests.support.mp import free_port, run_workers
+from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
@@ -45,7 +45,7 @@ def test_hccl_without_torch_npu_names_the_extra():
     with pytest.raises(BackendUnavailable, match=r"\[npu\]"):
         build_backend("hccl", **_kwargs())
     with pytest.raises(BackendUnavailable, match=r"\[npu\]"):
-        resolve_device("hccl", None)
+        resolve_device("hccl", None, backend_class("hccl").natural_device)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")

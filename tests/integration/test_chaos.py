@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.bench.chaos_roles import TIMEOUT_S
-from lightning_weightsync.bench.netlab import REPO, Lab, netlab, skip_reason
 from lightning_weightsync.transport.process import process_group
+from tools.chaos_roles import TIMEOUT_S
+from tools.netlab import REPO, Lab, netlab, skip_reason
 
-ROLES = "lightning_weightsync.bench.chaos_roles"  # what each namespace runs (shared with bench/soak.py)
+ROLES = "tools.chaos_roles"  # what each namespace runs (shared with tools/soak.py)
 _SKIP = skip_reason()
 pytestmark = [
     pytest.mark.slow,

@@ -177,7 +177,14 @@ async def test_safetensors_files_stay_whole_after_kill_9_of_the_daemon(tmp_path:
         assert len(temps) == 1 and temps[0].startswith(".step_2.")  # killed mid-write: only a temp file
         for version in (0, 1):  # complete and loadable; the half-written version never got a final name
             assert_same(load_file(str(out / f"step_{version}.safetensors")), version_weights(version))
+        gone = set(sender.registered)  # the killed daemon, if the sender has not dropped it yet
         with rollout(tmp_path, port, *sink, name="second") as proc:
+            # the daemon's start (a fresh Python importing torch) can take longer than timeout_s=5 on a loaded
+            # machine: the version goes once it is registered, not after a guess
+            deadline = time.monotonic() + 60
+            while not set(sender.registered) - gone:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.log.read_text()  # type: ignore[attr-defined]
+                await sender._control.recv(0.1)  # as test_hostile_network's _until_registered: admits the Register
             await sender.send_weights(version_weights(3).items(), version=3)
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 30) == 0
@@ -244,7 +251,7 @@ def test_config_errors_are_one_line_with_a_fix(argv: list[str], pattern: str, ca
 def test_rollout_help_lists_every_sink_type_with_what_it_needs(capsys: pytest.CaptureFixture) -> None:
     """Issue 25 item 9: `rollout --help` named no sink type, so a new user could not find the knobs."""
     from lightning_weightsync.config import SinkType
-    from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
+    from lightning_weightsync.plugins import ROLLOUT_ENGINES
 
     with pytest.raises(SystemExit):
         cli.main(["rollout", "--help"])
@@ -306,7 +313,7 @@ def test_demo_runs_and_verifies(tmp_path: Path) -> None:
 def test_demo_verification_catches_one_flipped_bit(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from lightning_weightsync.examples.demo import verify
+    from lightning_weightsync.demo.demo import verify
 
     weights = version_weights(1)
     weights.pop("head.weight")  # tied to embed.weight; safetensors stores each name once

@@ -24,8 +24,8 @@ from lightning_weightsync import PeerError, WeightSender, WeightSyncError
 from lightning_weightsync.rollout.daemon import RolloutDaemon
 from lightning_weightsync.rollout.sinks import SinkState
 from lightning_weightsync.rollout.sinks.module import ModuleSink
-from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
+from tests.support.transfer import engine_cfg
 from tests.unit.test_sinks import assert_same, version_weights
 
 pytestmark = pytest.mark.timeout(120)

@@ -195,7 +195,7 @@ async def test_auto_falls_back_to_whole_versions_by_itself_where_deltas_measure_
     """On a link where whole versions are cheap (here: one measured as if the link were infinitely fast), a
     delta version measures slower, and `auto` sends the next versions whole, then tries a delta again."""
     from lightning_weightsync.bench.delta import _Pair, changed_weights
-    from lightning_weightsync.engine.delta import PROBE_EVERY
+    from lightning_weightsync.versions.delta import PROBE_EVERY
 
     weights = {f"w{i}": torch.randn(4096).to(torch.bfloat16) for i in range(4)}
     async with _Pair(delta="auto") as pair:
@@ -222,7 +222,7 @@ async def test_a_low_level_receiver_that_passes_base_takes_deltas_without_bookke
     clears it (its tensors may be torn) and the next one comes whole."""
     from lightning_weightsync import WeightReceiver
 
-    caplog.set_level("INFO", logger="lightning_weightsync.engine.sender")
+    caplog.set_level("INFO", logger="lightning_weightsync.versions.sender")
     port = free_port()
     weights = sent(0)
     mine = {name: torch.empty_like(t) for name, t in weights.items()}  # the consumer's own tensors

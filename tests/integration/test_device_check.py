@@ -1,4 +1,4 @@
-"""The GPU validation kit (`./dev device-check`, lightning_weightsync/bench/device_check.py) kept from rotting on CPU:
+"""The GPU validation kit (`./dev device-check`, tools/device_check.py) kept from rotting on CPU:
 its `--dry-run` runs every step with tiny sizes and CPU stand-ins (shm for cuda_ipc, gloo for nccl,
 host memory for nixl, a 1-process FSDP2 Lightning run over gloo) and must write a complete report; a broken step is
 recorded with its traceback while the others still run."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from lightning_weightsync.bench.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
-from tests.support.engine import NIXL_MISSING
 from tests.support.mp import PYTHON, output_of, popen
+from tests.support.transfer import NIXL_MISSING
+from tools.device_check import INJECT_ENV, REPORT_JSON, REPORT_TXT, STEP_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 DRY_RUN_BUDGET_S = 200  # the driver's own budget: a hanging step still leaves a report (about 45 s normally)
@@ -22,7 +22,7 @@ DRY_RUN_TIMEOUT_S = 260
 
 
 def _dry_run(out: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, str, dict[str, Any]]:
-    module = "lightning_weightsync.bench.device_check"
+    module = "tools.device_check"
     cmd = [PYTHON, "-m", module, "--dry-run", "--out", str(out), "--budget-s", str(DRY_RUN_BUDGET_S)]
     cmd += extra
     run_env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out wins anyway; keep $OUT out of it
@@ -100,7 +100,7 @@ def test_install_runs_where_the_package_s_dependencies_are_missing(tmp_path: Pat
     """`./dev device-check` on the GPU machine installs omegaconf, pyzmq and msgspec first: the installer
     must run by path without importing the package (which imports them). Here omegaconf is made
     unimportable; the installer still starts and says what it lacks (no prepared wheels)."""
-    script = REPO / "lightning_weightsync" / "bench" / "device_check.py"
+    script = REPO / "tools" / "device_check.py"
     code = (
         "import runpy, sys; sys.modules['omegaconf'] = None; sys.modules['zmq'] = None; "
         f"sys.argv = [{str(script)!r}, '--install']; runpy.run_path({str(script)!r}, run_name='__main__')"

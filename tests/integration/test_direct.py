@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
-from tests.support.engine import assert_bitwise, engine_cfg, expected_layout, with_timeout
+from tests.support.transfer import assert_bitwise, engine_cfg, expected_layout, with_timeout
 
 KIB = 1024
 
@@ -170,7 +170,7 @@ async def test_a_list_takes_the_fast_path_without_a_flag_and_a_generator_keeps_t
 
 
 def test_which_iterables_hold_their_tensors() -> None:
-    from lightning_weightsync.engine.sender import holds_its_tensors
+    from lightning_weightsync.versions.sender import holds_its_tensors
 
     model = torch.nn.Linear(2, 2)
     items = [("w", torch.zeros(1))]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from lightning_weightsync import load_config
+from tests.support.mp import run_workers
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -78,8 +80,19 @@ def test_the_runner_finds_the_blocks() -> None:
     assert any(b.kind == "skip" and b.reason for b in ALL)
 
 
+def run_as_script(path: str) -> None:
+    """`python PATH`: the block's own globals, `__name__ == "__main__"`, its folder first on sys.path."""
+    sys.argv = [path]
+    sys.path.insert(0, str(Path(path).parent))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
-def test_doc_block(block: Block, tmp_path: Path) -> None:
+def test_doc_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if block.kind is None:
         if block.page in MARKED:
             pytest.fail(
@@ -100,8 +113,14 @@ def test_doc_block(block: Block, tmp_path: Path) -> None:
     if block.lang == "python":
         script = tmp_path / "block.py"
         script.write_text(block.code)
-        cmd = [sys.executable, str(script)]
-    elif block.lang == "bash":
+        # as `python block.py` from the repository root, in a worker forked from the test session's forkserver
+        # (torch already imported: a fresh interpreter would spend seconds on that before the block's first line)
+        for key in ("PATH", "PYTHONPATH"):
+            monkeypatch.setenv(key, env[key])
+        monkeypatch.chdir(REPO)
+        run_workers(run_as_script, [(str(script),)], timeout_s=TIMEOUT_S)
+        return
+    if block.lang == "bash":
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     else:
         raise AssertionError(f"{block.id}: cannot run a ```{block.lang} block; mark it config or skip")

@@ -1,6 +1,6 @@
 """`SyncDriver`, the one sync both integrations run: every rank gathers, global rank 0 sends, all agree.
 
-Its failure paths, each with a test that fails when the guard is removed (lightning_weightsync/bench/plant_check.py
+Its failure paths, each with a test that fails when the guard is removed (tools/plant_check.py
 plants each one): a send that never started still joins the other ranks' all-gathers, and a bug is not
 a rollout failure (`on_failure: warn` skips a version a rollout lost, never a TypeError).
 """
@@ -146,5 +146,5 @@ def test_one_line_per_version_sent_is_shown_without_any_logging_setup() -> None:
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if "engine.sender: version 0" in line]
+    lines = [line for line in proc.stderr.splitlines() if "versions.sender: version 0" in line]
     assert len(lines) == 1 and "INFO" in lines[0], proc.stderr[-3000:]  # no rollout: "no receivers; nothing sent"

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lightning_weightsync import WeightReceiver, WeightSender
-from tests.support.engine import assert_bitwise, receive_once, stream, with_timeout
+from tests.support.transfer import assert_bitwise, receive_once, stream, with_timeout
 
 
 async def test_engine_pair_moves_a_chunked_version_bitwise(engine_pair: tuple[WeightSender, WeightReceiver]) -> None:

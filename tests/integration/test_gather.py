@@ -365,10 +365,13 @@ def _memory_worker(rank: int, port: int, kind: str) -> dict[str, float]:
 def test_peak_rss_growth_near_one_tensor(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak-RSS mark")
-    # a fixed mmap threshold makes freed large tensors go back to the OS at once (glibc)
+    # a fixed mmap threshold makes freed large tensors go back to the OS at once (glibc); glibc reads it when
+    # a process starts, so these workers are fresh interpreters (spawn), not forked from the forkserver
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     port = free_port()
-    results = run_workers(_memory_worker, [(r, port, kind) for r in range(WORLD)], timeout_s=WORKER_TIMEOUT_S)
+    results = run_workers(
+        _memory_worker, [(r, port, kind) for r in range(WORLD)], timeout_s=WORKER_TIMEOUT_S, start_method="spawn"
+    )
     largest = BIG_ROWS * BIG_COLS * 4
     total = largest * N_BIG
     assert results[0]["count"] == N_BIG and results[1]["count"] == 0

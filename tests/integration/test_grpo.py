@@ -70,7 +70,7 @@ def test_grpo_lora_adapter_with_overlap_sends_the_adapter_alone_and_says_the_bac
     line shows the previous version's background send: its number, bytes and seconds. One run for both: a run
     costs ~15 s of start-up; blocking adapter versions are checked in tests/unit/test_grpo.py."""
     peft = pytest.importorskip("peft")
-    from lightning_weightsync.examples.grpo import GRPORecipe, build_policy
+    from examples.grpo import GRPORecipe, build_policy
 
     rows, out = run_recipe(tmp_path, "recipe.steps=3", "trainer.lora=adapter", "trainer.overlap=true")
     assert rows[0]["setting"] == "send_mode=gather overlap=true lora=adapter"
@@ -79,10 +79,9 @@ def test_grpo_lora_adapter_with_overlap_sends_the_adapter_alone_and_says_the_bac
     assert isinstance(policy, peft.PeftModel)
     adapter = sum(p.nbytes for p in policy.parameters() if p.requires_grad)
     whole = sum(t.nbytes for t in policy.state_dict().values())
-    # overlap: step N's line is version N-1, sent in the background while step N computed. Version 1 carries the
-    # base again: it is snapshotted before version 0's delivery is recorded (trainer/overlap.py), and the base goes
-    # until a version that carried it is known delivered (trainer/lora.py)
-    assert [(r["sync_version"], r["sync_bytes"]) for r in rows] == [(0, whole), (1, whole), (2, adapter)]
+    # overlap: step N's line is version N-1, sent in the background while step N computed. Version 0's delivery is
+    # recorded before version 1 is snapshotted (trainer/overlap.py), so version 1 is the adapter alone
+    assert [(r["sync_version"], r["sync_bytes"]) for r in rows] == [(0, whole), (1, adapter), (2, adapter)]
     assert all(r["sync_s"] > 0 for r in rows)
     lines = re.findall(r"^step +(\d+)/3 .* sync v(\d+) [\d.]+ KiB (\d+\.\d{3})s  stall", out, re.MULTILINE)
     assert [(int(step), int(version)) for step, version, _ in lines] == [(1, 0), (2, 1), (3, 2)], out[-3000:]

@@ -34,8 +34,8 @@ from lightning_weightsync.protocol.messages import Prepare, Ready, Register, Sea
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
 from lightning_weightsync.transport.control.sender import REFUSE_EVERY_S
 from tests.support import zmtp
-from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream
 from tests.support.mp import free_port, run_workers, spawned
+from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream
 from tests.support.vllm_standin import standin_server_main
 
 TOKEN = "a-token-of-reasonable-length-24"
@@ -406,7 +406,7 @@ async def test_vllm_http_cannot_point_the_engine_at_another_sender_or_token(tmp_
 
 async def test_garbage_on_the_shm_release_socket_costs_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
     """Before: one WARNING line per garbage frame (20,000 frames, 20,000 lines in 8 s)."""
-    from tests.support.engine import receive_once, stream, with_timeout
+    from tests.support.transfer import receive_once, stream, with_timeout
 
     cfg = engine_cfg(free_port(), backend="shm", bucket_size_mb=1 / 128)
     async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:

@@ -17,9 +17,9 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from lightning_weightsync import WeightSyncTimeout, load_config  # noqa: E402
-from lightning_weightsync.examples.tiny_lm import build_model  # noqa: E402
-from lightning_weightsync.trainer.driver import SyncRecord  # noqa: E402
+from lightning_weightsync.demo.tiny_lm import build_model  # noqa: E402
 from lightning_weightsync.trainer.lightning import WeightSyncCallback  # noqa: E402
+from lightning_weightsync.trainer.record import SyncRecord  # noqa: E402
 from tests.support.mp import PYTHON, free_port, output_of, popen, spawned  # noqa: E402
 from tests.support.receiver import assert_same_weights, received_versions, receiver_main  # noqa: E402
 
@@ -216,7 +216,7 @@ def test_weights_outside_fit_is_an_error() -> None:
 
 def _train(tmp: Path, port: int, *extra: str) -> str:
     cmd = [
-        PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(RECIPE),
+        PYTHON, "-m", "lightning_weightsync.demo.tiny_lm", "--config", str(RECIPE),
         f"transport.port={port}", "transport.timeout_s=60", f"recipe.output_dir={tmp / 'runs'}", *extra,
     ]  # fmt: skip
     with popen(cmd, cwd=str(tmp)) as proc:

@@ -17,10 +17,18 @@ import pytest
 import torch
 
 from lightning_weightsync import PeerError, WeightReceiver, WeightSender, WeightSyncError, WeightSyncTimeout
-from lightning_weightsync.examples.inventory import largest, stream_nbytes
 from lightning_weightsync.transport.backends import NUM_SLOTS, build_backend
-from tests.support.engine import NIXL_MISSING, assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 from tests.support.mp import LOAD_SLACK_S, free_port, run_workers
+from tests.support.transfer import (
+    NIXL_MISSING,
+    assert_bitwise,
+    engine_cfg,
+    largest,
+    receive_once,
+    stream,
+    stream_nbytes,
+    with_timeout,
+)
 
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 
@@ -136,7 +144,7 @@ async def test_signed_round_trip():
                 assert stats.receivers == 1 and not stats.failed
 
 
-# -- a receiver killed mid-version: tests/integration/test_engine.py, parametrized over the backends, nixl too
+# -- a receiver killed mid-version: tests/integration/test_transfer.py, parametrized over the backends, nixl too
 
 
 # -- the backend interface directly: slot reuse is safe -------------------------------------------------------

@@ -613,7 +613,7 @@ def test_the_sending_ranks_send_failing_drains_the_background_gather_and_every_r
     failures: Failures, when: str
 ) -> None:
     """Mid-version (its rollout killed): the sender drains the rest of the stream itself. Before the sender
-    takes the stream (its rollout cannot be paused): the overlap send drains it (`_send_on_stream`)."""
+    takes the stream (its rollout cannot be paused): the overlap send drains it (`send.send_version`)."""
     failed = 1 if when == "mid_version" else 0
     r0, r1 = failures.case("send_fails" if when == "mid_version" else "send_unpausable")
     assert r0["error"] is not None and f"version {failed}" in r0["error"], r0["error"]

@@ -19,14 +19,14 @@ import torch
 import yaml
 from torch import nn
 
+from examples.grpo import GRPORecipe
+from examples.qwen3 import Qwen3Recipe
 from lightning_weightsync import cli
+from lightning_weightsync.bench.inventory import inventories
 from lightning_weightsync.config import bucket_size_bytes
+from lightning_weightsync.demo.recipe import load_recipe
+from lightning_weightsync.demo.tiny_lm import RecipeConfig
 from lightning_weightsync.errors import ConfigError
-from lightning_weightsync.examples.grpo import GRPORecipe
-from lightning_weightsync.examples.inventory import inventories
-from lightning_weightsync.examples.qwen3 import Qwen3Recipe
-from lightning_weightsync.examples.recipe import load_recipe
-from lightning_weightsync.examples.tiny_lm import RecipeConfig
 from lightning_weightsync.protocol.chunks import split_weight_chunks
 from lightning_weightsync.trainer.gather import iter_full_parameters
 from tests.support.mp import PYTHON, popen
@@ -212,7 +212,7 @@ def test_tiny_lm_cpu_script_runs(tmp_path: Path) -> None:
     assert "tiny_lm: 2 steps, last synced version 2" in out
     from safetensors.torch import load_file
 
-    from lightning_weightsync.examples.tiny_lm import build_model
+    from lightning_weightsync.demo.tiny_lm import build_model
 
     final = load_file(str(tmp_path / "final.safetensors"))
     assert sorted(final) == sorted(build_model().state_dict())

@@ -1,5 +1,5 @@
 """LoRA adapter versions into rollout engines, end to end on CPU: a real trainer (`SyncDriver`: its
-`RolloutControl` and `WeightSender`) sends `trainer.lora=adapter` versions of a PEFT model to a STAND-IN
+`RolloutFleet` and `WeightSender`) sends `trainer.lora=adapter` versions of a PEFT model to a STAND-IN
 vLLM / SGLang server (tests/support/*_standin.py: the routes tests/data/*_api.json pins, running OUR
 engine body / loader). The server's worker writes each adapter version to `<engine>.lora_dir`, the
 trainer's client has the server load it under the served name, and the adapter the server ends up serving

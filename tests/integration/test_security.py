@@ -24,8 +24,8 @@ import torch.distributed as dist
 from lightning_weightsync import ProtocolError, WeightReceiver, WeightSender, WeightSyncError
 from lightning_weightsync.errors import VersionAborted
 from lightning_weightsync.protocol.messages import MAX_NAME_LEN, MAX_NDIM
-from tests.support.engine import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 from tests.support.mp import free_port, run_workers
+from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
 
 
 def _listening_ports() -> set[int]:

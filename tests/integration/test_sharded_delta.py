@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from lightning_weightsync import WeightReceiver, load_config
-from lightning_weightsync.engine.delta import encode
-from lightning_weightsync.engine.sharded import ShardDeltas
 from lightning_weightsync.errors import ProtocolError
 from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
 from lightning_weightsync.protocol.tiling import TilingMerger
+from lightning_weightsync.versions.delta import encode
+from lightning_weightsync.versions.sharded import ShardDeltas
 from tests.support.mp import free_port, run_workers
 from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
 
@@ -116,7 +116,7 @@ def test_sharded_delta_at_one_percent_sends_under_a_tenth_of_the_bytes_bitwise()
     assert sent[1] < whole / 10, f"a 1% change sent {sent[1]} of {whole} bytes"
 
 
-# -- one sender's payload chunks, stitched in order or refused (engine/sharded.py ShardDeltas) --------------
+# -- one sender's payload chunks, stitched in order or refused (versions/sharded.py ShardDeltas) --------------
 
 
 class _Stream:

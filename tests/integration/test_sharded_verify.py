@@ -1,4 +1,4 @@
-"""`transport.verify` in sharded send mode (engine/shard_verify.py), through real processes: two trainer
+"""`transport.verify` in sharded send mode (versions/shard_verify.py), through real processes: two trainer
 ranks (a gloo group, each sending its torch.chunk row shards), rank 1 a corrupting peer
 (tests/support/corrupt.py: one byte of its first bucket flipped on the wire, after it fingerprinted its
 shards) in version 2 only, and one rollout daemon's receive loop into a module sink.

@@ -8,7 +8,7 @@ Before: Lightning's SIGTERM handler ran a `dist.broadcast` inside the sender's e
 rank 1 sat in an all-gather (a hang only SIGKILL ended), and a signal to rank 1 was never seen at all
 (its main thread was inside a collective), so rank 0 waited out the timeout.
 
-Lightning (`examples/tiny_lm.py`: ModelParallelStrategy = FSDP2, and DDP): SIGTERM becomes Lightning's
+Lightning (`demo/tiny_lm.py`: ModelParallelStrategy = FSDP2, and DDP): SIGTERM becomes Lightning's
 own graceful stop on every rank. torchrun + Accelerate (`recipes/accelerate_tiny.py`): the signal's
 default action ends every rank at the same point and torchrun reports it.
 """
@@ -38,7 +38,7 @@ COMMON = [f"transport.timeout_s={TIMEOUT_S}", "transport.liveness_s=1", "trainer
 
 def _lightning(strategy: str, port: int, tmp: Path, *extra: str) -> list[str]:
     return [
-        PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(REPO / "recipes" / "tiny_lm_cpu.yaml"),
+        PYTHON, "-m", "lightning_weightsync.demo.tiny_lm", "--config", str(REPO / "recipes" / "tiny_lm_cpu.yaml"),
         f"transport.port={port}", f"recipe.strategy={strategy}", f"recipe.output_dir={tmp / 'runs'}", *COMMON,
         *extra,
     ]  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 from lightning_weightsync.rollout.daemon import RolloutDaemon
 from lightning_weightsync.transport.process import free_port
 from tests.integration.test_daemon import daemon_cfg, running, sender_on, until
-from tests.support.engine import with_timeout
+from tests.support.transfer import with_timeout
 from tests.unit import test_sinks
 
 TIED = {"embed.weight": ["lm_head.weight"]}

@@ -3,7 +3,7 @@
 
 One run shows both halves of issue 47's "done when" (one run, since each costs three processes' imports):
 - the trainer trains and syncs after every step; every version the rollout received (and generated with) has,
-  bitwise, the digest of the trainer's weights for that version (`engine.verify.weights_digest`);
+  bitwise, the digest of the trainer's weights for that version (`versions.verify.weights_digest`);
 - then the rollout process is killed: the next sync fails on rank 0 within `transport.liveness_s` (2 s here)
   with an error naming the lost rollout, and rank 1 is released (it leaves its barrier with an error once rank 0
   is gone), never a hang.

@@ -33,8 +33,8 @@ def _rank(rank: int, store_port: int, sync_port: int) -> dict[str, Any]:
     from lightning_weightsync import WeightSyncError
     from lightning_weightsync.integrations.trl import WeightSyncTransfer
     from tests.support.collectives import Lockstep
-    from tests.support.engine import engine_cfg
     from tests.support.receiver import ThreadReceiver
+    from tests.support.transfer import engine_cfg
 
     faulthandler.dump_traceback_later(40, exit=True)  # a hung rank shows where
     torch.set_num_threads(1)

@@ -44,7 +44,7 @@ def _wait_ready(dirs: list[Path], timeout_s: float = 60) -> None:
 
 
 def _train(tmp: Path, *extra: str) -> str:
-    cmd = [PYTHON, "-m", "lightning_weightsync.examples.tiny_lm", "--config", str(RECIPE),
+    cmd = [PYTHON, "-m", "lightning_weightsync.demo.tiny_lm", "--config", str(RECIPE),
            "transport.timeout_s=60", f"recipe.output_dir={tmp / 'runs'}", *extra]  # fmt: skip
     with popen(cmd, cwd=str(tmp)) as proc:
         out = output_of(proc, RUN_TIMEOUT_S, "training")

@@ -13,21 +13,21 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from tests.support.engine import engine_cfg
 from tests.support.mp import free_port, run_workers
+from tests.support.transfer import engine_cfg
 
 FAILING_TENSOR = "norm.weight"  # late in the stream: most of worker 1's tensors are in when it fails
 
 
 def _version(v: int) -> list[tuple[str, torch.Tensor]]:
-    from lightning_weightsync.examples.tiny_lm import build_model
+    from lightning_weightsync.demo.tiny_lm import build_model
 
     return [(k, t.detach().clone()) for k, t in build_model(seed=v).state_dict().items()]
 
 
 def _sender(cfg_path: str) -> dict[str, Any]:
     from lightning_weightsync.config import load_config
-    from lightning_weightsync.engine.sender import BlockingWeightSender
+    from lightning_weightsync.versions.sender import BlockingWeightSender
 
     outcomes: dict[str, Any] = {}
     with BlockingWeightSender(load_config(cfg_path)) as sender:
@@ -57,7 +57,7 @@ def _versions_1_and_2(worker: Any, model: Any, engine: Any, before: Any = None) 
 
 
 def _worker(rank: int, group_port: int, cfg_path: str) -> dict[str, Any]:
-    from lightning_weightsync.examples.tiny_lm import build_model
+    from lightning_weightsync.demo.tiny_lm import build_model
     from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=2)
@@ -110,7 +110,7 @@ def _cut_off_worker(group_port: int, cfg_path: str) -> dict[str, Any]:
     arrives here whole, but the agreement cannot reach the other worker."""
     from datetime import timedelta
 
-    from lightning_weightsync.examples.tiny_lm import build_model
+    from lightning_weightsync.demo.tiny_lm import build_model
     from tests.support.vllm_standin import StandInEngine, StandInModel, StandInWeightTransferConfig, StandInWorker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=0, world_size=2,

@@ -14,8 +14,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_weightsync.examples.recipe import recipe_main
-from lightning_weightsync.examples.tiny_lm import RecipeConfig, train
+from lightning_weightsync.demo.recipe import recipe_main
+from lightning_weightsync.demo.tiny_lm import RecipeConfig, train
 
 DRIFTING = ("norm.weight", "lm_head.weight")  # a small tensor sent whole, one striped over the ranks
 NUDGE = 1e-6

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import subprocess
 import sys
@@ -27,7 +28,53 @@ LOAD_SLACK_S` for "fails within the knob", and a knob set far above the slack (e
 checked `< timeout_s / 2`) for "noticed at once, not by waiting for the knob"."""
 
 
-def _trampoline(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, index: int) -> None:
+START_METHOD = os.environ.get("LWS_TEST_START_METHOD", "forkserver")
+"""How workers start. `forkserver` (the default): forked from one server process per test session that has
+already imported torch and the package (a spawned Python spends 2-3 s, far more on a loaded machine, importing
+torch before it runs a line of the test); each worker still gets the test's environment, working directory
+and (captured) stdout/stderr, as a spawned one would. `spawn`: a fresh interpreter, for a test whose workers
+need something only a new process reads (e.g. a glibc `MALLOC_*` variable): `start_method="spawn"`, or
+LWS_TEST_START_METHOD=spawn for a whole run."""
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "zmq", "lightning_weightsync"]
+
+
+def context(start_method: str | None = None) -> Any:
+    """The multiprocessing context workers start from (see START_METHOD)."""
+    method = start_method or START_METHOD
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts: once a session
+    return ctx
+
+
+def _attach(out: Any, err: Any, env: dict[str, str]) -> None:
+    """In the child: the parent's stdout/stderr (what pytest captures for this test) and environment."""
+    for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+        if fd != target:  # spawn passes the descriptor itself; the forkserver a copy
+            os.dup2(fd, target)
+            os.close(fd)
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+class _ParentSide:
+    """Pickled into a worker's arguments; unpickling it there attaches the worker to the parent's current
+    stdio and environment (a forkserver child otherwise has the server's, from whenever it started)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return (_attach, (DupFd(1), DupFd(2), dict(os.environ)))
+
+
+def _child(setup: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    return fn(*args)
+
+
+def _trampoline(setup: Any, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, index: int) -> None:
     try:
         result = fn(*args)
         queue.put((index, True, result))
@@ -47,18 +94,20 @@ def run_workers(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     doomed: Sequence[int] = (),
     exit_codes: list[int | None] | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run `fn(*args)` in one spawned process per args tuple; return their results in order.
+    """Run `fn(*args)` in one worker process per args tuple (see START_METHOD); return their results in order.
 
     `fn` must be importable (module level). Any worker exception or a timeout fails the test with
     the worker's traceback, and every worker is killed before returning. Workers listed in
     `doomed` are expected to die (fault-injection tests): nobody waits for their result (None);
     `exit_codes`, if given, receives every worker's exit code.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context(start_method)
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_trampoline, args=(fn, a, queue, i), daemon=True) for i, a in enumerate(args_per_worker)
+        ctx.Process(target=_trampoline, args=(_ParentSide(), fn, a, queue, i), daemon=True)
+        for i, a in enumerate(args_per_worker)
     ]
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -97,10 +146,10 @@ def run_workers(
 
 
 @contextlib.contextmanager
-def spawned(fn: Callable[..., Any], *args: Any) -> Iterator[mp.process.BaseProcess]:
-    """A background worker process that is always killed when the block exits."""
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=fn, args=args, daemon=True)
+def spawned(fn: Callable[..., Any], *args: Any, start_method: str | None = None) -> Iterator[mp.process.BaseProcess]:
+    """A background worker process (see START_METHOD) that is always killed when the block exits."""
+    ctx = context(start_method)
+    proc = ctx.Process(target=_child, args=(_ParentSide(), fn, args), daemon=True)
     proc.start()
     try:
         yield proc

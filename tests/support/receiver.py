@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_weightsync import WeightReceiver, load_config
-from tests.support.engine import engine_cfg
+from tests.support.transfer import engine_cfg
 
 VERSION_TIMEOUT_S = 150.0
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.rollout_engines.sglang import api
 from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from tests.support.vllm_standin import StandInModel

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_weightsync.engine.sender import Sharding, WeightSender
-from lightning_weightsync.protocol.chunks import row_shard  # noqa: F401 - the sharded tests import it from here
 from lightning_weightsync.protocol.messages import SenderAddress
 from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
+from lightning_weightsync.versions.options import Sharding
+from lightning_weightsync.versions.sender import WeightSender
+from tools.sharded_links import row_shard  # noqa: F401 - the sharded tests import it from here
 
 CPU = torch.device("cpu")
 

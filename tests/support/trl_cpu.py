@@ -133,9 +133,9 @@ def main(argv: list[str]) -> int:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
-    from lightning_weightsync.engine.verify import weights_digest
     from lightning_weightsync.integrations.trl import WeightSyncTransfer
     from lightning_weightsync.integrations.trl_rollout import CpuRolloutWorker
+    from lightning_weightsync.versions.verify import weights_digest
 
     rank = int(os.environ.get("RANK", "0"))
     cfg = sync_config(args.port)

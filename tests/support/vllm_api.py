@@ -2,7 +2,7 @@
 
 One snapshot per supported vLLM release, `tests/data/vllm_api-<version>.json` (0.33.0 and 0.34.0 today;
 the `vllm` extra in pyproject.toml is the range they span). The default test run checks the stand-ins
-(tests/support/vllm_standin.py, tests/unit/test_vllm_control.py) against every snapshot; `./dev
+(tests/support/vllm_standin.py, tests/unit/test_vllm_fleet.py) against every snapshot; `./dev
 vllm-contract` (VLLM_VERSION=...) re-derives the installed release's snapshot and compares, then runs our
 engine on vLLM's real base class. A function a release lacks is recorded as `null`, so the diff of two
 snapshots says what a release removed, renamed or added.
@@ -69,7 +69,7 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("model_executor/layers/attention/attention.py", "Attention", ["process_weights_after_loading"]),
     ("model_executor/layers/attention/mla_attention.py", "MLAAttention", ["process_weights_after_loading"]),
 ]
-# (file under vllm/, functions): module-level functions our engine (rollout_engines/vllm/engine.py) or its
+# (file under vllm/, functions): module-level functions our engine (rollout_engines/vllm/weight_transfer.py) or its
 # contract test calls, where vLLM defines them; one a release lacks is recorded as null, which engine.py
 # handles by feature (ReloadHooks), never by version
 FUNCTIONS: list[tuple[str, list[str]]] = [

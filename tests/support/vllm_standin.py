@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lightning_weightsync.examples.tiny_lm import TinyLM, build_model
+from lightning_weightsync.demo.tiny_lm import TinyLM, build_model
 from lightning_weightsync.rollout_engines.vllm.extension import WeightSyncWorkerExtension
 from lightning_weightsync.rollout_engines.vllm.worker import WeightSyncEngineBody
 

@@ -1,4 +1,4 @@
-"""`lightning-weightsync bench` runs from an installed package: the engine benchmark's process entry
+"""`lightning-weightsync bench` runs from an installed package: the throughput benchmark's process entry
 point must be importable by name in a spawned child (it used to live in a `benchmarks` folder that only
 a source checkout has, and the child could not unpickle it)."""
 
@@ -19,12 +19,12 @@ def test_every_cli_benchmark_is_a_module_of_the_package() -> None:
         assert callable(module.run)
 
 
-def test_engine_worker_pickles_by_reference_to_the_package() -> None:
-    from lightning_weightsync.bench import engine
+def test_throughput_worker_pickles_by_reference_to_the_package() -> None:
+    from lightning_weightsync.bench import throughput as engine
 
     restored = pickle.loads(pickle.dumps(engine._worker))  # what spawn does with a Process target
     assert restored is engine._worker
-    assert b"lightning_weightsync.bench.engine" in pickle.dumps(engine._worker)
+    assert b"lightning_weightsync.bench.throughput" in pickle.dumps(engine._worker)
 
 
 def test_every_benchmark_has_a_small_size_and_an_estimate() -> None:
@@ -41,7 +41,7 @@ def test_every_benchmark_has_a_small_size_and_an_estimate() -> None:
 
 
 def test_engine_benchmark_reports_every_case_with_what_is_left(monkeypatch, capsys) -> None:
-    from lightning_weightsync.bench import engine
+    from lightning_weightsync.bench import throughput as engine
 
     ran = []
 
@@ -59,7 +59,7 @@ def test_engine_benchmark_reports_every_case_with_what_is_left(monkeypatch, caps
 
 
 def test_engine_benchmark_reports_the_senders_cpu_per_bucket() -> None:
-    from lightning_weightsync.bench.engine import _throughput_row
+    from lightning_weightsync.bench.throughput import _throughput_row
 
     sender = {"nbytes": 2**30, "buckets": 8, "direct_buckets": 2, "engine_s": 1.0, "engine_cpu_s": 0.4,
               "baseline_s": 1.0, "peak_extra_bytes": 0}  # fmt: skip

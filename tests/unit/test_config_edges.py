@@ -11,9 +11,10 @@ part its own dataclass section. Two rules keep it so, checked on every module of
 2. no module there uses `OmegaConf` (merging, `to_container`, `create` are config's job: `dataclasses.replace`
    on a typed section instead), and only `OMEGACONF_IMPORTS` import omegaconf at all.
 
-The CLI, `examples/`, `integrations/` and `bench/` load configs and are edges themselves; `config/` is where the
-conversion lives. The engine processes of vLLM and SGLang read the YAML their launcher wrote (`load_config`) and convert
-it right there (`ReceiverSettings.of`), so they name no DictConfig in a signature.
+The CLI, `demo/`, `integrations/` and `bench/` (and the checkout's tools/ and examples/) load configs and are
+edges themselves; `config/` is where the conversion lives. The engine processes of vLLM and SGLang read the YAML
+their launcher wrote (`load_config`) and convert it right there (`ReceiverSettings.of`), so they name no DictConfig
+in a signature.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 import lightning_weightsync
 
 PACKAGE_DIR = Path(lightning_weightsync.__file__).parent
-BELOW_THE_EDGE = ("protocol", "transport", "engine", "trainer", "rollout", "rollout_engines")
+BELOW_THE_EDGE = ("protocol", "transport", "versions", "trainer", "rollout", "rollout_engines")
 CONFIG_TYPES = {"DictConfig", "UserConfig"}
 
 EDGES: dict[str, set[str]] = {
@@ -35,11 +36,11 @@ EDGES: dict[str, set[str]] = {
     "trainer/accelerate.py": {"AccelerateWeightSync.__init__"},
     "trainer/driver.py": {"SyncDriver.__init__"},
     # the engine's public constructors (`.of` converts at their top)
-    "engine/sender.py": {"WeightSender.__init__", "BlockingWeightSender.__init__"},
-    "engine/receiver.py": {"WeightReceiver.__init__"},
+    "versions/sender.py": {"WeightSender.__init__", "BlockingWeightSender.__init__"},
+    "versions/receiver.py": {"WeightReceiver.__init__"},
     # the rollout side: the daemon (the CLI's `run_daemon`) and the sinks a user may build (docs/operations.md)
     "rollout/daemon.py": {"RolloutDaemon.__init__", "run_daemon"},
-    "rollout/sinks/base.py": {"Sink.__init__"},
+    "rollout/sinks/base.py": {"Sink.__init__", "SinkSettings.of"},  # the sinks' own settings, made at their top
     "rollout/sinks/module.py": {"ModuleSink.__init__"},
     "rollout/sinks/safetensors.py": {"SafetensorsSink.__init__"},
     "rollout/sinks/callable.py": {"CallableSink.__init__"},

@@ -12,7 +12,6 @@ from lightning_weightsync.config import (
     SINKS,
     BackendName,
     ReceiverSettings,
-    SafetensorsSinkSection,
     SenderSettings,
     SinkConfig,
     VerifyMode,
@@ -21,6 +20,7 @@ from lightning_weightsync.config import (
     sink_section,
     unread_sink_knobs,
 )
+from lightning_weightsync.rollout.sinks.config import SafetensorsSinkSection
 
 
 def test_settings_are_typed_values_not_a_dictconfig() -> None:
@@ -56,3 +56,21 @@ def test_build_sink_warns_about_another_sinks_knob(tmp_path, caplog: pytest.LogC
     with caplog.at_level(logging.WARNING):
         build_sink(cfg)
     assert "rollout.sink.type=safetensors does not read rollout.sink.target" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("rollout.sink.file_mode=292", r"rollout\.sink\.file_mode=444 \(octal\) must be permission bits"),  # 0o444
+        ("rollout.sink.keep_last=0", r"rollout\.sink\.keep_last=0 must be >= 1"),
+        ("rollout.sink.keep_last=2000000", r"rollout\.sink\.keep_last=2000000 is out of range"),
+    ],
+)
+def test_a_sinks_section_checks_its_own_knobs_whichever_sink_is_chosen(override: str, pattern: str) -> None:
+    """The safetensors sink's section validates its knobs (`validate`), at load time, also with the module sink
+    chosen: a bad value fails before another sink is picked, as when config checked it by name."""
+    from lightning_weightsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(overrides=[override])
+    SafetensorsSinkSection(keep_last=5, file_mode=0o600).validate()

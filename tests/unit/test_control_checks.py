@@ -1,7 +1,7 @@
 """One test per check that guards the control plane against a token holder or a stranger (issue 24 item
 7), each built so that only that check stands between the forged frame and the application: a fresh seq
 where the session is what is wrong, the right session where the identity is, and so on. Every one fails
-when its check alone is removed or weakened: lightning_weightsync/bench/plant_check.py plants each.
+when its check alone is removed or weakened: tools/plant_check.py plants each.
 
 Real sockets on loopback: a sender, registered receivers, and a token holder's own CURVE connection
 (`tests/support/control.py: TokenHolder`) that sends the forged frames.

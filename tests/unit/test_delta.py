@@ -1,11 +1,14 @@
-"""The delta codec (engine/delta.py): lossless for every dtype, the smaller format, hostile payloads refused."""
+"""The delta codec (versions/delta.py): lossless for every dtype, the smaller format, hostile payloads refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_weightsync.engine.delta import (
+from lightning_weightsync.errors import DeltaError, ProtocolError
+from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
+from lightning_weightsync.protocol.dtypes import DTYPES
+from lightning_weightsync.versions.delta import (
     AUTO_MAX_PAYLOAD_FRACTION,
     FORMAT_BITMASK,
     FORMAT_INDICES,
@@ -17,9 +20,6 @@ from lightning_weightsync.engine.delta import (
     encode,
     payload_size,
 )
-from lightning_weightsync.errors import DeltaError, ProtocolError
-from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
-from lightning_weightsync.protocol.dtypes import DTYPES
 
 CPU = torch.device("cpu")
 
@@ -85,7 +85,7 @@ def test_no_payload_when_it_would_not_be_smaller_than_the_limit() -> None:
 
 @pytest.mark.parametrize("always", [True, False], ids=["always", "auto"])
 def test_a_payload_exactly_at_the_limit_goes_whole_and_one_byte_under_goes_as_a_delta(always: bool) -> None:
-    """The documented rule (engine/delta.py): `always` sends a delta only when the payload is smaller than the
+    """The documented rule (versions/delta.py): `always` sends a delta only when the payload is smaller than the
     tensor, `auto` only when it is below AUTO_MAX_PAYLOAD_FRACTION of it; at the limit the tensor goes whole
     (the wire refuses a payload not smaller than its tensor: protocol/messages.py). 32 float32 elements are 128
     bytes; a bitmask payload is 16 + 4 + 4 * changed bytes: 27 changes make 128 bytes, 11 make 64."""
@@ -180,7 +180,7 @@ def test_the_sender_copy_follows_the_versions_and_auto_sends_whole_where_a_delta
 
 
 def test_auto_sends_whole_for_a_while_after_a_delta_measured_slower() -> None:
-    from lightning_weightsync.engine.delta import PROBE_EVERY
+    from lightning_weightsync.versions.delta import PROBE_EVERY
 
     base = DeltaBase()
     assert not base.prefer_whole()

@@ -1,4 +1,4 @@
-"""`BucketMeta.delta_ranges` (sharded send mode's deltas, `engine/delta.py`): a receiver refuses a range
+"""`BucketMeta.delta_ranges` (sharded send mode's deltas, `versions/delta.py`): a receiver refuses a range
 that would put a payload's elements anywhere but inside its tensor, in whole elements, before any byte is
 written; and a shard's payload rebuilds exactly its range of the tensor, bitwise."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_weightsync.engine.delta import apply_range_delta, encode
 from lightning_weightsync.errors import ProtocolError
 from lightning_weightsync.protocol.chunks import TensorMeta
 from lightning_weightsync.protocol.messages import BucketMeta, Entry, validate
+from lightning_weightsync.versions.delta import apply_range_delta, encode
 
 _E = Entry("w", [16], "float32", 0, 20, 0)  # a 20-byte chunk of a payload for the 64-byte tensor "w"
 

@@ -118,7 +118,7 @@ def _as_pattern(fmt: str) -> re.Pattern[str]:
 
 
 @pytest.mark.parametrize(("side", "module", "verb"), [("daemon", "rollout/observability.py", "applied"),
-                                                      ("trainer", "engine/sender.py", "sent")])  # fmt: skip
+                                                      ("trainer", "versions/sender.py", "sent")])  # fmt: skip
 def test_the_quickstart_quotes_the_log_line_of_each_side(side: str, module: str, verb: str) -> None:
     fmt = re.search(rf'"(version %d {verb}: [^"]+)"', (PACKAGE / module).read_text())
     assert fmt, f"the {side}'s per-version format string moved: update this test"

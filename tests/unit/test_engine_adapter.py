@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.errors import SinkError
-from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.protocol.lora import adapter_path
 from lightning_weightsync.protocol.messages import LoraSpec
 from lightning_weightsync.rollout_engines.adapter import AdapterDirectory, EngineVersionSink

@@ -1,4 +1,4 @@
-"""The fingerprint (protocol/fingerprint.py) and the per-version check (engine/verify.py)."""
+"""The fingerprint (protocol/fingerprint.py) and the per-version check (versions/verify.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ import torch
 
 from lightning_weightsync import VerifyError, load_config
 from lightning_weightsync.config import VerifyMode
-from lightning_weightsync.engine.verify import (
-    SAMPLE_EVERY,
-    SenderFingerprints,
-    Verifier,
-    compare_checksums,
-    held_checksums,
-)
 from lightning_weightsync.protocol.chunks import as_bytes
 from lightning_weightsync.protocol.fingerprint import (
     GOLDEN,
@@ -25,6 +18,13 @@ from lightning_weightsync.protocol.fingerprint import (
     sampled,
 )
 from lightning_weightsync.protocol.messages import BucketMeta, Entry
+from lightning_weightsync.versions.verify import (
+    SAMPLE_EVERY,
+    SenderFingerprints,
+    Verifier,
+    compare_checksums,
+    held_checksums,
+)
 
 
 def reference(tensor: torch.Tensor) -> int:

@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_weightsync import load_config, merge_weight_chunks, split_weight_chunks
-from lightning_weightsync.errors import ConfigError
-from lightning_weightsync.examples.grpo import (
+from examples.grpo import (
     BOS,
     GRPORecipe,
     LoraRecipe,
@@ -32,7 +30,9 @@ from lightning_weightsync.examples.grpo import (
     uses_lora,
     validate,
 )
-from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync import load_config, merge_weight_chunks, split_weight_chunks
+from lightning_weightsync.demo.tiny_lm import build_model
+from lightning_weightsync.errors import ConfigError
 from lightning_weightsync.rollout.consume import begin_version
 from lightning_weightsync.trainer.driver import SyncDriver
 

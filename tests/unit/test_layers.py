@@ -1,79 +1,70 @@
 """The package tree is the architecture: an import only ever points down the layers.
 
-    errors, choice <- registry <- protocol | rollout_engines (table, config sections) <- transport <- config
-        <- engine <- rollout_engines (trainer half) <- trainer | rollout <- rollout_engines (receiving half)
-        <- examples | integrations <- bench <- cli, __init__
+    errors, choice <- registry <- plugins <- protocol <- transport | config <- versions <- trainer | rollout
+        <- rollout_engines <- demo | integrations <- bench <- cli, __init__
 
-`registry` is the one plug-in seam (name -> module path, imported when used) that the backend, join-kind,
-sink and rollout-engine tables are built with; every layer may use it. `choice` is the base of every config
-choice, below `config` so that a config section living with its code can define choices.
+`registry` is the one plug-in seam (name -> module path, imported when used); `plugins` holds every table built
+with it (backends, join kinds, sinks, rollout engines) and the `RolloutClient` base the trainer drives, so every
+layer may read a table without importing a plug-in. `choice` is the base of every config choice, below `config`
+so that a config section living with its plug-in can define choices.
 
-`rollout_engines/` holds every rollout engine (one folder each) and what they share; its files belong to
-three layers, one rule per group (`_group`):
-- the table and the config sections: `rollout_engines/__init__.py` (names -> module paths, the
-  `RolloutClient` protocol) and `rollout_engines/<engine>/config.py` (+ the engine's empty `__init__.py`),
-  which `config` imports, so they import only `errors`, `choice`, `registry`;
-- the trainer half: `control.py` (drives the servers around a version) and each engine's `client.py` (+
-  `api.py`, its constants): below `trainer`, which imports `control`; they import `config`, `engine` and what
-  is below, never `rollout` nor the receiving half (so the trainer, which loads a client by path, never
-  crosses into the rollout side), and never each other (`control` reaches a client only through the table);
-- the receiving half: everything else (`worker.py`, `launch.py`, `host_copy.py`, `adapter.py`, and each
-  engine's server-side modules): above `rollout`, whose receive loop and sinks they run inside the engine's
-  server; nothing in the package but the table (by path) and the CLI (through the table) reaches them.
-An engine's modules are imported by name only from its own folder (and its `config.py` by `config`): the
-rest of the package goes through the table.
+A plug-in declares its config section next to its code (`rollout/sinks/config.py`, `rollout_engines/<engine>/
+config.py`) and its table entry names it (`section=`); config collects the sections from the tables while it is
+itself being imported, so a section module imports only `errors` and `choice`, and importing config loads
+nothing of a layer above it but those modules and their (empty) packages. Config and transport are siblings:
+the choices config lists come from the tables, not from the transport layer, and neither imports the other.
 
-`config` sits above `transport` because validation asks the backend registry which names exist.
-Trainer and rollout never import each other; they meet only through the engine and the wire. Every
-import counts, also the lazy ones inside functions and under `TYPE_CHECKING`: a lazy import that
-points up is still a dependency that points up.
+`rollout_engines/` (vLLM, SGLang: one folder each, both halves of an engine) is one layer, above `trainer` and
+`rollout`: the trainer reaches an engine's client only through `ROLLOUT_ENGINES` (by path), and the CLI its
+launcher the same way. Trainer and rollout never import each other; they meet only through the versions layer
+and the wire. Every import counts, also the lazy ones inside functions and under `TYPE_CHECKING`: a lazy
+import that points up is still a dependency that points up.
 
 Plug-ins stay behind their tables: no module outside `transport/backends/` imports a backend's module (the
-engine and the CLI ask `transport.backends`), no module outside a backend or `protocol/joins/` imports a
-join kind's module, and every table entry imports and is what its table says.
+versions layer and the CLI ask `transport.backends`), no module outside a backend or `protocol/joins/` imports
+a join kind's module, an engine's modules are named only inside its folder, and every table entry imports and
+is what its table says.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_weightsync
-from lightning_weightsync.config import SINKS
-from lightning_weightsync.protocol.joins import JOIN_KINDS, JoinSpec
-from lightning_weightsync.rollout.sinks import Sink
-from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
-from lightning_weightsync.transport.backends import BACKENDS, Backend
+from lightning_weightsync.plugins import BACKENDS, JOIN_KINDS, ROLLOUT_ENGINES, SINKS
+from lightning_weightsync.protocol.joins import JoinSpec
+from lightning_weightsync.rollout.sinks.base import Sink
+from lightning_weightsync.transport.backends import Backend
 
 PACKAGE_DIR = Path(lightning_weightsync.__file__).parent
 PKG = "lightning_weightsync"
 ENGINES = "rollout_engines"
-ENGINES_TABLE = "rollout_engines (table, config sections)"
-ENGINES_TRAINER = "rollout_engines (trainer half)"
-ENGINES_RECEIVING = "rollout_engines (receiving half)"
 
 # layer of each top-level name under the package; equal numbers are siblings that must not import each other
 LAYERS: dict[str, int] = {
     "errors": 0,
     "choice": 0,  # the base of every config choice
     "registry": 1,  # the plug-in seam every table is built with
-    ENGINES_TABLE: 2,  # rollout_engines/__init__.py + <engine>/config.py: imported by config
-    "protocol": 2,
-    "transport": 3,
-    "config": 4,
-    "engine": 5,
-    ENGINES_TRAINER: 6,  # control.py, <engine>/client.py + api.py: imported by trainer
-    "trainer": 7,
-    "rollout": 7,
-    ENGINES_RECEIVING: 8,  # the rest of rollout_engines/: runs rollout's receive loop in a server
-    "examples": 9,
-    "integrations": 9,  # other frameworks' plug points (TRL, verl, vLLM's trainer API): thin adapters
-    "bench": 10,
-    "cli": 11,
-    "__init__": 11,
+    "plugins": 2,  # every plug-in table, and the RolloutClient base
+    "protocol": 3,
+    "transport": 4,
+    "config": 4,  # beside transport: both read the tables, neither imports the other
+    "versions": 5,
+    "trainer": 6,
+    "rollout": 6,
+    ENGINES: 7,  # both halves of every engine: above the trainer (which drives it by path) and the rollout
+    "demo": 8,  # `lightning-weightsync demo`: the tiny LM and the recipes' one main()
+    "integrations": 8,  # other frameworks' plug points (TRL, verl, vLLM's trainer API): thin adapters
+    "bench": 9,
+    "cli": 10,
+    "__init__": 10,
 }
 MAX_ROOT_MODULES = 7
 
@@ -92,20 +83,6 @@ def _modules() -> list[tuple[Path, str]]:
 def _top(module: str) -> str:
     rest = module[len(PKG) + 1 :] if module != PKG else "__init__"
     return rest.split(".")[0]
-
-
-def _group(module: str) -> str:
-    """The layer group of a module: its top-level name, except in `rollout_engines/`, whose files split into
-    the table + config sections, the trainer half and the receiving half (module docstring)."""
-    top = _top(module)
-    if top != ENGINES:
-        return top
-    inner = module[len(f"{PKG}.{ENGINES}") :].lstrip(".").split(".") if module != f"{PKG}.{ENGINES}" else []
-    if not inner or (len(inner) == 1 and inner[0] in ROLLOUT_ENGINES) or inner[1:] == ["config"]:
-        return ENGINES_TABLE
-    if inner == ["control"] or (len(inner) == 2 and inner[1] in ("client", "api")):
-        return ENGINES_TRAINER
-    return ENGINES_RECEIVING
 
 
 def _submodule(package: str, name: str) -> str:
@@ -135,7 +112,7 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
 
 
 def test_every_top_level_name_has_a_layer() -> None:
-    tops = {_group(m) for _, m in _modules()}
+    tops = {_top(m) for _, m in _modules()}
     assert tops <= set(LAYERS), f"give these a layer in tests/unit/test_layers.py: {sorted(tops - set(LAYERS))}"
 
 
@@ -147,9 +124,9 @@ def test_root_holds_few_modules() -> None:
 def test_imports_point_down() -> None:
     bad = []
     for path, module in _modules():
-        src_top = _group(module)
+        src_top = _top(module)
         for lineno, target in _imports(path, module):
-            dst_top = _group(target)
+            dst_top = _top(target)
             if dst_top == src_top or (target == PKG and src_top == "__init__"):
                 continue
             if target == PKG:
@@ -163,32 +140,30 @@ def test_imports_point_down() -> None:
 @pytest.mark.parametrize(
     ("src_module", "source", "expect_bad"),
     [
-        ("transport.mod", "from ..engine.sender import WeightSender\n", True),  # transport -> engine: up
+        ("transport.mod", "from ..versions.sender import WeightSender\n", True),  # transport -> engine: up
         ("trainer.mod", "from ..rollout.daemon import run_daemon\n", True),  # trainer -> rollout: sideways
         ("trainer.mod", "from ..protocol.chunks import TensorMeta\n", False),
-        # the rollout-engine seam, group by group
-        ("trainer.mod", "from ..rollout_engines.control import RolloutControl\n", False),
-        ("trainer.mod", "from ..rollout_engines.vllm.worker import BACKEND_NAME\n", True),  # receiving half
-        ("trainer.mod", "from ..rollout_engines.host_copy import HostCopy\n", True),
-        ("rollout_engines.vllm.client", "from ..worker import CONFIG_ENV\n", True),  # client -> receiving half
-        ("rollout_engines.vllm.client", "from ...rollout.consume import Call\n", True),  # client -> rollout
-        ("rollout_engines.vllm.client", "from .config import PauseMode\n", False),
-        ("rollout_engines.vllm.client", "from ...trainer.driver import SyncDriver\n", True),
-        ("rollout_engines.control", "from ..trainer.names import NameMap\n", True),
-        ("rollout_engines.vllm.config", "from ...config import load_config\n", True),  # config imports it: a cycle
-        ("rollout_engines.vllm.config", "from ...choice import Choice\n", False),
+        # the rollout-engine seam: one layer above trainer and rollout
+        ("integrations.mod", "from ..trainer.fleet import RolloutFleet\n", False),  # the trainer drives the fleet
+        ("trainer.mod", "from ..rollout_engines.vllm.client import clients\n", True),  # only by path, the table
+        ("trainer.mod", "from ..plugins import ROLLOUT_ENGINES, RolloutClient\n", False),
+        ("rollout_engines.vllm.client", "from ...trainer.fleet import RolloutFleet\n", False),
         ("rollout_engines.vllm.worker", "from ...rollout.consume import Call\n", False),
-        ("rollout.daemon", "from ..rollout_engines.worker import WorkerReceiver\n", True),  # rollout -> receiving
+        ("rollout.daemon", "from ..rollout_engines.worker import WorkerReceiver\n", True),  # rollout -> engines
+        ("config.schema", "from ..rollout_engines.vllm.config import VLLMConfig\n", True),  # collected by path
+        ("config.schema", "from ..plugins import ROLLOUT_ENGINES\n", False),
+        ("plugins", "from .transport.backends import Backend\n", True),
+        ("config.validate", "from ..transport.backends import BACKENDS\n", True),  # sideways: use plugins
     ],
 )
 def test_the_checker_catches_what_it_should(tmp_path: Path, src_module: str, source: str, expect_bad: bool) -> None:
-    """The rule would be worthless if the resolver silently missed relative imports, or if a file of
-    `rollout_engines/` landed in the wrong group."""
+    """The rule would be worthless if the resolver silently missed relative imports, or if a module landed in
+    the wrong layer."""
     here = tmp_path / "mod.py"
     here.write_text(source)
     src_module = f"{PKG}.{src_module}"
     ((_, target),) = _imports(here, src_module)
-    is_bad = LAYERS[_group(target)] >= LAYERS[_group(src_module)]
+    is_bad = LAYERS[_top(target)] >= LAYERS[_top(src_module)]
     assert is_bad is expect_bad, target
 
 
@@ -214,6 +189,41 @@ def _private_imports(path: Path, module: str) -> list[str]:
     return bad
 
 
+CHECKOUT_ONLY = ("tools", "examples", "tests", "recipes")  # top-level folders of a checkout, not in the wheel
+
+
+def _checkout_imports(path: Path) -> list[str]:
+    """Imports of a checkout-only folder (`tools`, `examples`, ...) in the file, lazy ones included."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        bad += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in CHECKOUT_ONLY]
+    return bad
+
+
+def test_the_package_never_imports_the_checkout() -> None:
+    """tools/ and examples/ (and tests/, recipes/) are not in the wheel: they may import the library, the
+    library never imports them, or an installed package would fail where a checkout works."""
+    bad = [line for path, _ in _modules() for line in _checkout_imports(path)]
+    assert not bad, "package modules that import a folder the wheel does not hold:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "expect_bad"),
+    [
+        ("from tools.device_check import STEP_NAMES\n", True),
+        ("def f():\n    import examples.grpo\n", True),
+        ("from lightning_weightsync.bench.inventory import model_stream\n", False),
+        ("from .tools import x\n", False),  # relative: a module of the package
+    ],
+)
+def test_the_checkout_import_check_catches_what_it_should(tmp_path: Path, source: str, expect_bad: bool) -> None:
+    here = tmp_path / "mod.py"
+    here.write_text(source)
+    assert bool(_checkout_imports(here)) is expect_bad
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     bad = [line for path, module in _modules() for line in _private_imports(path, module)]
     assert not bad, "private names imported across modules (make them public):\n" + "\n".join(bad)
@@ -223,7 +233,7 @@ def test_no_module_imports_another_modules_private_name() -> None:
     ("source", "expect_bad"),
     [
         ("from .chunks import TensorMeta, _place\n", True),  # relative
-        ("from lightning_weightsync.bench.engine import _raw_group\n", True),  # absolute
+        ("from lightning_weightsync.bench.throughput import _raw_group\n", True),  # absolute
         ("from torch.distributed.tensor.placement_types import _StridedShard\n", False),  # third-party
         ("from .chunks import __all__\n", False),  # a dunder is no private name
     ],
@@ -270,9 +280,8 @@ ENGINES_PKG = f"{PKG}.{ENGINES}"
 
 
 def test_an_engines_modules_are_imported_only_from_its_folder() -> None:
-    """An engine is its folder and one line of `ROLLOUT_ENGINES`: the trainer (through `control.py`) and the
-    CLI reach its client and launcher through the table; only `config` names a module of it, its config
-    section (`<engine>/config.py`)."""
+    """An engine is its folder and one line of `ROLLOUT_ENGINES`: the trainer (`trainer/fleet.py`) and the
+    CLI reach its client and launcher through the table, config its section (`<engine>/config.py`) too."""
     bad = []
     for name in ROLLOUT_ENGINES:
         folder = f"{ENGINES_PKG}.{name}"
@@ -280,8 +289,6 @@ def test_an_engines_modules_are_imported_only_from_its_folder() -> None:
             if module == folder or module.startswith(f"{folder}."):
                 continue
             for lineno, target in _imports(path, module):
-                if target == f"{folder}.config" and module.split(".")[:2] == [PKG, "config"]:
-                    continue
                 if target == folder or target.startswith(f"{folder}."):
                     bad.append(f"{path.relative_to(PACKAGE_DIR)}:{lineno} imports {target}")
     assert not bad, "modules that name a rollout engine's module (go through ROLLOUT_ENGINES):\n" + "\n".join(bad)
@@ -310,7 +317,9 @@ def test_every_backend_entry_imports_and_is_that_backend(name: str) -> None:
 def test_every_sink_entry_imports_and_is_a_sink(name: str) -> None:
     cls = SINKS[name]
     assert isinstance(cls, type) and issubclass(cls, Sink), cls
-    assert SINKS.module(name) == f"{PKG}.rollout.sinks.{name}"
+    assert SINKS.module(name) == f"{PKG}.rollout.sinks.{name}" and cls.kind == name
+    section = SINKS.section(name)
+    assert dataclasses.is_dataclass(section) and section.__module__ == SINKS_SECTIONS, section
 
 
 @pytest.mark.parametrize("name", list(JOIN_KINDS))
@@ -326,3 +335,61 @@ def test_every_engine_entry_imports_and_has_a_client_and_a_launcher(name: str) -
     assert package == ROLLOUT_ENGINES.path(name) == f"{ENGINES_PKG}.{name}"
     assert callable(importlib.import_module(f"{package}.client").clients)
     assert callable(importlib.import_module(f"{package}.launch").launch)
+    section = ROLLOUT_ENGINES.section(name)
+    assert dataclasses.is_dataclass(section) and section.__module__ == f"{package}.config", section
+    assert {"urls", "request_timeout_s"} <= {f.name for f in dataclasses.fields(section)}
+
+
+SINKS_SECTIONS = f"{PKG}.rollout.sinks.config"
+SECTION_MAY_IMPORT = ("errors", "choice")
+
+
+def _section_modules() -> list[str]:
+    return sorted({t.section(n).__module__ for t in (SINKS, ROLLOUT_ENGINES) for n in t})
+
+
+@pytest.mark.parametrize("module", _section_modules())
+def test_a_plug_ins_config_section_imports_only_errors_and_choice(module: str) -> None:
+    """Config collects each section through its table while config itself is being imported: a section
+    module that imported config (or anything that does) would be a cycle, whatever its layer."""
+    path = PACKAGE_DIR.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    bad = [t for _, t in _imports(path, module) if _top(t) not in SECTION_MAY_IMPORT]
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_importing_config_loads_no_plug_in_above_it_but_its_sections() -> None:
+    """`config` imports nothing above it: of the layers above, only the section modules the tables name
+    and the packages that hold them (whose `__init__` imports nothing) are loaded with it."""
+    code = "import sys, lightning_weightsync.config; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    allowed = set(_section_modules())
+    allowed |= {m.rsplit(".", k)[0] for m in allowed for k in range(1, m.count("."))}
+    above = [m for m in loaded if m.startswith(f"{PKG}.") and LAYERS[_top(m)] > LAYERS["config"]]
+    assert sorted(set(above) - allowed) == [], "config loads more than the plug-ins' sections"
+
+
+PLUG_IN_DRIVERS = ("rollout/consume.py", "rollout/daemon.py", "rollout/sinks/build.py", "trainer/fleet.py", "cli.py")
+"""The modules that drive plug-ins (sinks, rollout engines' clients): what a plug-in may do is a member of its
+base (`VersionSink`, `RolloutClient`) with a default, so these never ask a plug-in whether it has one."""
+
+
+def _capability_probes(path: Path) -> list[str]:
+    """`getattr(x, "name", ...)` / `hasattr(x, "name")` calls whose object is a name of ours (not `logging`)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            obj = node.args[0] if node.args else None
+            if isinstance(obj, ast.Name) and obj.id in ("sink", "client", "c", "self"):
+                bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_no_driver_probes_a_plug_in_for_a_capability() -> None:
+    bad = [b for rel in PLUG_IN_DRIVERS for b in _capability_probes(PACKAGE_DIR / rel)]
+    assert not bad, "declare the capability on the plug-in's base class with a default:\n" + "\n".join(bad)
+
+
+def test_the_probe_check_catches_a_probe(tmp_path: Path) -> None:
+    here = tmp_path / "mod.py"
+    here.write_text('held = getattr(sink, "held", None)\nlevel = getattr(logging, "INFO")\n')
+    assert _capability_probes(here) == ["mod.py:1 getattr(sink, 'held', None)"]

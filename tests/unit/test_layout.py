@@ -13,7 +13,7 @@ from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.errors import ProtocolError
 from lightning_weightsync.protocol.layout import Layout, LayoutRecorder, no_layout
 from lightning_weightsync.protocol.messages import BucketMeta, Entry, Ready, decode, encode, validate
-from tests.support.engine import assert_bitwise, engine_cfg, receive_once, with_timeout
+from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, with_timeout
 
 BUCKETS = [
     (96, False, [Entry("a", [4, 4], "float32", 0, 64, 0), Entry("b", [8], "float32", 0, 32, 64)]),

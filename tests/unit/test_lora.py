@@ -12,7 +12,7 @@ import torch
 
 from lightning_weightsync import load_config, merge_weight_chunks, split_weight_chunks
 from lightning_weightsync.errors import ConfigError, ProtocolError, SinkError
-from lightning_weightsync.protocol.lora import adapter_name, base_name, live_adapter_name, merge_weight
+from lightning_weightsync.protocol.lora import adapter_name, base_name, merge_weight
 from lightning_weightsync.protocol.messages import BucketMeta, LoraSpec, decode, encode
 from lightning_weightsync.rollout.consume import begin_version
 from lightning_weightsync.rollout.sinks.callable import CallableSink
@@ -72,7 +72,6 @@ def test_names_map_to_the_base_model_and_to_peft_save_names() -> None:
     assert base_name("model.norm.weight") == "model.norm.weight"  # not PEFT: unchanged
     assert adapter_name(f"{raw}.lora_A.default.weight") == f"{raw}.lora_A.weight"
     assert adapter_name("base_model.model.lm_head.modules_to_save.default.weight") == "base_model.model.lm_head.weight"
-    assert live_adapter_name(f"{raw}.lora_B.weight", "mine") == f"{raw}.lora_B.mine.weight"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

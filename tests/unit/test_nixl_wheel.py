@@ -1,4 +1,4 @@
-"""The cut-down NIXL wheel the GPU kit carries (bench/nixl_wheel.py), made here from this environment's
+"""The cut-down NIXL wheel the GPU kit carries (tools/nixl_wheel.py), made here from this environment's
 nixl-cu12 (the same NIXL release and wheel layout as the nixl-cu13 that `--prepare` cuts, built for this
 Python): the cut keeps the UCX plug-in and everything it links, installs with pip, imports from where it
 was installed and moves bytes between two agents over UCX; a wheel missing the UCX plug-in is refused."""
@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import pytest
 
-from lightning_weightsync.bench import nixl_wheel
-from lightning_weightsync.bench.nixl_wheel import BUILD_TAG, WheelStripError, elf_needed, strip_nixl_wheel
-from tests.support.engine import NIXL_MISSING
 from tests.support.mp import PYTHON, output_of, popen
+from tests.support.transfer import NIXL_MISSING
+from tools import nixl_wheel
+from tools.nixl_wheel import BUILD_TAG, WheelStripError, elf_needed, strip_nixl_wheel
 
 DIST = "nixl-cu12"
 PKG = "nixl_cu12"

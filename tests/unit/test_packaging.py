@@ -1,12 +1,14 @@
 """pyproject.toml declares exactly what the library imports (issue 12 point 8): no runtime
 dependency that nothing imports (psutil was one until bench/ started measuring RSS with it), no
-import of an undeclared package (PyYAML was one)."""
+import of an undeclared package (PyYAML was one); and the wheel holds the library, the `bench` CLI's
+benchmarks and the demo, not the checkout's tools/ and examples/ (issue 44)."""
 
 from __future__ import annotations
 
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 from importlib.metadata import packages_distributions
@@ -120,3 +122,50 @@ def test_a_fresh_install_without_numpy_or_lightning(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the safetensors sink wrote a version without numpy; the missing extra is named, not 'pytorch_lightning'
     assert "pip install 'lightning_weightsync[lightning]'" in proc.stdout, proc.stdout
+
+
+# Issue 44: the wheel holds the library, what `lightning-weightsync bench` runs and the demo; the dev tools
+# (tools/) and the examples (examples/) run from a checkout. Built for real (setuptools' build API, what
+# `pip wheel` calls) from a copy of the source, so the build's own folders never land in this checkout.
+BENCH_HELPERS = {"__init__", "layout", "netem", "inventory"}  # what the CLI's benchmarks import besides themselves
+CHECKOUT_ONLY = ("tools", "examples")
+
+
+def _built_wheel(tmp_path: Path) -> list[str]:
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for folder in ("lightning_weightsync", *CHECKOUT_ONLY):  # tools/ and examples/ are there to be left out
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    dist = tmp_path / "dist"
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", build, str(dist)], cwd=src, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.namelist()
+
+
+def test_the_wheel_holds_no_dev_tool(tmp_path: Path) -> None:
+    from lightning_weightsync.bench import BENCHMARKS
+
+    names = _built_wheel(tmp_path)
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"lightning_weightsync"}, sorted(tops)
+    assert not [n for n in names if n.split("/")[0] in CHECKOUT_ONLY or "/examples/" in n]
+    bench = {n.removeprefix("lightning_weightsync/bench/").removesuffix(".py") for n in names
+             if n.startswith("lightning_weightsync/bench/") and n.endswith(".py")}  # fmt: skip
+    assert bench == set(BENCHMARKS) | BENCH_HELPERS, f"bench/ in the wheel: only the CLI's benchmarks: {bench}"
+    # the library whole: every module of the source package, its data, the demo
+    source = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert source - set(names) == set(), "modules of the package missing from the wheel"
+    for needed in ("lightning_weightsync/py.typed", "lightning_weightsync/bench/data/model_inventories.json",
+                   "lightning_weightsync/bench/throughput.py", "lightning_weightsync/demo/demo.py",
+                   "lightning_weightsync/demo/tiny_lm.py", "lightning_weightsync/cli.py"):  # fmt: skip
+        assert needed in names, needed

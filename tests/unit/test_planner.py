@@ -16,14 +16,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_weightsync.config import VerifyMode, direct_min_bytes, load_config
-from lightning_weightsync.engine.delta import DeltaBase, DeltaPolicy, VersionDelta, apply_delta
-from lightning_weightsync.engine.planner import BucketPlanner, Flush, Pack, Step
-from lightning_weightsync.engine.verify import SenderFingerprints
 from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES, TensorMeta, merge_weight_chunks
 from lightning_weightsync.protocol.fingerprint import fingerprint
 from lightning_weightsync.protocol.messages import Entry
 from lightning_weightsync.transport.backends import NO_SLOT, NUM_SLOTS
-from tests.support.engine import expected_layout
+from lightning_weightsync.versions.delta import DeltaBase, DeltaPolicy, VersionDelta, apply_delta
+from lightning_weightsync.versions.planner import BucketPlanner, Flush, Pack, Step
+from lightning_weightsync.versions.verify import SenderFingerprints
+from tests.support.transfer import expected_layout
 
 CPU = torch.device("cpu")
 

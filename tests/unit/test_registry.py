@@ -14,8 +14,8 @@ import pytest
 
 from lightning_weightsync.config import SINKS, BackendName, SinkType, load_config
 from lightning_weightsync.errors import ConfigError
+from lightning_weightsync.plugins import ROLLOUT_ENGINES
 from lightning_weightsync.registry import Registry
-from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
 from lightning_weightsync.transport.backends import BACKENDS, Backend, backend_class, groups_draining
 
 
@@ -37,6 +37,31 @@ def test_names_are_listed_without_importing_and_built_on_first_use(plugin_module
     thing = table["thing"]
     assert thing.__name__ == "Thing" and table["thing"] is thing and plugin_module in sys.modules
     assert table.loaded() == {"thing": thing}
+
+
+def test_an_entry_names_its_config_section_imported_only_when_asked(plugin_module: str) -> None:
+    table: Registry[type] = Registry("test.kind", "test plug-in")
+    table.add("thing", "json:dumps", section=f"{plugin_module}:Thing")
+    table.add("bare", "json:loads")
+    assert plugin_module not in sys.modules  # registering a section imports nothing
+    assert table.section("thing").__name__ == "Thing" and table.section("bare") is None
+    with pytest.raises(ConfigError, match=r"test\.kind=nope: no such test plug-in"):
+        table.section("nope")
+
+
+def test_two_sinks_that_declare_one_knob_unalike_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rollout.sink` is built from every sink's section: a knob two sinks read must mean one thing."""
+    import dataclasses
+
+    from lightning_weightsync.config import sinks
+
+    a = dataclasses.make_dataclass("A", [("dir", str, dataclasses.field(default="x"))], frozen=True)
+    b = dataclasses.make_dataclass("B", [("dir", str, dataclasses.field(default="y"))], frozen=True)
+    monkeypatch.setattr(sinks, "SINK_SECTIONS", {"a": a, "b": a})
+    assert [k[0] for k in sinks._knobs()] == ["dir"]  # declared alike by both: one knob
+    monkeypatch.setattr(sinks, "SINK_SECTIONS", {"a": a, "b": b})
+    with pytest.raises(TypeError, match=r"rollout\.sink\.dir: sink 'b' declares it unlike another sink"):
+        sinks._knobs()
 
 
 def test_unknown_names_name_the_knob_and_every_choice() -> None:

@@ -15,10 +15,10 @@ import pytest
 import lightning_weightsync
 from lightning_weightsync.config import RolloutEngineName, load_config
 from lightning_weightsync.errors import ConfigError
-from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES, register_rollout_engine, rollout_engine
+from lightning_weightsync.plugins import ROLLOUT_ENGINES, SINKS, register_rollout_engine, rollout_engine
 
 PACKAGE = Path(lightning_weightsync.__file__).parent
-BELOW_TRAINER = ("errors", "choice", "registry", "protocol", "transport", "config", "engine")
+BELOW_TRAINER = ("errors", "choice", "registry", "plugins", "protocol", "transport", "config", "versions")
 OWN_TRAINER_HALF = ("api", "config", "")  # the engine's constants, its config section, `from . import api`
 
 
@@ -53,8 +53,6 @@ def test_client_modules_import_nothing_of_the_rollout_layer(name: str) -> None:
                 parts = (node.module or "").split(".")
                 if node.level == 1 and parts[0] in OWN_TRAINER_HALF:
                     continue  # the engine's own constants (api.py, checked too) and config section
-                if node.level == 2 and parts == [""] and {a.name for a in node.names} <= {"RolloutClient"}:
-                    continue  # rollout_engines/__init__.py: the protocol a client implements
                 if node.level != 3 or parts[0] not in BELOW_TRAINER:
                     bad.append(f"{path.name}:{node.lineno} from {'.' * node.level}{node.module}")
             elif isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
@@ -67,16 +65,19 @@ def test_building_clients_loads_no_receiving_side() -> None:
     code = (
         "import sys\n"
         "from lightning_weightsync.config import load_config, settings\n"
-        "from lightning_weightsync.rollout_engines.control import RolloutControl\n"
+        "from lightning_weightsync.trainer.fleet import RolloutFleet\n"
         "cfg = load_config(overrides=['vllm.urls=[http://v:1]', 'sglang.urls=[http://s:2]'])\n"
-        "assert len(RolloutControl.from_config(settings(cfg)).clients) == 2\n"
+        "assert len(RolloutFleet.from_config(settings(cfg)).clients) == 2\n"
         "import json\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('lightning_weightsync.rollout'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     loaded = set(json.loads(out))
-    allowed = {"lightning_weightsync.rollout_engines", "lightning_weightsync.rollout_engines.control"}
-    for name in ROLLOUT_ENGINES:  # the trainer half and the config section; no receiving code, no rollout layer
+    # the sinks' config sections (config collects them) and their empty packages: nothing else of the rollout layer
+    sections = {SINKS.section(n).__module__ for n in SINKS}
+    allowed = {"lightning_weightsync.rollout", "lightning_weightsync.rollout.sinks", *sections}
+    allowed.add("lightning_weightsync.rollout_engines")
+    for name in ROLLOUT_ENGINES:  # the trainer half and the config section; no receiving code
         pkg = f"lightning_weightsync.rollout_engines.{name}"
         allowed |= {pkg, f"{pkg}.client", f"{pkg}.api", f"{pkg}.config"}
     assert loaded <= allowed, sorted(loaded - allowed)

@@ -20,8 +20,6 @@ import zmq
 import zmq.asyncio
 
 from lightning_weightsync import ConfigError, ProtocolError, WeightSyncError, load_config
-from lightning_weightsync.engine.sender import BlockingWeightSender, WeightSender
-from lightning_weightsync.engine.session import ReceiverSession, SenderSession
 from lightning_weightsync.errors import VersionAborted
 from lightning_weightsync.protocol.messages import (
     MAX_NAME_LEN,
@@ -40,9 +38,11 @@ from lightning_weightsync.protocol.messages import (
     validate,
 )
 from lightning_weightsync.transport.control import ReceiverControl, SenderControl, curve_keys
+from lightning_weightsync.versions.sender import BlockingWeightSender, WeightSender
+from lightning_weightsync.versions.steps import ReceiverSteps, SenderSteps
 from tests.support.control import BUCKET, KEY, prepare, record_sends, registered, started_sender, until
-from tests.support.engine import engine_cfg, with_timeout
 from tests.support.mp import LOAD_SLACK_S, free_port
+from tests.support.transfer import engine_cfg, with_timeout
 
 # ----------------------------------------------------------------------------------------------- CURVE keys
 
@@ -104,7 +104,7 @@ async def test_duplicate_live_identity_is_refused_not_handed_over(key: bytes | N
         assert "rollout.identity" in second.refused and "held by a connected receiver" in second.refused
         await prepare(sender, first, 1)  # the first is not cut off
         with pytest.raises(WeightSyncError, match="refuses us"):
-            await ReceiverSession(second, "rollout-0").wait_prepare(0.2, 0.5)
+            await ReceiverSteps(second, "rollout-0").wait_prepare(0.2, 0.5)
         # once the first is gone (no goodbye: its connection just closes), the identity is free again
         assert first._sock is not None
         first._sock.close(linger=0)
@@ -233,7 +233,7 @@ async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torc
         stats = await sender.send_weights(weights(), version=1)  # nobody registered: drained, not checked
         assert stats.receivers == 0 and pulled == ["a", name, "z"]
         pulled.clear()
-        from lightning_weightsync.engine.sender import _Drainable
+        from lightning_weightsync.versions.sender import _Drainable
 
         source = _Drainable(weights())
         with pytest.raises(ProtocolError, match=match) as info:
@@ -246,7 +246,7 @@ async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torc
 
 
 async def _pull(weights: list[tuple[str, torch.Tensor]]) -> list[str]:
-    from lightning_weightsync.engine.sender import _Drainable
+    from lightning_weightsync.versions.sender import _Drainable
 
     return [name async for name, _ in _Drainable(weights)]
 
@@ -286,11 +286,11 @@ async def test_too_few_ready_receivers_get_an_abort() -> None:
     receiver = await registered(sender, "rollout-0", None)
     try:
         gather = asyncio.ensure_future(
-            SenderSession(
-                sender, session=sender.session, min_receivers=2, timeout_s=1.5, ready_timeout_s=5
-            ).gather_ready(1)
+            SenderSteps(sender, session=sender.session, min_receivers=2, timeout_s=1.5, ready_timeout_s=5).gather_ready(
+                1
+            )
         )
-        steps = ReceiverSession(receiver, "rollout-0")
+        steps = ReceiverSteps(receiver, "rollout-0")
         prepare = await steps.wait_prepare(0.2, 5)
         await receiver.send(Ready("rollout-0", prepare.version))
         t0 = time.monotonic()

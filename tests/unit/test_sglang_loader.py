@@ -15,13 +15,13 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_weightsync import PeerError
-from lightning_weightsync.engine.sender import BlockingWeightSender
-from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.rollout_engines.sglang import loader
 from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
-from tests.support.engine import engine_cfg
+from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support.mp import free_port
-from tests.unit.test_vllm_engine import Flaky, _version
+from tests.support.transfer import engine_cfg
+from tests.unit.test_vllm_weight_transfer import Flaky, _version
 
 
 @pytest.fixture

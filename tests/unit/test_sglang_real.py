@@ -29,15 +29,15 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (./dev sglang-contract)", allow_module_level=True)
 
 from lightning_weightsync.config import load_config, settings
-from lightning_weightsync.engine.sender import BlockingWeightSender
-from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.rollout_engines.sglang import api, loader
 from lightning_weightsync.rollout_engines.sglang.launch import serve_command
 from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
-from tests.support.engine import engine_cfg
+from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support.mp import free_port
 from tests.support.sglang_api import extract
-from tests.unit.test_vllm_engine import Flaky, _version
+from tests.support.transfer import engine_cfg
+from tests.unit.test_vllm_weight_transfer import Flaky, _version
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])  # type: ignore[union-attr,index]

@@ -1,4 +1,4 @@
-"""Verify in sharded send mode (engine/shard_verify.py), one receiver's check of a version: each sender's byte
+"""Verify in sharded send mode (versions/shard_verify.py), one receiver's check of a version: each sender's byte
 range of a tensor is checked against that sender's fingerprint once the tensor is tiled; a tensor counts as
 verified only when the checked ranges cover all of its bytes. With `transport.verify=sample` each sender
 samples its own stream, so one sender may fingerprint a tensor whose other shard went unchecked: that tensor
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lightning_weightsync.config import VerifyMode
-from lightning_weightsync.engine.shard_verify import ShardVerifier
-from lightning_weightsync.engine.verify import SenderFingerprints
 from lightning_weightsync.errors import VerifyError
 from lightning_weightsync.protocol.chunks import TensorShard, as_bytes
 from lightning_weightsync.protocol.fingerprint import NO_FINGERPRINT
 from lightning_weightsync.protocol.messages import BucketMeta, Entry
+from lightning_weightsync.versions.shard_verify import ShardVerifier
+from lightning_weightsync.versions.verify import SenderFingerprints
 
 W = torch.arange(32, dtype=torch.float32).reshape(4, 8)  # 128 bytes: rows 0-1 from sender 0, rows 2-3 from 1
 

@@ -514,8 +514,8 @@ def test_every_daemon_sink_type_is_registered_once() -> None:
     registered class, and a rollout engine is no sink type (it is `rollout.engine`, with no special case
     here)."""
     from lightning_weightsync.config import SinkType
+    from lightning_weightsync.plugins import ROLLOUT_ENGINES
     from lightning_weightsync.rollout.sinks import SINKS
-    from lightning_weightsync.rollout_engines import ROLLOUT_ENGINES
 
     assert set(SINKS) == set(SinkType)
     assert not set(ROLLOUT_ENGINES) & {t.value for t in SinkType}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lightning_weightsync import WeightSyncError, WeightSyncTimeout
-from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
+from tests.support.transfer import engine_cfg
 
 pytest.importorskip("trl.experimental.async_grpo", reason="needs trl (pip install 'lightning_weightsync[trl]')")
 

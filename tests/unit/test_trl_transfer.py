@@ -20,10 +20,11 @@ import torch
 
 from lightning_weightsync import PeerError, WeightSyncError
 from lightning_weightsync.integrations.trl import WeightSyncTransfer
-from lightning_weightsync.rollout_engines.control import RolloutControl
-from tests.support.engine import assert_bitwise, engine_cfg, stream
+from lightning_weightsync.plugins import RolloutClient
+from lightning_weightsync.trainer.fleet import RolloutFleet
 from tests.support.mp import LOAD_SLACK_S, spawned
 from tests.support.receiver import ThreadReceiver, receiver_main
+from tests.support.transfer import assert_bitwise, engine_cfg, stream
 
 trainer_module = pytest.importorskip(
     "trl.experimental.async_grpo.async_grpo_trainer", reason="needs trl (pip install 'lightning_weightsync[trl]')"
@@ -152,8 +153,8 @@ def test_on_failure_warn_returns_after_draining(caplog: pytest.LogCaptureFixture
     assert "skipped (trainer.on_failure=warn)" in caplog.text
 
 
-class FakeEngine:
-    """A `RolloutClient` that records the calls `RolloutControl` makes (a vLLM / SGLang server's steps)."""
+class FakeEngine(RolloutClient):
+    """A `RolloutClient` that records the calls `RolloutFleet` makes (a vLLM / SGLang server's steps)."""
 
     name, engine, timeout_knob = "fake://0", "fake", "fake.request_timeout_s"
 
@@ -194,7 +195,7 @@ def test_pause_and_resume_drive_the_rollout_engines_around_the_send() -> None:
     calls: list[str] = []
     sync = transfer(trainer__min_receivers=0)
     sync.init_weight_transfer()
-    sync.rollouts = RolloutControl([FakeEngine(calls)])  # what vllm.urls / sglang.urls would build
+    sync.rollouts = RolloutFleet([FakeEngine(calls)])  # what vllm.urls / sglang.urls would build
     try:
         sync.pause()
         assert calls == ["pause"]  # at TRL's pause(), before its barrier
@@ -210,7 +211,7 @@ def test_a_rollout_that_cannot_pause_fails_the_send_after_draining_and_is_resume
     calls: list[str] = []
     sync = transfer(trainer__min_receivers=0)
     sync.init_weight_transfer()
-    sync.rollouts = RolloutControl([FakeEngine(calls, fail="pause")])
+    sync.rollouts = RolloutFleet([FakeEngine(calls, fail="pause")])
     weights = Recording(stream(1))
     try:
         sync.pause()  # never raises: TRL calls it on rank 0 alone, before a barrier

@@ -17,7 +17,7 @@ from lightning_weightsync.errors import BackendUnavailable
 from lightning_weightsync.rollout_engines.vllm.worker import WeightSyncEngineBody
 from tests.support.vllm_api import routes_on_every_version, snapshot, supported_versions
 from tests.support.vllm_standin import StandInServer, StandInWeightTransferEngine, StandInWorker
-from tests.unit.test_vllm_control import FakeAsyncLLM
+from tests.unit.test_vllm_fleet import FakeAsyncLLM
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS = supported_versions()
@@ -94,7 +94,7 @@ def test_the_engine_module_without_vllm_names_the_extra() -> None:
     except ImportError:
         pass
     with pytest.raises(BackendUnavailable, match=r"lightning_weightsync\[vllm\]"):
-        importlib.import_module("lightning_weightsync.rollout_engines.vllm.engine")
+        importlib.import_module("lightning_weightsync.rollout_engines.vllm.weight_transfer")
 
 
 def test_adapter_versions_use_vllms_lora_route_with_its_body() -> None:

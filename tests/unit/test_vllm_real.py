@@ -23,13 +23,13 @@ from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from lightning_weightsync.engine.sender import BlockingWeightSender
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.errors import PeerError
-from lightning_weightsync.examples.tiny_lm import build_model
 from lightning_weightsync.rollout_engines.vllm import plugin
 from lightning_weightsync.rollout_engines.vllm.extension import EXTENSION_CLASS, REPORT_METHOD
-from tests.support.engine import engine_cfg
+from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support.mp import free_port
+from tests.support.transfer import engine_cfg
 from tests.support.vllm_api import extract, snapshot, snapshot_path, supported_versions
 from tests.support.vllm_standin import StandInModel
 
@@ -40,12 +40,12 @@ def test_snapshot_matches_the_installed_vllm_source() -> None:
     installed = importlib.metadata.version("vllm")
     assert installed in supported_versions(), (
         f"vLLM {installed} has no snapshot (supported: {supported_versions()}): check rollout_engines/vllm and "
-        f"rollout_engines/control.py against its source, then pin {snapshot_path(installed).relative_to(REPO)} "
+        f"trainer/fleet.py against its source, then pin {snapshot_path(installed).relative_to(REPO)} "
         "(python -m tests.support.vllm_api <its vllm package> <version>) and widen the vllm extra"
     )
     root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # type: ignore[union-attr]
     assert {"vllm_version": installed, **extract(root)} == snapshot(installed), (
-        f"vLLM {installed} differs from its snapshot: re-check rollout_engines/vllm and rollout_engines/control.py, "
+        f"vLLM {installed} differs from its snapshot: re-check rollout_engines/vllm and trainer/fleet.py, "
         f"then regenerate {snapshot_path(installed).relative_to(REPO)}"
     )
 
@@ -56,7 +56,7 @@ def test_the_engine_picks_the_installed_releases_model_loader_hooks_by_feature()
     version, vLLM's MTP completeness check is off (0.33.0: the scoped flag; 0.34.0: an update is active)."""
     from vllm.model_executor.model_loader import reload
 
-    from lightning_weightsync.rollout_engines.vllm.engine import reload_hooks
+    from lightning_weightsync.rollout_engines.vllm.weight_transfer import reload_hooks
 
     hooks = reload_hooks()
     renamed = hasattr(reload, "start_reload")
@@ -83,7 +83,7 @@ def test_the_engine_picks_the_installed_releases_model_loader_hooks_by_feature()
 def test_plugin_registers_our_engine_and_the_factory_builds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.register()
     plugin.register()  # vLLM loads plugins in every process, possibly twice: idempotent
-    from lightning_weightsync.rollout_engines.vllm.engine import (
+    from lightning_weightsync.rollout_engines.vllm.weight_transfer import (
         LightningWeightSyncEngine,
         LightningWeightSyncUpdateInfo,
     )
@@ -266,5 +266,5 @@ def test_vllms_own_plugin_discovery_registers_our_engine_and_its_factory_builds_
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == [
         "True",
-        "lightning_weightsync.rollout_engines.vllm.engine.LightningWeightSyncEngine",
+        "lightning_weightsync.rollout_engines.vllm.weight_transfer.LightningWeightSyncEngine",
     ], out.stdout[-2000:]

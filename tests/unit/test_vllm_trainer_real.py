@@ -26,12 +26,12 @@ from vllm.distributed.weight_transfer.base import ModuleSource, VLLMWeightSyncCl
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lightning_weightsync import ConfigError
-from lightning_weightsync.examples.tiny_lm import build_model
+from lightning_weightsync.demo.tiny_lm import build_model
 from lightning_weightsync.integrations import vllm_trainer
 from lightning_weightsync.rollout_engines.vllm import plugin
 from lightning_weightsync.rollout_engines.vllm.worker import BACKEND_NAME
-from tests.support.engine import engine_cfg
 from tests.support.mp import free_port
+from tests.support.transfer import engine_cfg
 from tests.support.vllm_standin import StandInModel
 
 

@@ -2,9 +2,10 @@
 
 Each kind is a msgspec Struct with its own tag, its own `validate()` (range checks the schema cannot
 express) and `MAX_BYTES` (its largest legal encoding, part of the receivers' frame budget), in one file
-here, owned by the backends that use it (a backend names it as its `join_type`). The wire union
-`messages.Join`, its validation and the frame budget are built from this table, so a backend that needs
-its own rendezvous adds its file here and one line below, and `messages.py` stays as it is.
+here, owned by the backends that use it (a backend names it as its `join_type`), and named by one line of
+`JOIN_KINDS` (`plugins.py`). The wire union `messages.Join`, its validation and the frame budget are built
+from that table, so a backend that needs its own rendezvous adds its file here and one table line, and
+`messages.py` stays as it is.
 
 The table is complete when `messages` builds its decoder (it loads every entry, then freezes the
 table): decoding stays a strict tagged union, and a plan of a kind not listed here is rejected.
@@ -17,7 +18,7 @@ from typing import ClassVar
 import msgspec
 
 from ...errors import ProtocolError
-from ...registry import Registry
+from ...plugins import JOIN_KINDS
 
 
 class JoinSpec(msgspec.Struct, frozen=True):
@@ -30,18 +31,10 @@ class JoinSpec(msgspec.Struct, frozen=True):
         raise ProtocolError(f"{type(self).__name__} defines no validation")
 
 
-JOIN_KINDS: Registry[type[JoinSpec]] = Registry("plan join", "join kind")
-"""Every join kind by its msgspec tag (one line each; the union a plan decodes into)."""
-JOIN_KINDS.add("store", "lightning_weightsync.protocol.joins.store:StoreJoin")
-JOIN_KINDS.add("nccl", "lightning_weightsync.protocol.joins.nccl:NcclJoin")
-JOIN_KINDS.add("shared", "lightning_weightsync.protocol.joins.shared:SharedJoin")
-JOIN_KINDS.add("nixl", "lightning_weightsync.protocol.joins.nixl:NixlJoin")
-
-
 def all_join_kinds() -> tuple[type[JoinSpec], ...]:
     """Every registered kind, loaded and checked (its tag is its name; it validates itself and
     declares its budget), then the table is frozen: the union built from these is the one decoded."""
-    kinds = []
+    kinds: list[type[JoinSpec]] = []
     for name in JOIN_KINDS:
         kind = JOIN_KINDS[name]
         tag = kind.__struct_config__.tag

@@ -4,35 +4,35 @@
 - `safetensors`: `<rollout.sink.dir>/step_<version>.safetensors`, the last `keep_last` kept;
 - `callable`: `rollout.sink.target(version, iterator of (name, tensor))`.
 
-Each sink is one file here (a `Sink` subclass) and one line of the sink table `SINKS` (`config/schema.py`: config
-lists the choices and sits below this layer); `build_sink(config)` imports only the sink it builds. (A rollout
-engine such as vLLM or SGLang is not a sink: `rollout.engine`, `rollout_engines/__init__.py`.)
+Each sink is one file here (a `Sink` subclass), its section of `rollout.sink` in `config.py` here (the knobs
+it reads), and one line of the sink table `SINKS` (`plugins.py`) naming both; `build_sink(config)` (`build.py`)
+imports only the sink it builds. (A rollout engine such as vLLM or SGLang is not a sink: `rollout.engine`.)
+
+Config imports `config.py` here while it is itself being imported, so this package's `__init__` imports
+nothing at import time: its names load on first use.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
+from typing import Any
 
-from ...config import SINKS, SinkSettings, WeightSyncConfig, sink_section, unread_sink_knobs
-from .base import Sink, SinkState, load_callable, load_object
-
-logger = logging.getLogger(__name__)
-
-
-def build_sink(config: WeightSyncConfig) -> Sink:
-    """The sink named by `rollout.sink.type`, built from its own section of `rollout.sink` (`SinkSettings`:
-    typed, converted at the daemon's edge).
-
-    A knob of another sink that is set is said once here, at start-up, as a warning rather than an error:
-    one recipe YAML serves several sinks (`--config recipe.yaml rollout.sink.type=safetensors` keeps the
-    recipe's `rollout.sink.factory`), so an unread knob is usually that, not a mistake."""
-    ro = config.rollout
-    kind = ro.sink.type.value
-    unread = unread_sink_knobs(ro.sink)
-    if unread:
-        logger.warning("rollout.sink.type=%s does not read %s (set for another sink); ignored", kind, ", ".join(unread))
-    cls: type[Sink] = SINKS[kind]
-    return cls(SinkSettings(sink_section(ro.sink, kind), ro.apply, ro.device, config.transport.timeout_s))
+_LAZY = {
+    "SINKS": "...plugins",
+    "Sink": ".base",
+    "SinkSettings": ".base",
+    "SinkState": ".base",
+    "load_callable": ".base",
+    "load_object": ".base",
+    "build_sink": ".build",
+}
 
 
-__all__ = ["SINKS", "Sink", "SinkState", "build_sink", "load_callable", "load_object"]
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+__all__ = ["SINKS", "Sink", "SinkSettings", "SinkState", "build_sink", "load_callable", "load_object"]

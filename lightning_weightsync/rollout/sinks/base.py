@@ -29,14 +29,16 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ...config import ApplyMode, SinkSection, SinkSettings, UserConfig
+from ...config import SINK_SECTIONS, ApplyMode, UserConfig, settings, sink_section
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta
 from ...protocol.messages import LoraSpec, alias_sent_twice
+from .config import SinkSection
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,75 @@ class SinkState(str, enum.Enum):
     INCOMPLETE = "incomplete"  # streaming: a version broke mid-way; the live tensors are a mix
 
 
-class Sink(ABC):
+class VersionSink(ABC):
+    """What the receive loop (`rollout/consume.py` `consume_version`) drives: the daemon's `Sink` is one; a
+    rollout engine brings its own. Every optional capability is a member with its default, which a sink
+    overrides where it has it."""
+
+    takes_lora: ClassVar[bool] = False
+    """True when `begin` honours the version's LoRA spec (`lora=`); an adapter version into a sink that does
+    not is refused before anything is applied (`begin_version`), merged and full ones are plain weights."""
+    holds_tensors: ClassVar[bool] = False
+    """True for a sink that holds its tensors (the module sink): a delta (`transport.delta`) is then applied
+    onto what `held` returns, of version `delta_version`; every other sink gets whole tensors."""
+
+    @property
+    def delta_version(self) -> int | None:
+        """The version `held` holds whole, a delta's base (None: none now)."""
+        return None
+
+    def held(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The tensor of `meta.name` of version `delta_version` this sink holds (None: not that one)."""
+        return None
+
+    @abstractmethod
+    def begin(
+        self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
+    ) -> None: ...
+
+    @abstractmethod
+    def destination(self, meta: TensorMeta) -> torch.Tensor | None: ...
+
+    @abstractmethod
+    def accept(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def commit(self, version: int) -> None: ...
+
+    @abstractmethod
+    def abort(self, version: int, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    """All a sink is built from: its own section of `rollout.sink` and the three knobs outside it that sinks
+    read. Made once, by `SinkSettings.of` at the sink's constructor (the edge: `ModuleSink(cfg)` with a
+    `load_config()` result keeps working), so a sink reads no other part of the config."""
+
+    section: SinkSection
+    """The sink's section (`rollout/sinks/config.py`, its `SINKS` entry's `section=`)."""
+    apply: ApplyMode = ApplyMode.atomic
+    """`rollout.apply`."""
+    device: str = "cpu"
+    """`rollout.device`: where a module sink puts the module its factory built."""
+    timeout_s: float = 600.0
+    """`transport.timeout_s`: how long a callable sink's hand-off waits for the user's function."""
+
+    @classmethod
+    def of(cls, cfg: UserConfig | SinkSettings | SinkSection, kind: str) -> SinkSettings:
+        """`cfg` as the settings of sink `kind`: a user's config (converted here), `SinkSettings`, or the
+        sink's own section alone (the other knobs at their defaults)."""
+        if isinstance(cfg, SinkSettings):
+            return cfg
+        if isinstance(cfg, SINK_SECTIONS[kind]):
+            return cls(cfg)
+        assert not isinstance(cfg, SinkSection), f"a {type(cfg).__name__} is not the {kind} sink's section"
+        typed = settings(cfg)
+        ro = typed.rollout
+        return cls(sink_section(ro.sink, kind), ro.apply, ro.device, typed.transport.timeout_s)
+
+
+class Sink(VersionSink):
     """Base class of the local sinks (module, safetensors, callable).
 
     Subclasses implement `_begin/_destination/_accept/_commit/_abort`; this class keeps the
@@ -60,9 +130,9 @@ class Sink(ABC):
     #: True when accept/commit do file or user-code work that must not run on the event loop.
     blocking_io: bool = False
     #: True when `begin` takes the version's LoRA spec (`lora=`); every local sink does (see `lora_mode`).
-    takes_lora: bool = True
+    takes_lora: ClassVar[bool] = True
 
-    #: The sink's `rollout.sink.type` name: which section of `rollout.sink` it reads (`config/sinks.py`).
+    #: The sink's `rollout.sink.type` name: which section of `rollout.sink` it reads (`rollout/sinks/config.py`).
     kind: ClassVar[str]
 
     def __init__(self, cfg: UserConfig | SinkSettings | SinkSection) -> None:
@@ -144,7 +214,7 @@ class Sink(ABC):
                 self.version,
             )
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release what the sink holds; idempotent."""
 
     @property
@@ -157,7 +227,7 @@ class Sink(ABC):
         return None
 
     # --- for subclasses -------------------------------------------------------------------------
-    def _begin(self, version: int) -> None:  # noqa: B027 - optional hook
+    def _begin(self, version: int) -> None:
         pass
 
     @abstractmethod

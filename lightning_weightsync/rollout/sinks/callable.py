@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from ...config import ApplyMode, CallableSinkSection, SinkSection, SinkSettings, UserConfig
+from ...config import ApplyMode, UserConfig
 from ...errors import SinkError, VersionAborted, explain
 from ...protocol.chunks import TensorMeta
-from .base import Sink, SinkState, load_callable
+from .base import Sink, SinkSettings, SinkState, load_callable
+from .config import CallableSinkSection, SinkSection
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ...config import LoraApply
 from ...errors import SinkError
 from ...protocol.lora import adapter_name, base_name, lora_scaling, merge_weight
 from ...protocol.messages import LoraSpec
+from .config import LoraApply
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 

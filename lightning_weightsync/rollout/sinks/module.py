@@ -31,10 +31,11 @@ import threading
 
 import torch
 
-from ...config import ApplyMode, ModuleSinkSection, SinkSection, SinkSettings, UserConfig
+from ...config import ApplyMode, UserConfig
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.chunks import TensorMeta
-from .base import Sink, SinkState, describe, load_callable
+from .base import Sink, SinkSettings, SinkState, describe, load_callable
+from .config import ModuleSinkSection, SinkSection
 from .lora import LoraLoader
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ModuleSink(Sink):
     """Loads versions into `self.module` in place; see the module docstring for the two policies."""
 
     kind = "module"
+    holds_tensors = True  # `held`, `delta_version`: a delta is applied onto the module
 
     def __init__(
         self, cfg: UserConfig | SinkSettings | SinkSection = None, module: torch.nn.Module | None = None

@@ -64,12 +64,13 @@ from typing import BinaryIO
 
 import torch
 
-from ...config import SafetensorsSinkSection, SinkSection, SinkSettings, UserConfig
+from ...config import UserConfig
 from ...errors import ConfigError, SinkError
 from ...protocol.chunks import TensorMeta, as_bytes
 from ...protocol.messages import LoraSpec
 from ...transport.process import process_alive
-from .base import Sink
+from .base import Sink, SinkSettings
+from .config import SafetensorsSinkSection, SinkSection
 
 logger = logging.getLogger(__name__)
 

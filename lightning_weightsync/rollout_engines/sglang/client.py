@@ -1,6 +1,6 @@
 """The trainer side of SGLang rollouts: each version's update session over SGLang's HTTP routes.
 
-Per version (`rollout_engines/control.py` runs each step on every rollout at once):
+Per version (`trainer/fleet.py` runs each step on every rollout at once):
 
     POST /pause_generation {"mode": sglang.pause_mode}
     POST /begin_weight_update {}
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import ConfigError, PeerError
+from ...plugins import RolloutClient
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
 from . import api
@@ -54,7 +55,7 @@ def clients(s: SGLangConfig) -> list[SGLangClient]:
     ]
 
 
-class SGLangClient:
+class SGLangClient(RolloutClient):
     """One SGLang server (`sglang serve` with `--custom-weight-loader` naming our loader)."""
 
     engine = ENGINE
@@ -109,7 +110,7 @@ class SGLangClient:
 
     def update(self, version: int, receive_timeout_s: float | None) -> None:
         """Lasts the whole transfer (not capped by request_timeout_s; each rank's receive is bounded by its
-        transport.timeout_s, the trainer's wait by RolloutControl). A failed call closes the session, which
+        transport.timeout_s, the trainer's wait by RolloutFleet). A failed call closes the session, which
         SGLang leaves open after a failed update, so the next version can begin."""
         self._version = version
         body = {
@@ -185,7 +186,7 @@ class SGLangClient:
         """Nothing: the cache was flushed by the update call itself (`flush_cache`)."""
 
     def verify(self, version: int) -> None:
-        """SGLang reports the version it holds (`/model_info`); issue 22 adds content checks here."""
+        """SGLang reports the version it holds (`/model_info`): that it holds this one is all it can say."""
         held = self.weight_version()
         if held != str(version):
             raise PeerError(f"SGLang rollout {self.url}: reports weight_version {held!r} after version {version}")

@@ -1,9 +1,10 @@
 """The `sglang` config section: SGLang's knobs, both halves (the servers the trainer drives, the server
 `lightning-weightsync rollout rollout.engine=sglang` starts), and their choices.
 
-It lives in the engine's folder so adding or changing an engine touches that folder (and one registry line);
-`config.py` imports `SGLangConfig` into `WeightSyncConfig` as the `sglang` section, so this module imports
-only `Choice` (choice.py) and never `config`, which would be a cycle. Documented in configs/default.yaml.
+It lives in the engine's folder so adding or changing an engine touches that folder (and one table line in
+`plugins.py`, whose `section=` names `SGLangConfig`); config collects it from that table into `WeightSyncConfig` as
+the `sglang` section while config itself is being imported, so this module imports only `Choice` (choice.py) and
+never `config`, which would be a cycle. Documented in configs/default.yaml.
 """
 
 from __future__ import annotations

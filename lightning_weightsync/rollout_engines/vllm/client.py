@@ -3,7 +3,7 @@
 vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/online/api_router.py for
 `vllm serve`, `LLM` / `AsyncLLM` methods in process). Each server's workers run our engine
 (`engine.py`), whose `receive_weights` takes one version from our sender. Per version
-(`rollout_engines/control.py` runs the steps on every rollout at once):
+(`trainer/fleet.py` runs the steps on every rollout at once):
 
     POST /pause?mode=<vllm.pause_mode>                         (generation stops stepping)
     POST /start_weight_update
@@ -17,8 +17,8 @@ vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/onli
     POST /collective_rpc {"method": REPORT_METHOD}             (verify: what every worker holds)
     POST /resume                                               (always, also after any failure)
 
-The rollout layer's trainer half: it imports nothing of the rollout side (the trainer loads it by path
-through `rollout_engines/__init__.py`), talks HTTP with the standard library and never imports vLLM (in-process
+The engine's trainer half: it imports nothing of the rollout side (the trainer loads it by path through
+`ROLLOUT_ENGINES` in `plugins.py`), talks HTTP with the standard library and never imports vLLM (in-process
 engines are duck-typed, see `EngineRolloutClient`).
 """
 
@@ -30,10 +30,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...engine.verify import weight_problems, worker_weight_report
 from ...errors import CannotAsk, ConfigError, PeerError
+from ...plugins import RolloutClient
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
+from ...versions.verify import weight_problems, worker_weight_report
 from .config import PauseMode, VLLMConfig
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class _WorkersHoldIt:
             raise PeerError("; ".join(problems))
 
 
-class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
+class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset, RolloutClient):
     """`vllm serve` (started with VLLM_SERVER_DEV_MODE=1, which registers the RL and cache routes).
 
     Routes and bodies as vLLM 0.33.0 defines them: `/pause` takes `mode` as a query parameter;
@@ -164,7 +165,7 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
     def update(self, version: int, receive_timeout_s: float | None) -> None:
         # vLLM answers when every worker received the whole version: the request lasts the transfer, which
         # vllm.request_timeout_s must not cap. Bounded elsewhere: each worker's receive by transport.timeout_s
-        # (update_info.timeout_s), the trainer's wait by RolloutControl (request_timeout_s after the send).
+        # (update_info.timeout_s), the trainer's wait by RolloutFleet (request_timeout_s after the send).
         info: dict[str, Any] = {"version": version}
         if receive_timeout_s is not None:
             info["timeout_s"] = receive_timeout_s
@@ -256,7 +257,7 @@ class _UpdateRequest:
     update_info: dict[str, Any] = field(default_factory=dict)
 
 
-class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
+class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset, RolloutClient):
     """An in-process `vllm.LLM` or `vllm.v1.engine.async_llm.AsyncLLM`.
 
     `AsyncLLM` methods are coroutines bound to the loop the engine runs on: pass that `loop` (this
@@ -317,7 +318,7 @@ class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset):
         return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
 
     def weight_reports(self) -> list[dict[str, Any]]:
-        """Every worker's `weight_report` (`engine.verify.worker_weight_report` through `collective_rpc`);
+        """Every worker's `weight_report` (`versions.verify.worker_weight_report` through `collective_rpc`);
         `CannotAsk` for an engine without `collective_rpc` (a stand-in)."""
         if not hasattr(self.llm, "collective_rpc"):
             raise CannotAsk(f"vLLM rollout {self.name}: the engine has no collective_rpc to ask its workers")

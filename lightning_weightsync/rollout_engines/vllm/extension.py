@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...engine.verify import worker_weight_report
+from ...versions.verify import worker_weight_report
 from .client import EXTENSION_CLASS, REPORT_METHOD
 
 

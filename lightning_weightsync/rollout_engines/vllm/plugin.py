@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .worker import BACKEND_NAME
 
-ENGINE_MODULE = "lightning_weightsync.rollout_engines.vllm.engine"
+ENGINE_MODULE = "lightning_weightsync.rollout_engines.vllm.weight_transfer"
 ENGINE_CLASS = "LightningWeightSyncEngine"
 
 

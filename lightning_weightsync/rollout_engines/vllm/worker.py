@@ -22,7 +22,7 @@ engine is built (before vLLM sizes its KV cache), plus one merged tensor at a ti
 A LoRA adapter version (`trainer.lora=adapter`) is not loaded into the model: worker 0 writes it to
 `vllm.lora_dir` as a PEFT adapter directory (`rollout_engines/adapter.py`), which the trainer then has vLLM load.
 
-The trainer drives a version (`rollout_engines/control.py`): pause -> start_weight_update ->
+The trainer drives a version (`trainer/fleet.py`): pause -> start_weight_update ->
 update_weights (running while our sender broadcasts) -> finish_weight_update(weight_version)
 [-> /v1/load_lora_adapter, adapter versions] -> resume.
 """
@@ -284,7 +284,7 @@ class WeightSyncEngineBody:
         `checksums` are keyed by the trainer's names, as they arrived (each matched the trainer's fingerprint,
         or the version failed); vLLM's POST /weight_checker digests the model's own parameters after its
         fusing and sharding (vllm 0.33.0 entrypoints/rl/online/api_router.py:232-266), which no trainer can
-        compute. `engine.verify.compare_checksums(report["checksums"], stats.checksums)` answers as its
+        compute. `versions.verify.compare_checksums(report["checksums"], stats.checksums)` answers as its
         `compare` action does."""
         worker = self._worker_receiver
         report = worker.receiver.last_verify if worker is not None else None

@@ -1,35 +1,26 @@
-"""Data-plane backends, one a file, each named by one line of `BACKENDS` below (its `transport.backend`
+"""Data-plane backends, one a file, each named by one line of `BACKENDS` (`plugins.py`: its `transport.backend`
 value -> where its class lives). A backend's module is imported only when that backend is built, so
 config validation lists every name without importing cupy (nccl), torch_npu (hccl) or nixl, and the rest
 of the package never imports a backend's module (tests/unit/test_layers.py): it asks this package.
 
 Adding a backend: its file here (a `Backend` subclass with `name`, `natural_device`, `join_type`), one
-line below, and, when it needs a rendezvous of its own, its join kind (`protocol/joins/`, one file and
-one line there). docs/concepts.md, "Adding a backend".
+line in `plugins.py`, and, when it needs a rendezvous of its own, its join kind (`protocol/joins/`, one file and
+one line in `plugins.py` too). docs/concepts.md, "Adding a backend".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...registry import Registry
+from ...plugins import BACKENDS
 from .base import NO_SLOT, NUM_SLOTS, Backend, next_slot
-
-BACKENDS: Registry[type[Backend]] = Registry("transport.backend", "data-plane backend")
-"""Every backend by its `transport.backend` name, imported when built; read by config validation (the
-allowed names), `build_backend` and `groups_draining`."""
-BACKENDS.add("gloo", "lightning_weightsync.transport.backends.gloo:GlooBackend")
-BACKENDS.add("nccl", "lightning_weightsync.transport.backends.nccl:NcclBackend")
-BACKENDS.add("hccl", "lightning_weightsync.transport.backends.hccl:HcclBackend")
-BACKENDS.add("shm", "lightning_weightsync.transport.backends.shm:ShmBackend")
-BACKENDS.add("cuda_ipc", "lightning_weightsync.transport.backends.cuda_ipc:CudaIpcBackend")
-BACKENDS.add("nixl", "lightning_weightsync.transport.backends.nixl:NixlBackend")
 
 
 def backend_class(name: str) -> type[Backend]:
     """The class `transport.backend=name` builds (imports its module); `ConfigError` listing the names
     otherwise."""
-    return BACKENDS[name]
+    cls: type[Backend] = BACKENDS[name]
+    return cls
 
 
 def build_backend(name: str, **kwargs: Any) -> Backend:
@@ -42,7 +33,8 @@ def groups_draining() -> int:
     exit handlers beside them (libstdc++ aborts: "terminate called without an active exception"): the
     rollout CLI ends with `os._exit` then, once everything of its own is closed. Asks only the backends
     whose modules are loaded (a backend never built has no group)."""
-    counts = {cls.draining.__func__: cls.draining() for cls in BACKENDS.loaded().values()}  # type: ignore[attr-defined]
+    loaded: list[type[Backend]] = list(BACKENDS.loaded().values())
+    counts = {cls.draining.__func__: cls.draining() for cls in loaded}  # type: ignore[attr-defined]
     return sum(counts.values())
 
 

@@ -1,7 +1,7 @@
 """ZeroMQ control plane: registration, liveness, signed messages and the data-plane rendezvous; one
 job a file: `link.py` (endpoints, CURVE keys, the ZAP check), `sender.py` and `receiver.py` (the two
 socket ends), `store.py` (the rendezvous store behind the sender's socket). It moves messages and
-knows no version policy: what a message means for a version of weights is `engine/session.py`'s.
+knows no version policy: what a message means for a version of weights is `versions/steps.py`'s.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ idle), reads and checks what the sender says, and reaches the sender's rendezvou
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges, and in sealed
 mode: the sender session and its sequence); bad messages are counted and dropped, never acted upon.
 A new sender session is adopted only through a message whose seal answers one of our recent `Register`s
-(`Seal.answers`); what a message means for a version is the engine's business (`engine/session.py`).
+(`Seal.answers`); what a message means for a version is the engine's business (`versions/steps.py`).
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""Runnable examples; `tiny_lm` is the CPU demo model (trainer side and rollout module factory)."""
