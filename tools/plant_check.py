@@ -620,6 +620,10 @@ PLANTS = [
     Plant("sharded FSDP1: hybrid sharding not refused", f"{PKG}/trainer/sharded.py",
           "        if handle.world_size != world and handle.uses_sharded_strategy:", "        if False:",
           (SHARDED_LAYOUTS, "-k", "hsdp")),
+    Plant("receiver: an abort does not end the wait for a broadcast", f"{PKG}/versions/pipeline.py",
+          "            await asyncio.wait((done, failed), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)",
+          "            await asyncio.wait((done,), timeout=self.timeout_s)",
+          ("tests/integration/test_transfer.py", "-k", "abort_ends_the_wait")),
 ]  # fmt: skip
 
 

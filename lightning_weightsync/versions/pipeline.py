@@ -118,6 +118,12 @@ class BucketPipeline:
         self.finished = False
         self.current: BucketItem | None = None  # bucket being consumed, not yet released
         self.drain_task: asyncio.Future[None] | None = None
+        # the producer's failure (the sender aborted the version, a bad bucket): it ends a wait for a broadcast
+        # the sender will never finish, which would hold this rank until transport.timeout_s, past the next
+        # version's Ready; a broadcast so left behind (`abandoned`) means the group cannot be kept
+        self.producer_failed = asyncio.Event()
+        self.producer_error: BaseException | None = None
+        self.abandoned = False
         # {name sent: other names of that tensor}: the version's first bucket says (tied embeddings),
         # known before any destination is asked for
         self.tied: dict[str, list[str]] = {}
@@ -162,6 +168,8 @@ class BucketPipeline:
                 index += 1
         except BaseException as exc:
             self.ready.put_nowait(exc)
+            self.producer_error = exc
+            self.producer_failed.set()
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -190,7 +198,7 @@ class BucketPipeline:
         meta, slot, target, done, metas = item
         version, timeout_s = self.plan.version, self.timeout_s
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+            await self._complete(done)
         except asyncio.TimeoutError:
             self.finished = True
             raise WeightSyncTimeout(
@@ -204,6 +212,22 @@ class BucketPipeline:
             self.finished = True
             raise PeerError(f"version {version}: broadcast of bucket {meta.bucket_index} failed: {exc}") from exc
         return meta, slot, target, metas
+
+    async def _complete(self, done: asyncio.Future[None]) -> None:
+        """Wait for a bucket's broadcast on this rank, or for the version to end first (the producer failed:
+        the sender aborted it, so this broadcast may never finish); `asyncio.TimeoutError` after `timeout_s`."""
+        failed = asyncio.ensure_future(self.producer_failed.wait())
+        try:
+            await asyncio.wait((done, failed), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if done.done():
+            return done.result()
+        if self.producer_error is None:
+            raise asyncio.TimeoutError
+        self.abandoned = True
+        forget(done)
+        raise self.producer_error
 
     def _release(self, meta: BucketMeta, slot: int) -> None:
         if slot != NO_SLOT:
@@ -258,4 +282,5 @@ class BucketPipeline:
         while not self.ready.empty():  # broadcasts posted but never awaited
             item = self.ready.get_nowait()
             if not isinstance(item, BaseException):
+                self.abandoned |= not item[3].done()
                 forget(item[3])

@@ -358,8 +358,11 @@ class WeightReceiver(Endpoint):
             self._fail_group()
             raise
         except VersionAborted as exc:
-            # the sender dropped the version; whether the group survived is its call (next Plan)
+            # the sender dropped the version; whether the group survived is its call (next Plan), unless a
+            # broadcast was left posted here: it holds the executor and the group is out of step
             pipeline.cancel()
+            if pipeline.abandoned:
+                self._fail_group()
             await self._send_ack(plan.version, False, str(exc))
             raise
         except (WeightSyncTimeout, PeerError, ProtocolError) as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -551,6 +552,8 @@ class _ScriptedSteps:
         self.metas = metas
 
     async def next_bucket(self, version, bucket_index, timeout_s):
+        if isinstance(self.metas[bucket_index], BaseException):
+            raise self.metas[bucket_index]
         return self.metas[bucket_index]
 
 
@@ -570,6 +573,9 @@ def _loopback_backend(wire):
 
         def broadcast(self, slot, nbytes, bucket_index, buffer=None):
             data = wire[bucket_index]
+            if isinstance(data, threading.Event):  # a broadcast the sender never finishes
+                data.wait()
+                return
             if isinstance(data, BaseException):
                 raise data
             self.buckets[slot][:nbytes].copy_(data)
@@ -623,6 +629,32 @@ async def test_bucket_pipeline_runs_on_what_it_is_given(failure):
                     pass
             assert type(info.value) is expected
     finally:
+        pipeline.cancel()
+        executor.shutdown()
+
+
+async def test_an_abort_ends_the_wait_for_a_broadcast_the_sender_never_finishes():
+    """The sender aborts the version while this rank waits for a bucket's broadcast it will never finish (it
+    gave its group up): the wait ends with the abort at once, not at transport.timeout_s (past the next
+    version's Ready), and the pipeline says a broadcast was left behind, so the receiver gives its group up."""
+    from lightning_weightsync import ReceiveStats
+    from lightning_weightsync.protocol.joins.store import StoreJoin
+    from lightning_weightsync.protocol.messages import BucketMeta, Entry, GroupSpec, Member, Plan
+    from lightning_weightsync.transport.executor import SerialExecutor
+    from lightning_weightsync.versions.pipeline import BucketPipeline
+
+    never = threading.Event()
+    metas = [BucketMeta(1, 0, False, 16, [Entry("w", [8], "float32", 0, 16, 0)]), VersionAborted("aborted: r2 gone")]
+    backend, executor = _loopback_backend([never]), SerialExecutor("test-pipeline")
+    plan = Plan(1, 1, GroupSpec("s", 1, "loopback", 16, [Member("r", 1)], StoreJoin("127.0.0.1", 1)))
+    pipeline = BucketPipeline(plan, steps=_ScriptedSteps(metas), backend=backend, executor=executor, timeout_s=60)
+    try:
+        with pytest.raises(VersionAborted, match="r2 gone"):
+            await with_timeout(anext(pipeline.chunks(ReceiveStats(version=1))), 10)
+        pipeline.cancel()
+        assert pipeline.abandoned
+    finally:
+        never.set()
         pipeline.cancel()
         executor.shutdown()
 
