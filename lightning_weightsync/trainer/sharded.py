@@ -304,7 +304,7 @@ class LocalShards:
         version: int | None = None,
         drift: ReplicaDrift | None = None,
     ) -> None:
-        from ..protocol.fingerprint import fingerprint
+        from ..protocol.fingerprint import replica_digest
 
         self.drift = drift if drift is not None else ReplicaDrift()
         named = SentNames(NameMapper.from_config(names_cfg, prefix=prefix))
@@ -317,8 +317,8 @@ class LocalShards:
                 self.items.append(_held(raw, name, tensor))
         keys = list(dict.fromkeys(h.mesh_key for h in self.items if h.mesh_key is not None))
         whole = self.world > 1  # a single rank has nobody to disagree with
-        mine = {"meshes": [list(k) for k in keys],
-                "fingerprints": [fingerprint(h.local) if whole and h.whole else None for h in self.items]}  # fmt: skip
+        digests = [replica_digest(h.local) if whole and h.whole else None for h in self.items]
+        mine = {"meshes": [list(k) for k in keys], "fingerprints": digests}
         everyone = _all_gather_json(mine, device)  # 2
         copies = mesh_copies([e["meshes"] for e in everyone], self.world) if keys else []
         self.holders: list[tuple[int, int]] = []  # per item: (how many ranks hold its box, this rank's index)
@@ -478,12 +478,12 @@ def _drifted(
 ) -> set[int]:  # fmt: skip
     """Indices into `wholes` (held whole on every rank, in the same order) whose copies differ between
     ranks: one all-gather of their fingerprints (none on a single rank); `drift` reports them."""
-    from ..protocol.fingerprint import fingerprint
+    from ..protocol.fingerprint import replica_digest
 
     if world == 1:
         drift.seen(version, [], [], [])
         return set()
-    everyone = _all_gather_json([fingerprint(t) for _, t in wholes], device)
+    everyone = _all_gather_json([replica_digest(t) for _, t in wholes], device)
     if len({len(e) for e in everyone}) != 1:
         raise ConfigError(
             f"trainer.send_mode=sharded: the trainer ranks hold different numbers of unsharded tensors "

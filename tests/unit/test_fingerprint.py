@@ -15,6 +15,7 @@ from lightning_weightsync.protocol.fingerprint import (
     ROW_WORDS,
     checksum_hex,
     fingerprint,
+    replica_digest,
     sampled,
 )
 from lightning_weightsync.protocol.messages import BucketMeta, Entry
@@ -144,3 +145,28 @@ def test_verify_off_in_yaml_is_the_choice_not_a_boolean(text: str, tmp_path) -> 
     want = "off" if text == "false" else text
     assert str(load_config(path).transport.verify) == want
     assert str(load_config(overrides=[f"transport.verify={text}"]).transport.verify) == want
+
+
+def _replica_reference(tensor: torch.Tensor) -> int:
+    """`replica_digest` from its definition: every 8-byte word (zero-padded) times its own odd weight."""
+    data = as_bytes(tensor.contiguous()).tolist()
+    data += [0] * (-len(data) % 8)
+    words = [int.from_bytes(bytes(data[i : i + 8]), "little", signed=True) for i in range(0, len(data), 8)]
+    return (sum((2 * p + 1) * w for p, w in enumerate(words)) + len(as_bytes(tensor)) * GOLDEN) & MASK
+
+
+@pytest.mark.parametrize("shape", [(7,), (32,), (3, ROW_WORDS * 2 + 5), (ROW_WORDS * 9 + 3,)])
+def test_replica_digest_is_its_definition_and_sees_drift_that_cancels_in_a_row(shape):
+    """Replicas drift by an ulp up here and an ulp down there, in one row as often as not (a 32-element norm
+    weight, elements 9 and 13, in a real 2-rank run): the row sum of `fingerprint` cannot see that; the replica
+    digest (trainer ranks comparing their whole copies in sharded mode) must."""
+    torch.manual_seed(0)
+    tensor = torch.randn(shape)
+    assert replica_digest(tensor) == _replica_reference(tensor)
+    drifted = tensor.clone()
+    flat = drifted.view(-1).view(torch.int32)
+    flat[1] += 1
+    flat[min(5, flat.numel() - 1)] -= 1
+    assert fingerprint(drifted) == fingerprint(tensor)  # the row sum: blind to it
+    assert replica_digest(drifted) != replica_digest(tensor)
+    assert replica_digest(tensor.clone()) == replica_digest(tensor)
