@@ -97,7 +97,7 @@ def replica_digest(tensor: torch.Tensor) -> int:
         row_sums = block.sum(dim=1)
         index = torch.arange(start, start + block.shape[0], dtype=torch.int64, device=words.device)
         total += int(within) + int((row_sums * index).sum()) * 2 * ROW_WORDS
-    return (total + nbytes * GOLDEN) & MASK
+    return (nbytes * GOLDEN + total) & MASK
 
 
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
