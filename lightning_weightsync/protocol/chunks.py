@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import ConfigError, ProtocolError
+from .boxes import box_of, is_dtensor, local_of, place
 from .dtypes import itemsize
 
 T = TypeVar("T")
@@ -216,15 +217,48 @@ class BucketLayout:
             filled = self._start()
 
 
+class Landing:
+    """Where a tensor's bytes land: `into()`'s destination, or for a DTensor the box its local tensor holds on
+    this rank (a tensor-parallel rollout): every byte of the whole tensor passes, only the box's are kept
+    (`boxes.place`, a few strided copies per chunk). `write(offset, chunk)`: bytes [offset, +len) of the whole."""
+
+    __slots__ = ("box", "dest", "dest_bytes", "local", "shape")
+
+    def __init__(self, meta: TensorMeta, dest: torch.Tensor) -> None:
+        self.dest, self.shape = dest, meta.shape
+        self.box = box_of(dest) if is_dtensor(dest) else None
+        if self.box is None:
+            check_destination(meta, dest)
+            self.dest_bytes: torch.Tensor | None = as_bytes(dest)
+            return
+        if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
+            raise ProtocolError(
+                f"DTensor destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
+                f"but the stream carries {meta.dtype}{list(meta.shape)}"
+            )
+        self.local = local_of(dest)
+        if tuple(self.local.shape) != self.box.sizes or not self.local.is_contiguous():
+            raise ProtocolError(f"DTensor destination for {meta.name!r}: its local tensor is not its contiguous box")
+        self.dest_bytes = None
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        dest_bytes = self.dest_bytes
+        if dest_bytes is not None:
+            whole = offset == 0 and data.numel() == dest_bytes.numel()
+            place_chunk(dest_bytes if whole else dest_bytes[offset : offset + data.numel()], data)
+        else:
+            assert self.box is not None
+            place(self.local, self.box, self.shape, offset, data)
+
+
 class _Assembly:
     """One tensor being merged: its destination bytes and the next byte expected."""
 
-    __slots__ = ("dest", "dest_bytes", "meta", "next_offset")
+    __slots__ = ("landing", "meta", "next_offset")
 
-    def __init__(self, meta: TensorMeta, dest: torch.Tensor, dest_bytes: torch.Tensor, next_offset: int) -> None:
+    def __init__(self, meta: TensorMeta, landing: Landing, next_offset: int) -> None:
         self.meta = meta
-        self.dest = dest
-        self.dest_bytes = dest_bytes
+        self.landing = landing
         self.next_offset = next_offset
 
 
@@ -290,11 +324,11 @@ class _Merger:
             )
         end = offset + size
         if size:
-            place_chunk(current.dest_bytes[offset:end], data)
+            current.landing.write(offset, data)
         current.next_offset = end
         if end == nbytes:
             self.current = None
-            return meta.name, current.dest
+            return meta.name, current.landing.dest
         return None
 
     def _first(self, meta: TensorMeta, data: torch.Tensor) -> tuple[str, torch.Tensor] | None:
@@ -308,17 +342,13 @@ class _Merger:
         dest = self.into(meta) if self.into is not None else None
         if dest is None:
             dest = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-        else:
-            check_destination(meta, dest)
+        landing = Landing(meta, dest)
         self.seen.add(name)
-        dest_bytes = as_bytes(dest)
-        if size == dest_bytes.numel():  # the whole tensor in one chunk (the common case)
-            if size:
-                place_chunk(dest_bytes, data)
-            return name, dest
         if size:
-            place_chunk(dest_bytes[:size], data)
-        self.current = _Assembly(meta, dest, dest_bytes, size)
+            landing.write(0, data)
+        if size == meta.nbytes:  # the whole tensor in one chunk (the common case)
+            return name, dest
+        self.current = _Assembly(meta, landing, size)
         return None
 
     def finish(self) -> None:

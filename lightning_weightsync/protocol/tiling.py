@@ -22,18 +22,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import ProtocolError
-from .chunks import TensorMeta, as_bytes, check_destination, place_chunk
+from .chunks import Landing, TensorMeta
 
 
 class _Tile:
     """One tensor being tiled: its destination and the byte ranges received so far, sorted."""
 
-    __slots__ = ("covered", "dest", "dest_bytes", "meta", "ranges")
+    __slots__ = ("covered", "dest", "landing", "meta", "ranges")
 
     def __init__(self, meta: TensorMeta, dest: torch.Tensor) -> None:
         self.meta = meta
         self.dest = dest
-        self.dest_bytes = as_bytes(dest)
+        self.landing = Landing(meta, dest)
         self.ranges: list[tuple[int, int, int]] = []  # (start, end, sender), sorted by start
         self.covered = 0
 
@@ -71,7 +71,7 @@ class TilingMerger:
             raise ProtocolError(f"chunk of {name!r} from {self._who(sender)} is {size} bytes > bucket_size")
         tile = self._claim(sender, meta)
         if size:
-            place_chunk(tile.dest_bytes[start : start + size], data)
+            tile.landing.write(start, data)
         return self._covered(tile, sender, size)
 
     def write(
@@ -81,7 +81,12 @@ class TilingMerger:
         destination's bytes of that range itself (a shard's delta applied onto the held version, sharded send
         mode): the range is checked and counted as any chunk's; `fill` runs only once it is claimed."""
         tile = self._claim(sender, meta)
-        fill(tile.dest_bytes[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
+        if tile.landing.dest_bytes is None:
+            raise ProtocolError(
+                f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.delta=off "
+                "for a tensor-parallel rollout"
+            )
+        fill(tile.landing.dest_bytes[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
         return self._covered(tile, sender, meta.chunk_size)
 
     def _claim(self, sender: int, meta: TensorMeta) -> _Tile:
@@ -133,8 +138,7 @@ class TilingMerger:
         dest = self.into(meta) if self.into is not None else None
         if dest is None:
             return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-        check_destination(meta, dest)
-        return dest
+        return dest  # checked by its Landing
 
     def gaps(self, name: str) -> list[tuple[int, int]]:
         """The byte ranges of an incomplete tensor that nobody sent (yet)."""

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from ..protocol.boxes import is_dtensor
 from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.layout import Layout, LayoutRecorder, no_layout
 from ..protocol.messages import BucketMeta, LoraSpec, Plan
@@ -67,6 +68,7 @@ class Destinations:
             return None
         if (
             not isinstance(dest, torch.Tensor)
+            or is_dtensor(dest)  # it keeps only its box: the merge places the chunk (protocol/boxes.py)
             or dest.dtype != meta.dtype
             or tuple(dest.shape) != meta.shape
             or dest.device != device

@@ -1,0 +1,116 @@
+"""A tensor-parallel rollout (2 processes, `parallelize_module`: column- and row-wise linears, a vocab-parallel
+embedding tied to a column-parallel LM head) receives versions with `receive_weights(into=...)` whose `into`
+returns the rollout's own DTensor parameters, and nothing else: every rank's local tensors end equal to its box
+of the trainer's weights, bitwise (protocol/boxes.py places each chunk's part of the box)."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_weightsync import WeightReceiver, WeightSender
+from lightning_weightsync.demo.tiny_lm import build_model
+from lightning_weightsync.protocol.chunks import as_bytes
+from tests.support.mp import free_port, run_workers
+from tests.support.transfer import engine_cfg, with_timeout
+
+TP = 2
+VERSIONS = (1, 2)
+TIMEOUT_S = 120
+MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "max_seq_len": 16}
+
+
+def _trainer_model(version: int) -> torch.nn.Module:
+    """The trainer's weights of `version`, the same in every process (the rollout ranks check against them)."""
+    model = build_model(MODEL, seed=1000 + version)
+    model.lm_head.weight = model.embed.weight  # tied: sent once, as embed.weight
+    return model
+
+
+def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=True)
+    store = dist.TCPStore("127.0.0.1", store_port, TP, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP)
+    mesh = init_device_mesh("cpu", (TP,))
+    model = build_model(MODEL, seed=7)  # the rollout's own initial weights: not the trainer's
+    plan: dict[str, Any] = {"embed": RowwiseParallel(), "lm_head": ColwiseParallel()}
+    for i in range(MODEL["n_layers"]):
+        plan |= {f"layers.{i}.qkv": ColwiseParallel(), f"layers.{i}.proj": RowwiseParallel(),
+                 f"layers.{i}.up": ColwiseParallel(), f"layers.{i}.down": RowwiseParallel()}  # fmt: skip
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.embed.weight  # tied on the rollout too, after parallelizing
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    sharded = sorted(n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape != p.shape)
+
+    async def main() -> dict[str, Any]:
+        cfg = engine_cfg(port, transport__verify="full")
+        seen: dict[int, list[str]] = {}
+        async with WeightReceiver(cfg, identity=f"tp{rank}") as receiver:
+            for version in VERSIONS:
+                got = [n async for n, _ in receiver.receive_weights(into=lambda meta: params.get(meta.name))]
+                seen[version] = got
+                expected = _trainer_model(version).state_dict()
+                for name, param in params.items():
+                    if name not in expected or name == "lm_head.weight":
+                        continue
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    if isinstance(param, DTensor):
+                        from lightning_weightsync.protocol.boxes import box_of
+
+                        box = box_of(param)
+                        assert box is not None
+                        want = box.of(expected[name])
+                    else:
+                        want = expected[name]
+                    assert local.dtype == want.dtype and local.shape == want.shape, name
+                    assert torch.equal(as_bytes(local.contiguous()), as_bytes(want.contiguous())), (version, name)
+                assert model.lm_head.weight is model.embed.weight
+        return {"seen": seen, "sharded": sharded}
+
+    try:
+        return asyncio.run(main())
+    finally:
+        dist.destroy_process_group()
+
+
+def _trainer(port: int) -> list[int]:
+    async def main() -> list[int]:
+        cfg = engine_cfg(port, trainer__min_receivers=TP, transport__verify="full")
+        receivers = []
+        async with WeightSender(cfg) as sender:
+            for version in VERSIONS:
+                model = _trainer_model(version)
+                weights = [(n, t.detach()) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+                stats = await with_timeout(
+                    sender.send_weights(weights, version=version, tied={"embed.weight": ["lm_head.weight"]}), 90
+                )
+                receivers.append(stats.receivers)
+        return receivers
+
+    return asyncio.run(main())
+
+
+def _role(role: int, port: int, store_port: int) -> Any:
+    return _trainer(port) if role == 0 else _tp_rollout(port, store_port, role - 1)
+
+
+def test_a_tensor_parallel_rollout_receives_into_its_dtensors_bitwise() -> None:
+    port, store_port = free_port(), free_port()
+    trainer, *ranks = run_workers(_role, [(r, port, store_port) for r in range(1 + TP)], timeout_s=TIMEOUT_S)
+    assert trainer == [TP] * len(VERSIONS)
+    for rank in ranks:
+        # column-wise (qkv, up, lm_head/embed: dim 0) and row-wise (proj, down: dim 1) boxes, not whole copies
+        assert {"embed.weight", "layers.0.qkv.weight", "layers.0.proj.weight", "layers.1.down.weight"} <= set(
+            rank["sharded"]
+        ), rank["sharded"]
+        for version in VERSIONS:
+            assert "embed.weight" in rank["seen"][version] and "layers.1.down.weight" in rank["seen"][version]
