@@ -10,6 +10,7 @@ import faulthandler
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
@@ -58,6 +59,11 @@ def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
             for version in VERSIONS:
                 got = [n async for n, _ in receiver.receive_weights(into=lambda meta: params.get(meta.name))]
                 seen[version] = got
+                # transport.verify=full: every tensor held whole is checked; a box cannot be, against the
+                # fingerprint of the whole tensor (counted, not checked)
+                plain = [n for n in got if not isinstance(params.get(n), DTensor)]
+                report = receiver.last_verify
+                assert report is not None and report.tensors == len(got) and report.verified == len(plain), report
                 expected = _trainer_model(version).state_dict()
                 for name, param in params.items():
                     if name not in expected or name == "lm_head.weight":
@@ -82,31 +88,69 @@ def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    model = _trainer_model(version)
+    return [(n, t.detach()) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+
+
+TIED = {"embed.weight": ["lm_head.weight"]}
+
+
 def _trainer(port: int) -> list[int]:
+    """Gather mode: one sender, whole tensors."""
+
     async def main() -> list[int]:
         cfg = engine_cfg(port, trainer__min_receivers=TP, transport__verify="full")
         receivers = []
         async with WeightSender(cfg) as sender:
             for version in VERSIONS:
-                model = _trainer_model(version)
-                weights = [(n, t.detach()) for n, t in model.state_dict().items() if n != "lm_head.weight"]
-                stats = await with_timeout(
-                    sender.send_weights(weights, version=version, tied={"embed.weight": ["lm_head.weight"]}), 90
-                )
+                stats = await with_timeout(sender.send_weights(_weights(version), version=version, tied=TIED), 90)
                 receivers.append(stats.receivers)
         return receivers
 
     return asyncio.run(main())
 
 
-def _role(role: int, port: int, store_port: int) -> Any:
-    return _trainer(port) if role == 0 else _tp_rollout(port, store_port, role - 1)
+def _sharded_trainer(port: int, store_port: int, rank: int, world: int) -> list[int]:
+    """Sharded mode: every trainer rank sends its rows of every tensor (FSDP2's Shard(0) cut); the rollout's
+    boxes are column and row blocks, so each chunk's part of a box is cut across rows and columns."""
+    from tests.support.sharded_senders import ShardedRank, gloo_group, row_shard
+
+    async def main() -> list[int]:
+        cfg = engine_cfg(port if rank == 0 else 0, trainer__min_receivers=TP, transport__verify="full")
+        receivers = []
+        async with WeightSender(cfg) as sender:
+            me = ShardedRank(sender, rank)
+            for version in VERSIONS:
+                mine: list[tuple[str, Any]] = []
+                for name, tensor in _weights(version):
+                    if tensor.dim() == 0:  # a scalar (the step count): whole, from rank 0, as sharded mode sends it
+                        mine += [(name, tensor)] if rank == 0 else []
+                    elif (shard := row_shard(tensor, rank, world)) is not None:
+                        mine.append((name, shard))
+                stats = await with_timeout(me.send(mine, version), 90)
+                receivers.append(stats.receivers)
+        return receivers
+
+    with gloo_group(rank, world, store_port):
+        return asyncio.run(main())
 
 
-def test_a_tensor_parallel_rollout_receives_into_its_dtensors_bitwise() -> None:
-    port, store_port = free_port(), free_port()
-    trainer, *ranks = run_workers(_role, [(r, port, store_port) for r in range(1 + TP)], timeout_s=TIMEOUT_S)
-    assert trainer == [TP] * len(VERSIONS)
+def _role(role: int, senders: int, port: int, store_port: int, rollout_store_port: int) -> Any:
+    if role >= senders:
+        return _tp_rollout(port, rollout_store_port, role - senders)
+    if senders == 1:
+        return _trainer(port)
+    return _sharded_trainer(port, store_port, role, senders)
+
+
+@pytest.mark.parametrize("senders", [1, 2], ids=["gather", "sharded-2-ranks"])
+def test_a_tensor_parallel_rollout_receives_into_its_dtensors_bitwise(senders: int) -> None:
+    port, store_port, rollout_store_port = free_port(), free_port(), free_port()
+    args = [(r, senders, port, store_port, rollout_store_port) for r in range(senders + TP)]
+    results = run_workers(_role, args, timeout_s=TIMEOUT_S)
+    trainers, ranks = results[:senders], results[senders:]
+    assert all(t == [TP] * len(VERSIONS) for t in trainers), trainers
     for rank in ranks:
         # column-wise (qkv, up, lm_head/embed: dim 0) and row-wise (proj, down: dim 1) boxes, not whole copies
         assert {"embed.weight", "layers.0.qkv.weight", "layers.0.proj.weight", "layers.1.down.weight"} <= set(
