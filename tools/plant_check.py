@@ -627,6 +627,17 @@ PLANTS = [
     Plant("replica digest: words inside a row not weighted", f"{PKG}/protocol/fingerprint.py",
           "        within = (block * columns).sum()", "        within = block.sum()",
           ("tests/unit/test_fingerprint.py", "-k", "replica_digest")),
+    Plant("boxes: a piece placed from the chunk's view, not its storage", f"{PKG}/protocol/boxes.py",
+          "        at = chunk.storage_offset() + _linear(piece.offsets, byte_shape) - start",
+          "        at = _linear(piece.offsets, byte_shape) - start", ("tests/unit/test_boxes.py",)),
+    Plant("boxes: overlapping boxes of one receiver accepted", f"{PKG}/protocol/boxes.py",
+          "            if box.intersect(other) is not None:", "            if False:", ("tests/unit/test_boxes.py",)),
+    Plant("boxes: a DTensor destination taken as a whole tensor", f"{PKG}/protocol/chunks.py",
+          "        self.box = box_of(dest) if is_dtensor(dest) else None", "        self.box = None",
+          ("tests/integration/test_tensor_parallel_rollout.py",)),
+    Plant("boxes: sharded verify fingerprints a DTensor's box as the whole", f"{PKG}/versions/shard_verify.py",
+          "        if is_dtensor(tensor):  # this rank kept its box", "        if False:  # this rank kept its box",
+          ("tests/integration/test_tensor_parallel_rollout.py",)),
 ]  # fmt: skip
 
 
