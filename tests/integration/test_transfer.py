@@ -461,11 +461,7 @@ def test_receiver_killed_mid_version_fails_the_version_not_the_session(backend):
     port = free_port()
     codes: list[int | None] = []
     args = [(r, port, backend) for r in range(3)]
-    # spawned, not forked from the forkserver: with all three forked at once, the survivor missed
-    # transport.ready_timeout_s=3 for version 2 in 2 of ~20 loaded runs (0 of 12 spawned); see issue 44's report
-    sender, survivor, _ = run_workers(
-        _dying_role, args, timeout_s=100, doomed=[2], exit_codes=codes, start_method="spawn"
-    )
+    sender, survivor, _ = run_workers(_dying_role, args, timeout_s=100, doomed=[2], exit_codes=codes)
     assert codes[2] == 1  # it really died
     # bounded, named, not a hang; and noticed at once, not by waiting out transport.timeout_s=60
     (kind, message), elapsed, receivers_v2 = sender
