@@ -633,7 +633,7 @@ PLANTS = [
     Plant("boxes: overlapping boxes of one receiver accepted", f"{PKG}/protocol/boxes.py",
           "            if box.intersect(other) is not None:", "            if False:", ("tests/unit/test_boxes.py",)),
     Plant("boxes: a DTensor destination taken as a whole tensor", f"{PKG}/protocol/chunks.py",
-          "        self.box = box_of(dest) if is_dtensor(dest) else None", "        self.box = None",
+          "        self.box = box_of(dest)", "        self.box = None",
           ("tests/integration/test_tensor_parallel_rollout.py",)),
     Plant("boxes: sharded verify fingerprints a DTensor's box as the whole", f"{PKG}/versions/shard_verify.py",
           "        if is_dtensor(tensor):  # this rank kept its box", "        if False:  # this rank kept its box",

@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import ConfigError, ProtocolError
-from .boxes import box_of, is_dtensor, local_of, place
+from .boxes import box_of, local_of, place
 from .dtypes import itemsize
 
 T = TypeVar("T")
@@ -226,7 +226,7 @@ class Landing:
 
     def __init__(self, meta: TensorMeta, dest: torch.Tensor) -> None:
         self.dest, self.shape = dest, meta.shape
-        self.box = box_of(dest) if is_dtensor(dest) else None
+        self.box = box_of(dest)
         if self.box is None:
             check_destination(meta, dest)
             self.dest_bytes: torch.Tensor | None = as_bytes(dest)

@@ -42,17 +42,21 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def _bytes_and_words(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The tensor's byte count and its bytes as int64 words (`_words`): what both digests read."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    data = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    return data.numel(), _words(data)
+
+
 def fingerprint(tensor: torch.Tensor) -> int:
     """The tensor's fingerprint (module docstring), an unsigned 64-bit int; blocks until it is computed.
 
     Few torch calls for a small tensor (most of a model's tensors are norms and biases: per-call overhead,
     not bandwidth, is their cost); one row-sum pass plus a pass over the row sums for a large one."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    data = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-    nbytes = data.numel()
+    nbytes, words = _bytes_and_words(tensor)
     if nbytes == 0:
         return 0
-    words = _words(data)
     count = words.numel()
     if count <= ROW_WORDS:  # one row, weight 1
         return (int(words.sum()) + nbytes * GOLDEN) & MASK
@@ -76,12 +80,9 @@ def replica_digest(tensor: torch.Tensor) -> int:
     `sum_p (2p + 1) * word_p mod 2**64`, computed per row as `sum_k (2k + 1) w_jk + 2 * ROW_WORDS * j * r_j`: a
     change of +d at one word and -d at another changes it by `2d(p - q)`, which is not 0 mod 2**64 for any
     drift a replica can show. One more pass over the data than `fingerprint`, in blocks."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    data = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-    nbytes = data.numel()
+    nbytes, words = _bytes_and_words(tensor)
     if nbytes == 0:
         return 0
-    words = _words(data)
     count = words.numel()
     rows = -(-count // ROW_WORDS)
     if count != rows * ROW_WORDS:  # the tail row, zero-padded (a zero word adds nothing)
