@@ -198,6 +198,10 @@ class TransportConfig:
     """Send each bucket's layout (names, shapes, dtypes, offsets) once: while a version is cut into the same
     buckets as the last one every receiver holds, its buckets name that layout by digest instead of listing
     their entries again (protocol/layout.py). false: every bucket lists its entries (the wire before this knob)."""
+    slices: bool = True
+    """Receiver: declare the box of each tensor this rollout holds (a tensor-parallel rollout's DTensors, learnt
+    from the first version received into them), so the sender sends it that slice only (versions/lanes.py).
+    false: take whole tensors and keep the box (the wire before this knob). The sender serves either."""
 
 
 @dataclass

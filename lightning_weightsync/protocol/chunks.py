@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import ConfigError, ProtocolError
-from .boxes import box_of, local_of, place
+from .boxes import Box, box_of, byte_pieces, local_of, local_range, place
 from .dtypes import itemsize
 
 T = TypeVar("T")
@@ -45,6 +45,9 @@ class TensorMeta:
 
     `chunk_offset`/`chunk_size` are bytes within the whole tensor; `offset` is the position of
     the chunk in its bucket (set by the split/sender, `None` for chunks not yet placed).
+    With a `box` (a receiver that declared the part of the tensor it holds: protocol/boxes.py), the stream
+    carries that box's local tensor only: `chunk_offset`/`chunk_size`, `numel` and `nbytes` are of it, and
+    `shape` stays the whole tensor's, so a name means one tensor wherever it goes.
     """
 
     name: str
@@ -53,10 +56,22 @@ class TensorMeta:
     chunk_offset: int
     chunk_size: int
     offset: int | None = None
+    box: Box | None = None
+
+    @property
+    def form(self) -> str:
+        """What the stream carries of the tensor, for errors: `torch.float32[8, 4]`, and its box if any."""
+        box = "" if self.box is None else f" box at {list(self.box.offsets)} of sizes {list(self.box.sizes)}"
+        return f"{self.dtype}{list(self.shape)}{box}"
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the stream carries: the box's local tensor, or the whole."""
+        return self.shape if self.box is None else self.box.sizes
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.local_shape)
 
     @property
     def nbytes(self) -> int:
@@ -76,15 +91,19 @@ class TensorShard:
     """A contiguous byte range of a tensor that one sender owns (sharded send mode: an FSDP2 `Shard(0)`
     local shard, a slice of an FSDP1 flat parameter). `shape` and `dtype` are the whole tensor's;
     `byte_offset` is where `data`'s bytes start in it. Its chunks carry offsets into the whole tensor, so
-    a receiver places them straight where they belong, whichever sender they came from."""
+    a receiver places them straight where they belong, whichever sender they came from.
+    With a `box`, the bytes are of that box's local tensor (a lane's part: `versions/lanes.py`), and
+    `byte_offset` counts in it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     byte_offset: int
     data: torch.Tensor
+    box: Box | None = None
 
     def __post_init__(self) -> None:
-        whole = math.prod(self.shape) * itemsize(self.dtype)
+        held = self.shape if self.box is None else self.box.sizes
+        whole = math.prod(held) * itemsize(self.dtype)
         size = self.data.numel() * self.data.element_size()
         if self.byte_offset < 0 or self.byte_offset + size > whole:
             raise ValueError(f"shard [{self.byte_offset}, +{size}) is outside the tensor's {whole} bytes")
@@ -175,15 +194,17 @@ class BucketLayout:
         base = 0  # where these bytes start in the whole tensor (a shard's offset)
         if isinstance(tensor, TensorShard):
             base, data, shape, dtype = tensor.byte_offset, as_bytes(tensor.data), tensor.shape, tensor.dtype
+            box = tensor.box
         elif isinstance(tensor, torch.Tensor):
-            data, shape, dtype = as_bytes(tensor), tuple(tensor.shape), tensor.dtype
+            data, shape, dtype, box = as_bytes(tensor), tuple(tensor.shape), tensor.dtype, None
         else:
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         nbytes = data.numel()
-        if base:
+        if base or box is not None:
+            held = math.prod(shape if box is None else box.sizes) * itemsize(dtype)
             yield from (
-                (TensorMeta(m.name, m.shape, m.dtype, m.chunk_offset + base, m.chunk_size, m.offset), d)
-                for m, d in self._chunks(name, data, shape, dtype, nbytes, math.prod(shape) * itemsize(dtype))
+                (TensorMeta(m.name, m.shape, m.dtype, m.chunk_offset + base, m.chunk_size, m.offset, box), d)
+                for m, d in self._chunks(name, data, shape, dtype, nbytes, held)
             )
         else:
             yield from self._chunks(name, data, shape, dtype, nbytes, nbytes)
@@ -218,37 +239,81 @@ class BucketLayout:
 
 
 class Landing:
-    """Where a tensor's bytes land: `into()`'s destination, or for a DTensor the box its local tensor holds on
-    this rank (a tensor-parallel rollout): every byte of the whole tensor passes, only the box's are kept
-    (`boxes.place`, a few strided copies per chunk). `write(offset, chunk)`: bytes [offset, +len) of the whole."""
+    """Where a tensor's bytes land: `into()`'s destination, or the box of it this rank holds (a tensor-parallel
+    rollout's DTensor, or a plain tensor shaped like the box a sender sent). `held` is the bytes kept: the whole
+    tensor's, or the box's local tensor's. A chunk of the whole tensor into a box: every byte passes, only the
+    box's are kept (`boxes.place`, a few strided copies per chunk); a chunk of the box alone (`meta.box`: the
+    receiver declared it) is bytes of the local tensor, in order, and lands as a plain tensor's do.
+    `write(meta, offset, chunk)`: bytes [offset, +len) of what `meta`'s stream carries."""
 
-    __slots__ = ("box", "dest", "dest_bytes", "local", "shape")
+    __slots__ = ("box", "dest", "held", "local", "shape")
 
     def __init__(self, meta: TensorMeta, dest: torch.Tensor) -> None:
         self.dest, self.shape = dest, meta.shape
         self.box = box_of(dest)
-        if self.box is None:
+        if self.box is None and meta.box is None:
             check_destination(meta, dest)
-            self.dest_bytes: torch.Tensor | None = as_bytes(dest)
-            return
-        if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
-            raise ProtocolError(
-                f"DTensor destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
-                f"but the stream carries {meta.dtype}{list(meta.shape)}"
-            )
-        self.local = local_of(dest)
-        if tuple(self.local.shape) != self.box.sizes or not self.local.is_contiguous():
-            raise ProtocolError(f"DTensor destination for {meta.name!r}: its local tensor is not its contiguous box")
-        self.dest_bytes = None
-
-    def write(self, offset: int, data: torch.Tensor) -> None:
-        dest_bytes = self.dest_bytes
-        if dest_bytes is not None:
-            whole = offset == 0 and data.numel() == dest_bytes.numel()
-            place_chunk(dest_bytes if whole else dest_bytes[offset : offset + data.numel()], data)
+            self.local = dest
+        elif self.box is None:  # a plain tensor for a box the sender sent: the consumer keeps the slice itself
+            assert meta.box is not None
+            self.box, self.local = meta.box, _box_tensor(meta, meta.box, dest)
         else:
-            assert self.box is not None
+            if dest.dtype != meta.dtype or tuple(dest.shape) != meta.shape:
+                raise ProtocolError(
+                    f"DTensor destination for {meta.name!r} is {dest.dtype}{list(dest.shape)}, "
+                    f"but the stream carries {meta.form}"
+                )
+            self.local = local_of(dest)
+            if tuple(self.local.shape) != self.box.sizes or not self.local.is_contiguous():
+                raise ProtocolError(
+                    f"DTensor destination for {meta.name!r}: its local tensor is not its contiguous box"
+                )
+        self.held = as_bytes(self.local)
+        self.fits(meta)
+
+    @property
+    def whole_bytes(self) -> torch.Tensor | None:
+        """The destination's bytes where it holds the whole tensor (None: a box of it)."""
+        return self.held if self.box is None else None
+
+    def fits(self, meta: TensorMeta) -> None:
+        """A chunk of a box lands only in a destination that holds exactly that box."""
+        if meta.box is not None and meta.box != self.box:
+            held = (
+                "the whole tensor"
+                if self.box is None
+                else f"box at {list(self.box.offsets)} of sizes " + str(list(self.box.sizes))
+            )
+            raise ProtocolError(f"{meta.name!r}: the sender sent {meta.form}, but the destination holds {held}")
+
+    def local_range(self, meta: TensorMeta) -> tuple[int, int]:
+        """The bytes of `held` that `meta`'s chunk fills."""
+        start, end = meta.chunk_offset, meta.chunk_offset + meta.chunk_size
+        if meta.box is not None or self.box is None:
+            return start, end
+        width = itemsize(meta.dtype)
+        return local_range(self.shape, width, self.box, byte_pieces(self.shape, width, self.box, start, end))
+
+    def write(self, meta: TensorMeta, offset: int, data: torch.Tensor) -> None:
+        if meta.box is not None or self.box is None:
+            held = self.held
+            whole = offset == 0 and data.numel() == held.numel()
+            place_chunk(held if whole else held[offset : offset + data.numel()], data)
+        else:
             place(self.local, self.box, self.shape, offset, data)
+
+
+def _box_tensor(meta: TensorMeta, box: Box, dest: torch.Tensor) -> torch.Tensor:
+    """A plain destination of a box the sender sent: shaped like the box, of the tensor's dtype, contiguous."""
+    if not isinstance(dest, torch.Tensor) or dest.dtype != meta.dtype or tuple(dest.shape) != box.sizes:
+        what = f"{dest.dtype}{list(dest.shape)}" if isinstance(dest, torch.Tensor) else type(dest).__name__
+        raise ProtocolError(
+            f"{meta.name!r}: the sender sent {meta.form}, but the destination is {what}: a DTensor holding "
+            "that box, or a tensor of the box's sizes"
+        )
+    if not dest.is_contiguous():
+        raise ProtocolError(f"destination for {meta.name!r}'s box must be contiguous")
+    return dest
 
 
 class _Assembly:
@@ -312,11 +377,8 @@ class _Merger:
                 f"stream moved to {meta.name!r} while {current.meta.name!r} was incomplete "
                 f"({current.next_offset}/{current.meta.nbytes} bytes)"
             )
-        if meta.shape != current.meta.shape or meta.dtype != current.meta.dtype:
-            raise ProtocolError(
-                f"{meta.name!r} changed from {current.meta.dtype}{list(current.meta.shape)} to "
-                f"{meta.dtype}{list(meta.shape)} mid-tensor"
-            )
+        if meta.shape != current.meta.shape or meta.dtype != current.meta.dtype or meta.box != current.meta.box:
+            raise ProtocolError(f"{meta.name!r} changed from {current.meta.form} to {meta.form} mid-tensor")
         if offset != current.next_offset:
             kind = "gap" if offset > current.next_offset else "overlap"
             raise ProtocolError(
@@ -324,7 +386,7 @@ class _Merger:
             )
         end = offset + size
         if size:
-            current.landing.write(offset, data)
+            current.landing.write(meta, offset, data)
         current.next_offset = end
         if end == nbytes:
             self.current = None
@@ -341,11 +403,11 @@ class _Merger:
             )
         dest = self.into(meta) if self.into is not None else None
         if dest is None:
-            dest = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            dest = torch.empty(meta.local_shape, dtype=meta.dtype, device=self.device)
         landing = Landing(meta, dest)
         self.seen.add(name)
         if size:
-            landing.write(0, data)
+            landing.write(meta, 0, data)
         if size == meta.nbytes:  # the whole tensor in one chunk (the common case)
             return name, dest
         self.current = _Assembly(meta, landing, size)

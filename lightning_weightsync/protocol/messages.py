@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeAlias, Union
 import msgspec
 
 from ..errors import ProtocolError
+from .boxes import Box, check_boxes
 from .chunks import MAX_BUCKET_ENTRIES, TensorMeta
 from .dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 from .fingerprint import MASK, NO_FINGERPRINT
@@ -46,7 +47,9 @@ PROTOCOL_VERSION = 1
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
-    """One chunk in a bucket (the wire form of `TensorMeta`)."""
+    """One chunk in a bucket (the wire form of `TensorMeta`). `box`: empty, or the box of the tensor the
+    chunk is a part of (its offsets, then its sizes: a receiver that declared it gets that box only, and the
+    chunk's bytes count in the box's local tensor)."""
 
     name: str
     shape: list[int]
@@ -54,16 +57,28 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     chunk_offset: int
     chunk_size: int
     offset: int
+    box: list[int] = []
 
     @classmethod
     def from_meta(cls, meta: TensorMeta) -> Entry:
         assert meta.offset is not None, "chunk has no bucket offset"
-        return cls(meta.name, list(meta.shape), dtype_name(meta.dtype), meta.chunk_offset, meta.chunk_size, meta.offset)
+        box = [] if meta.box is None else [*meta.box.offsets, *meta.box.sizes]
+        return cls(
+            meta.name, list(meta.shape), dtype_name(meta.dtype), meta.chunk_offset, meta.chunk_size, meta.offset, box
+        )
+
+    @property
+    def the_box(self) -> Box | None:
+        if not self.box:
+            return None
+        ndim = len(self.box) // 2
+        return Box(tuple(self.box[:ndim]), tuple(self.box[ndim:]))
 
     def to_meta(self) -> TensorMeta:
         return TensorMeta(
-            self.name, tuple(self.shape), dtype_from_name(self.dtype), self.chunk_offset, self.chunk_size, self.offset
-        )
+            self.name, tuple(self.shape), dtype_from_name(self.dtype), self.chunk_offset, self.chunk_size, self.offset,
+            self.the_box,
+        )  # fmt: skip
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):
@@ -99,6 +114,27 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     generation: int = -1
     delta_base: int = -1  # the version this receiver holds whole and can apply a delta to (-1: none)
     layout: str = ""  # the digest of the bucket layout this receiver holds (protocol/layout.py; "": none)
+    boxes: str = ""  # the digest of the boxes it declared (protocol/declare.py; "": it takes whole tensors)
+
+
+class BoxEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of a declaration: the box of it the receiver holds."""
+
+    name: str
+    offsets: list[int]
+    sizes: list[int]
+
+
+class Boxes(msgspec.Struct, tag="boxes", frozen=True):
+    """Receiver -> sender, before a `Ready` that names `digest`: page `page` of `pages` of the declaration of
+    what it holds of each tensor (protocol/declare.py). Pages are packed to `BOXES_PAGE_BYTES`; a few go with
+    each version until the sender's plan says it took the declaration."""
+
+    identity: str
+    digest: str
+    page: int
+    pages: int
+    entries: list[BoxEntry]
 
 
 _JOIN_KINDS = all_join_kinds()  # loads every registered kind and freezes the table: the union is complete
@@ -153,6 +189,8 @@ class Plan(msgspec.Struct, tag="plan", frozen=True):
     rank: int
     group: GroupSpec
     senders: list[SenderAddress] = []
+    boxes: str = ""  # the digest of the declaration this sender serves the receiver by ("": whole tensors)
+    boxes_refused: str = ""  # why the receiver's declaration was refused (it gets whole tensors meanwhile)
 
     @property
     def session(self) -> str:
@@ -276,7 +314,7 @@ class StoreReply(msgspec.Struct, tag="store_reply", frozen=True):
 
 
 Message = Union[  # noqa: UP007
-    Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye, Refuse, StoreRequest, StoreReply
+    Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye, Refuse, StoreRequest, StoreReply, Boxes
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -428,6 +466,34 @@ def _validate_control(msg: Message) -> None:
         if msg.delta_base < -1:
             raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
         check_layout_digest(msg.layout)
+        check_layout_digest(msg.boxes)
+    elif isinstance(msg, Boxes):
+        validate_boxes(msg)
+
+
+MAX_BOX_PAGES = 1024  # pages of one declaration (a page holds hundreds of tensors)
+MAX_BOX_ENTRIES = 4096  # tensors in one page (its bytes bound it sooner: BOXES_PAGE_BYTES)
+BOXES_PAGE_BYTES = 48 * 1024  # a page's encoded size at most (under the frame limit to the sender)
+
+
+def validate_boxes(msg: Boxes) -> None:
+    """A page of a declaration: a digest, a page in range, bounded names, boxes of at most MAX_NDIM dims with
+    non-negative offsets and sizes of at least 1 (whether a box fits its tensor is the sender's check, which
+    knows the tensor)."""
+    check_layout_digest(msg.digest)
+    if not msg.digest:
+        raise ProtocolError("a Boxes page without a digest")
+    if not (1 <= msg.pages <= MAX_BOX_PAGES) or not (0 <= msg.page < msg.pages):
+        raise ProtocolError(f"Boxes page {msg.page} of {msg.pages} (at most {MAX_BOX_PAGES} pages)")
+    if len(msg.entries) > MAX_BOX_ENTRIES:
+        raise ProtocolError(f"Boxes page has {len(msg.entries)} entries (limit {MAX_BOX_ENTRIES})")
+    for e in msg.entries:
+        if not e.name or len(e.name) > MAX_NAME_LEN:
+            raise ProtocolError(f"Boxes entry name of length {len(e.name)} is empty or over {MAX_NAME_LEN}")
+        if len(e.offsets) != len(e.sizes) or len(e.sizes) > MAX_NDIM:
+            raise ProtocolError(f"Boxes entry {e.name[:120]!r}: {len(e.offsets)} offsets, {len(e.sizes)} sizes")
+        if any(o < 0 for o in e.offsets) or any(n < 1 for n in e.sizes):
+            raise ProtocolError(f"Boxes entry {e.name[:120]!r}: a negative offset or an empty size")
 
 
 def check_layout_digest(digest: str) -> None:
@@ -534,6 +600,8 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         raise ProtocolError(f"bucket has {len(msg.entries)} entries (limit MAX_BUCKET_ENTRIES={MAX_BUCKET_ENTRIES})")
     for e in msg.entries:
         nbytes = check_tensor(e.name, e.shape, e.dtype)
+        if e.box:
+            nbytes = _box_bytes(e)
         if e.chunk_offset < 0 or e.chunk_size < 0 or e.chunk_offset + e.chunk_size > nbytes:
             raise ProtocolError(f"chunk [{e.chunk_offset}, +{e.chunk_size}) of {e.name!r} outside {nbytes} bytes")
         if e.offset < 0 or e.offset + e.chunk_size > msg.nbytes:
@@ -548,6 +616,15 @@ def validate_bucket(msg: BucketMeta, bucket_size: int | None) -> None:
         validate_lora(msg.lora)
     if not msg.layout:  # a bucket of a held layout: checked against its entries once they are known (layout.py)
         validate_per_entry(msg)
+
+
+def _box_bytes(e: Entry) -> int:
+    """The bytes of an entry's box (inside its tensor, of its rank): what its chunks count in."""
+    box = e.the_box
+    if len(e.box) != 2 * len(e.shape) or box is None:
+        raise ProtocolError(f"entry {e.name[:120]!r} has a box of {len(e.box)} numbers for {len(e.shape)} dims")
+    check_boxes(e.name[:120], e.shape, [box])
+    return box.numel * itemsize(DTYPES[e.dtype])
 
 
 def validate_per_entry(msg: BucketMeta) -> None:
@@ -592,6 +669,8 @@ def validate_deltas(msg: BucketMeta) -> None:
     for e, size in zip(msg.entries, msg.deltas, strict=True):
         if size == -1:
             continue
+        if e.box:
+            raise ProtocolError(f"entry {e.name[:120]!r} is a box and a delta: a box goes whole")
         nbytes = check_tensor(e.name, e.shape, e.dtype)
         if not (0 < size < nbytes) or e.chunk_offset + e.chunk_size > size:
             raise ProtocolError(
@@ -672,7 +751,8 @@ def alias_sent_twice(tied: Mapping[str, Sequence[str]]) -> str | None:
 
 def _entry_bytes() -> int:
     dtype = max(len(name) for name in DTYPES)
-    return 5 + _text_bytes(MAX_NAME_LEN) + 5 + MAX_NDIM * _INT_BYTES + _text_bytes(dtype) + 3 * _INT_BYTES
+    box = 5 + 2 * MAX_NDIM * _INT_BYTES
+    return 5 + _text_bytes(MAX_NAME_LEN) + 5 + MAX_NDIM * _INT_BYTES + _text_bytes(dtype) + 3 * _INT_BYTES + box
 
 
 def _to_receiver_bytes() -> int:
@@ -687,7 +767,7 @@ def _to_receiver_bytes() -> int:
     members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
     senders = 5 + MAX_SENDERS * (5 + _text_bytes(256) + _INT_BYTES)
     plan = 2 * _INT_BYTES + _text_bytes(MAX_TEXT_LEN) + _text_bytes(64) + 2 * _INT_BYTES + members + max(joins)
-    plan += senders
+    plan += senders + _text_bytes(LAYOUT_DIGEST_LEN) + _text_bytes(MAX_TEXT_LEN)
     text = _text_bytes(MAX_IDENTITY_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256)
     store = 2 * _INT_BYTES + MAX_STORE_VALUE_LEN + 5
     return max(bucket, plan + _STRUCT_BYTES, text, store) + _STRUCT_BYTES
@@ -699,7 +779,9 @@ def _to_sender_bytes() -> int:
     ack = _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES + 1 + _text_bytes(MAX_TEXT_LEN)
     store = _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES + _text_bytes(8) + _text_bytes(MAX_STORE_KEY_LEN)
     store += MAX_STORE_VALUE_LEN + 5
-    return max(register, ack, store) + _STRUCT_BYTES
+    ready = _text_bytes(MAX_IDENTITY_LEN) + 3 * _INT_BYTES + 2 * _text_bytes(LAYOUT_DIGEST_LEN)
+    boxes = BOXES_PAGE_BYTES  # packed to it by its sender (protocol/declare.py); the frame limit holds the rest
+    return max(register, ack, store, ready, boxes) + _STRUCT_BYTES
 
 
 _SEAL_BYTES = 5 + _text_bytes(MAX_TEXT_LEN) + 2 * _text_bytes(256) + _INT_BYTES + 1

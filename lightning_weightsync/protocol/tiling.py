@@ -56,6 +56,7 @@ class TilingMerger:
         self.senders = list(senders)
         self.open: dict[str, _Tile] = {}
         self.done: dict[str, int] = {}  # complete tensors -> the sender whose chunk completed them
+        self.kept: dict[str, Landing] = {}  # complete tensors this rank holds a box of -> where the box landed
 
     def _who(self, sender: int) -> str:
         return f"sender {sender} ({self.senders[sender]})" if 0 <= sender < len(self.senders) else f"sender {sender}"
@@ -69,10 +70,10 @@ class TilingMerger:
             )
         if size > self.bucket_size:
             raise ProtocolError(f"chunk of {name!r} from {self._who(sender)} is {size} bytes > bucket_size")
-        tile = self._claim(sender, meta)
+        tile, held = self._claim(sender, meta)
         if size:
-            tile.landing.write(start, data)
-        return self._covered(tile, sender, size)
+            tile.landing.write(meta, start, data)
+        return self._covered(tile, sender, held)
 
     def write(
         self, sender: int, meta: TensorMeta, fill: Callable[[torch.Tensor], None]
@@ -80,18 +81,20 @@ class TilingMerger:
         """Like `push`, for bytes [chunk_offset, +chunk_size) of `meta`'s tensor that `fill` writes into the
         destination's bytes of that range itself (a shard's delta applied onto the held version, sharded send
         mode): the range is checked and counted as any chunk's; `fill` runs only once it is claimed."""
-        tile = self._claim(sender, meta)
-        if tile.landing.dest_bytes is None:
+        tile, held = self._claim(sender, meta)
+        whole = tile.landing.whole_bytes
+        if whole is None:
             raise ProtocolError(
                 f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.delta=off "
                 "for a tensor-parallel rollout"
             )
-        fill(tile.landing.dest_bytes[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
-        return self._covered(tile, sender, meta.chunk_size)
+        fill(whole[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
+        return self._covered(tile, sender, held)
 
-    def _claim(self, sender: int, meta: TensorMeta) -> _Tile:
-        """Record `sender`'s byte range of `meta`'s tensor: raises for a range outside the tensor, or one that
-        overlaps a range already received."""
+    def _claim(self, sender: int, meta: TensorMeta) -> tuple[_Tile, int]:
+        """Record `sender`'s byte range of what this receiver holds of `meta`'s tensor (the whole tensor's bytes,
+        or its box's local bytes, whichever form the chunk came in); returns the tile and the bytes claimed.
+        Raises for a range outside the tensor, or one that overlaps a range already received."""
         name, start, size = meta.name, meta.chunk_offset, meta.chunk_size
         nbytes = meta.nbytes
         end = start + size
@@ -102,6 +105,11 @@ class TilingMerger:
         if size == 0 and nbytes:
             raise ProtocolError(f"empty chunk of {name!r} ({nbytes} bytes) from {self._who(sender)}")
         if name in self.done:
+            kept = self.kept.get(name)  # a box complete: a later chunk of the whole tensor may lie outside it
+            if kept is not None and meta.box is None:
+                start_, end_ = kept.local_range(meta)
+                if start_ == end_:
+                    return self._kept_tile(meta, kept), 0
             raise ProtocolError(
                 f"overlap in {name!r}: {self._who(sender)} sent bytes [{start}, {end}) of a tensor already complete "
                 f"(completed by {self._who(self.done[name])}); two senders claim the same range"
@@ -111,9 +119,13 @@ class TilingMerger:
             tile = self.open[name] = _Tile(meta, self._destination(meta))
         elif meta.shape != tile.meta.shape or meta.dtype != tile.meta.dtype:
             raise ProtocolError(
-                f"{name!r} is {tile.meta.dtype}{list(tile.meta.shape)} in one sender's chunks and "
-                f"{meta.dtype}{list(meta.shape)} in {self._who(sender)}'s"
+                f"{name!r} is {tile.meta.form} in one sender's chunks and {meta.form} in {self._who(sender)}'s"
             )
+        else:
+            tile.landing.fits(meta)
+        start, end = tile.landing.local_range(meta)  # a chunk of the whole tensor: its part of this rank's box
+        if start == end:
+            return tile, 0
         ranges = tile.ranges
         at = bisect.bisect_left(ranges, (start, end, sender))
         for neighbour in ranges[max(at - 1, 0) : at + 1]:
@@ -123,21 +135,30 @@ class TilingMerger:
                     f"sent [{neighbour[0]}, {neighbour[1]}); two senders claim the same range"
                 )
         ranges.insert(at, (start, end, sender))
+        return tile, end - start
+
+    @staticmethod
+    def _kept_tile(meta: TensorMeta, landing: Landing) -> _Tile:
+        """A stand-in tile for a chunk that adds nothing to a complete box (nothing is written: 0 bytes claimed)."""
+        tile = _Tile.__new__(_Tile)
+        tile.meta, tile.dest, tile.landing, tile.ranges, tile.covered = meta, landing.dest, landing, [], -1
         return tile
 
     def _covered(self, tile: _Tile, sender: int, size: int) -> tuple[str, torch.Tensor] | None:
         name = tile.meta.name
         tile.covered += size
-        if tile.covered == tile.meta.nbytes:
+        if tile.covered == tile.landing.held.numel():
             del self.open[name]
             self.done[name] = sender
+            if tile.landing.box is not None:
+                self.kept[name] = tile.landing
             return name, tile.dest
         return None
 
     def _destination(self, meta: TensorMeta) -> torch.Tensor:
         dest = self.into(meta) if self.into is not None else None
         if dest is None:
-            return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            return torch.empty(meta.local_shape, dtype=meta.dtype, device=self.device)
         return dest  # checked by its Landing
 
     def gaps(self, name: str) -> list[tuple[int, int]]:
@@ -148,8 +169,8 @@ class TilingMerger:
             if start > at:
                 holes.append((at, start))
             at = max(at, end)
-        if at < tile.meta.nbytes:
-            holes.append((at, tile.meta.nbytes))
+        if at < tile.landing.held.numel():
+            holes.append((at, tile.landing.held.numel()))
         return holes
 
     def finish(self) -> None:
@@ -160,9 +181,10 @@ class TilingMerger:
         holes = ", ".join(f"[{a}, {b})" for a, b in self.gaps(name)[:4])
         by = sorted({self._who(s) for _, _, s in tile.ranges})
         more = f" (and {len(self.open) - 1} more tensors incomplete)" if len(self.open) > 1 else ""
+        kept = "" if tile.landing.box is None else " of this rank's box"
         raise ProtocolError(
-            f"gap in {name!r}: bytes {holes} of {tile.meta.nbytes} were sent by no sender (received from "
-            f"{', '.join(by)}){more}"
+            f"gap in {name!r}: bytes {holes} of {tile.landing.held.numel()}{kept} were sent by no sender "
+            f"(received from {', '.join(by)}){more}"
         )
 
 

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
-from ..protocol.boxes import is_dtensor
+from ..protocol.boxes import box_of, is_dtensor, local_of
 from ..protocol.chunks import TensorMeta, as_bytes
 from ..protocol.layout import Layout, LayoutRecorder, no_layout
 from ..protocol.messages import BucketMeta, LoraSpec, Plan
@@ -66,8 +66,14 @@ class Destinations:
         except Exception:  # merge will call `into` again and report the error where it belongs
             self.cache.pop(meta.name, None)
             return None
+        if meta.box is not None and is_dtensor(dest) and box_of(dest) == meta.box:
+            dest = local_of(dest)  # a chunk of this rank's box: bytes of its local tensor, in order
+            if dest.dtype != meta.dtype or dest.device != device or not dest.is_contiguous():
+                return None
+            return as_bytes(dest)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
         if (
             not isinstance(dest, torch.Tensor)
+            or meta.box is not None
             or is_dtensor(dest)  # it keeps only its box: the merge places the chunk (protocol/boxes.py)
             or dest.dtype != meta.dtype
             or tuple(dest.shape) != meta.shape

@@ -30,9 +30,11 @@ from ..errors import (
     WeightSyncTimeout,
     explain,
 )
+from ..protocol.boxes import Box, box_of
 from ..protocol.chunks import TensorMeta, merge_weight_chunks
+from ..protocol.declare import PAGES_PER_VERSION, Declaration
 from ..protocol.layout import Layout, LayoutRecorder
-from ..protocol.messages import BucketMeta, LoraSpec, Plan
+from ..protocol.messages import BucketMeta, LoraSpec, Plan, Prepare
 from ..protocol.tiling import TilingMerger
 from ..transport.backends import BACKENDS, Backend, backend_class
 from ..transport.control import ReceiverControl, default_identity
@@ -93,6 +95,11 @@ class WeightReceiver(Endpoint):
         )
         self.verify = VerifyMode(t.verify)
         self.last_verify: VerifyReport | None = None  # what was checked of the last complete version
+        # the boxes this receiver holds (protocol/declare.py): declared to the sender, which then sends those only
+        self.declared: Declaration | None = None
+        self._boxes_taken: tuple[str, str] | None = None  # (sender session, digest) its plan said it serves
+        self._boxes_cursor = 0  # the next page to send (round robin until taken)
+        self._boxes_refused: str | None = None  # a digest a sender refused: not declared again as it is
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -178,6 +185,60 @@ class WeightReceiver(Endpoint):
         """(a trainer connected, seconds since that last changed): `ReceiverControl.sender_link`."""
         return self._control.sender_link()
 
+    def declare_boxes(self, boxes: dict[str, Box] | None) -> None:
+        """Declare the box of each tensor this receiver holds ({name: Box}; a name not in it: whole); None or
+        {}: whole tensors. Sent to the sender with the next version's Ready; from the version its plan says it
+        took them (`Plan.boxes`), each tensor named arrives as that box alone. A receiver whose `into` returns
+        DTensors declares their boxes itself after its first version (transport.slices)."""
+        parts = {n: b for n, b in (boxes or {}).items()}
+        declared = Declaration.of(parts) if parts else None
+        if (declared.digest if declared else None) != (self.declared.digest if self.declared else None):
+            self.declared, self._boxes_cursor = declared, 0
+
+    def _learn_boxes(self, destinations: Destinations | None) -> None:
+        """After a version received whole: the boxes its DTensor destinations hold (transport.slices)."""
+        if not self.settings.transport.slices or destinations is None:
+            return
+        boxes: dict[str, Box] = {}
+        for name, dest in destinations.cache.items():
+            box = box_of(dest) if dest is not None else None
+            if box is not None and not box.is_whole(tuple(dest.shape)):  # type: ignore[union-attr]
+                boxes[name] = box
+        learnt = Declaration.of(boxes) if boxes else None
+        if learnt is not None and learnt.digest == self._boxes_refused:
+            return  # refused as it is: whole tensors (the sender said why, logged once)
+        if learnt is not None and (self.declared is None or learnt.digest != self.declared.digest):
+            logger.info(
+                "declaring the boxes of %d tensors this rollout holds a slice of (transport.slices)", len(boxes)
+            )
+            self.declared, self._boxes_cursor = learnt, 0
+
+    async def _send_boxes(self, prepare: Prepare) -> str:
+        """Before Ready: a few pages of the declaration, unless this sender session took it; its digest."""
+        declared = self.declared
+        if declared is None:
+            return ""
+        if self._boxes_taken != (prepare.session, declared.digest):
+            pages = declared.pages(self.identity)
+            for _ in range(min(PAGES_PER_VERSION, len(pages))):
+                await self._control.send(pages[self._boxes_cursor % len(pages)])
+                self._boxes_cursor = (self._boxes_cursor + 1) % len(pages)
+        return declared.digest
+
+    def _note_boxes(self, plan: Plan) -> None:
+        """What the plan says of the declaration: taken (this session sends the boxes), or refused and why."""
+        declared = self.declared
+        if declared is None:
+            return
+        if plan.boxes == declared.digest:
+            self._boxes_taken = (plan.session, declared.digest)
+        elif plan.boxes_refused:
+            logger.error(
+                "version %d: the sender at %s refused the boxes this receiver declared (it gets whole tensors): %s",
+                plan.version, self.address, plan.boxes_refused[:1000],
+            )  # fmt: skip
+            self._boxes_refused, self.declared, self._boxes_taken = declared.digest, None, None
+
     def _other_sender(self, host: str, port: int) -> WeightReceiver:
         """This receiver, for another sender of a sharded version (same identity, same token)."""
         own = self.settings
@@ -217,13 +278,16 @@ class WeightReceiver(Endpoint):
         while True:
             prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             generation = self._backend.generation if self._backend is not None else -1
-            await self._steps.ready(prepare, generation, self._layout.digest if self._layout is not None else "")  # 2
+            boxes = await self._send_boxes(prepare)
+            layout = self._layout.digest if self._layout is not None else ""
+            await self._steps.ready(prepare, generation, layout, boxes)  # 2
             try:
                 plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
             except VersionAborted as exc:
                 logger.info("%s", exc)
                 continue
             break
+        self._note_boxes(plan)
         self._steps.begin(plan)  # this version gets exactly one ack from here on; the failures below send theirs
         try:
             backend = self._backend_for(plan)
@@ -378,6 +442,7 @@ class WeightReceiver(Endpoint):
         if recorder is not None:  # every bucket arrived: the layout the next version may name
             self._layout = recorder.finish() or self._layout
         stats.layout_buckets = pipeline.layout_buckets
+        self._learn_boxes(destinations)
         await self._complete(plan.version, stats, verifier.report, start, auto_ack)
 
     async def _receive_sharded(
@@ -389,7 +454,7 @@ class WeightReceiver(Endpoint):
         destinations = Destinations(into) if into is not None else None
         pipelines: list[BucketPipeline] = []
         try:
-            parts = [(self, plan), *await self._others.join(plan, self.delta_base)]
+            parts = [(self, plan), *await self._others.join(plan, self.delta_base, self.declared)]
             addresses = [part.address for part, _ in parts]
             verifier = ShardVerifier(self.verify, plan.version, addresses)
             for index, (part, part_plan) in enumerate(parts):
@@ -419,6 +484,7 @@ class WeightReceiver(Endpoint):
             if not isinstance(exc, asyncio.CancelledError):
                 await self._send_ack(plan.version, False, reason)
             raise
+        self._learn_boxes(destinations)
         await self._complete(plan.version, stats, verifier.report, start, auto_ack)
 
     async def _complete(

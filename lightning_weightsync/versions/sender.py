@@ -27,7 +27,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -37,6 +36,7 @@ import torch
 from ..config import DeltaMode, SenderSettings, TransportConfig, UserConfig, VerifyMode, transport_token
 from ..errors import Interrupted, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
+from ..protocol.declare import check_declared
 from ..protocol.dtypes import dtype_name
 from ..protocol.layout import Layout, LayoutRecorder
 from ..protocol.messages import (
@@ -56,6 +56,7 @@ from ..transport.device import resolve_device
 from ..transport.executor import SerialExecutor, forget
 from .delta import DeltaBase, DeltaPolicy, VersionDelta
 from .endpoint import Endpoint
+from .lanes import WHOLE, Lane, LaneVersion, LaneView, lane_bucket_size
 from .options import Sharding, VersionOptions
 from .planner import BucketPlanner, Flush, Pack
 from .stats import SendStats, human_bytes
@@ -283,6 +284,16 @@ class _Wire:
         )  # fmt: skip
 
 
+@dataclass
+class _LaneRun:
+    """One lane in one version's stream: its state, what it takes of each tensor, its planner and its wire."""
+
+    lane: Lane
+    view: LaneView
+    planner: BucketPlanner
+    wire: _Wire
+
+
 class WeightSender(Endpoint):
     """Sends versions of a stream of `(name, tensor)` to every registered receiver.
 
@@ -316,16 +327,15 @@ class WeightSender(Endpoint):
             ready_timeout_s=float(t.ready_timeout_s),
             liveness_s=self.liveness_s,
         )
-        self._backend: Backend | None = None
+        self._backend: Backend | None = None  # the whole lane's (versions/lanes.py)
         self._executor: SerialExecutor | None = None
-        self._group: tuple[tuple[str, int], ...] = ()
+        self._whole: Lane | None = None  # the lane of receivers that declared no boxes (built at start)
+        self._box_lanes: dict[str, Lane] = {}  # the lanes of boxes, by declaration digest
         self._generation = 0
         self._last_version: int | None = None
         self._delta_base = DeltaBase()  # the host copy deltas are taken against (transport.delta)
-        self._layout: Layout | None = None  # the layout of the last version streamed whole (transport.layout_once)
-        # per slot: the broadcast that last read it, and its bucket's index
-        self._pending: list[tuple[asyncio.Future[None], int] | None] = [None] * NUM_SLOTS
-        self._direct: deque[tuple[asyncio.Future[None], int]] = deque()  # direct broadcasts, oldest first
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the last version's tensors: declared boxes are checked on them
+        self._refused: dict[str, str] = {}  # receiver -> why its declared boxes were refused (this version)
 
     # -- life cycle -----------------------------------------------------------------------------
     @property
@@ -397,6 +407,49 @@ class WeightSender(Endpoint):
         self._executor = SerialExecutor(self._executor_name)
         self._backend = self._new_backend(t.backend, bucket_size=self.bucket_size, is_sender=True, session=self.session)
         await self._executor.submit(self._backend.setup, t.host, int(t.store_port))
+        self._whole = Lane(WHOLE, self._backend, self._executor)
+
+    async def _box_lane(self, key: str, bucket_size: int) -> Lane:
+        """The lane of the receivers that declared boxes `key`, built (or rebuilt at another slot size) now: its
+        own backend and executor thread; a process-group backend shares the whole lane's store."""
+        lane = self._box_lanes.get(key)
+        if lane is not None and lane.backend.bucket_size == bucket_size:
+            return lane
+        if lane is not None:
+            self._close_lane(self._box_lanes.pop(key))
+        assert self._backend is not None
+        t = self.settings.transport
+        backend = self._new_backend(t.backend, bucket_size=bucket_size, is_sender=True, session=self.session)
+        executor = SerialExecutor(f"{self._executor_name}-lane")
+        try:
+            await executor.submit(backend.setup_lane, self._backend, t.host)
+        except BaseException:
+            executor.shutdown()
+            raise
+        lane = self._box_lanes[key] = Lane(key, backend, executor)
+        return lane
+
+    @staticmethod
+    def _close_lane(lane: Lane) -> None:
+        lane.backend.close()
+        lane.executor.shutdown()
+
+    def _fail_group(self) -> None:
+        """After a transport failure: every lane's group is forgotten (the next version rebuilds them)."""
+        super()._fail_group()
+        if self._whole is not None and self._backend is not None and self._executor is not None:
+            self._whole.backend, self._whole.executor = self._backend, self._executor
+        for key, lane in self._box_lanes.items():
+            lane.backend.broken()
+            lane.executor.shutdown()
+            lane.executor = SerialExecutor(f"{self._executor_name}-lane")
+            self._box_lanes[key] = lane
+
+    async def close(self) -> None:
+        for lane in self._box_lanes.values():
+            self._close_lane(lane)
+        self._box_lanes.clear()
+        await super().close()
 
     async def __aenter__(self) -> WeightSender:
         await self.start()
@@ -478,19 +531,22 @@ class WeightSender(Endpoint):
                 await source.drain()
                 return None
             generation = self._generation
-            await self._join(version, peers, options.others)  # 3: Plan, and the data-plane group
+            lanes = await self._lanes(version, peers)  # who holds what: a lane per declaration (lanes.py)
+            await self._join(version, lanes, options.others)  # 3: Plan, and each lane's data-plane group
             formed = self._generation != generation  # this version's time includes forming the group
             # sharded: each rank diffs its own shards against its own copy of them (`VersionDelta._shard`)
-            policy = self._delta_policy(peers)
+            whole = [p for lane in lanes if lane.whole for p in lane.peers]
+            policy = self._delta_policy(whole)
             fingerprints = SenderFingerprints(options.verify, version)
             sent = _Sent(VersionDelta(self._delta_base, policy), fingerprints, formed, options.sharded)
-            await self._stream(source, peers, stats, options, sent)  # 4: bucket metadata, each ahead of its bytes
+            await self._stream(source, lanes, stats, options, sent)  # 4: bucket metadata, each ahead of its bytes
             sent.acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
             tell([])
             if peers:
                 self._delta_base.invalidate()  # the copy may be part-updated, or some receivers lack the version
             await self._abandon(version, peers, exc, transport_failed=not source.failed)
+            self._refused = {}
             await source.drain()
             raise
         return sent
@@ -543,122 +599,197 @@ class WeightSender(Endpoint):
             stats.num_tensors, stats.num_buckets, form,
         )  # fmt: skip
 
-    async def _join(self, version: int, peers: list[Peer], others: list[SenderAddress] | None = None) -> None:
-        """Tell every receiver its rank, then build (or reuse) the data-plane group."""
-        assert self._backend is not None and self._executor is not None
-        members = tuple(p.key for p in peers)
-        lost = any(self._steps.readies[p.identity].generation != self._generation for p in peers)
-        if self.settings.transport.rebuild_group or members != self._group or self._backend.generation < 0 or lost:
-            self._generation += 1
-            self._group = members
-        group = GroupSpec(
-            session=self.session,
-            generation=self._generation,
-            backend=self._backend.name,
-            bucket_size=self.bucket_size,
-            members=[Member(p.identity, p.pid) for p in peers],
-            join=self._backend.join_spec(self._generation),
-        )
-        await self._steps.send_plans(version, peers, group, others or [])
-        joined = self._executor.submit(self._backend.join, group, 0, version)
-        try:  # the backend bounds the join by timeout_s itself; a member that is gone ends it sooner
+    async def _lanes(self, version: int, peers: list[Peer]) -> list[LaneVersion]:
+        """The version's receivers grouped by the boxes each declared (lanes.py): a declaration is taken once
+        every page of it arrived and its boxes fit the tensors this sender sent last; one that does not is
+        refused by name (its receiver gets whole tensors, and hears why in its plan)."""
+        assert self._whole is not None
+        by_key: dict[str, list[Peer]] = {}
+        views: dict[str, LaneView] = {WHOLE: LaneView({})}
+        self._refused = {}
+        for peer in peers:
+            key = self._declared(version, peer, views)
+            by_key.setdefault(key, []).append(peer)
+        box_keys = sorted(k for k in by_key if k != WHOLE)
+        size = lane_bucket_size(self.bucket_size, len(box_keys))
+        for key in [k for k in self._box_lanes if k not in by_key]:  # no receiver holds these boxes any more
+            self._close_lane(self._box_lanes.pop(key))
+        lanes = [LaneVersion(self._whole, by_key[WHOLE], views[WHOLE])] if WHOLE in by_key else []
+        for key in box_keys:
+            lanes.append(LaneVersion(await self._box_lane(key, size), by_key[key], views[key]))
+        return lanes
+
+    def _declared(self, version: int, peer: Peer, views: dict[str, LaneView]) -> str:
+        """The lane key of `peer` this version: its declaration's digest where taken, else WHOLE."""
+        digest = self._steps.readies[peer.identity].boxes
+        if not digest or digest in views:
+            return digest if digest in views else WHOLE
+        try:
+            boxes = self._control.declarations.complete(peer.identity, digest)
+            if boxes is None or not self._shapes:  # pages still coming, or no version sent yet to check it on
+                return WHOLE
+            parts = check_declared(boxes, self._shapes)
+        except ProtocolError as exc:
+            self._control.declarations.forget(peer.identity)
+            self._refused[peer.identity] = str(exc)
+            logger.warning("version %d: refused the boxes %s declared (it gets whole tensors): %s", version,
+                           peer.identity, exc)  # fmt: skip
+            return WHOLE
+        if not parts:
+            return WHOLE
+        views[digest] = LaneView(parts)
+        return digest
+
+    async def _join(self, version: int, lanes: list[LaneVersion], others: list[SenderAddress] | None = None) -> None:
+        """Tell every receiver its rank in its lane's group, then build (or reuse) every lane's group at once."""
+        joins: list[tuple[asyncio.Future[None], LaneVersion]] = []
+        for run in lanes:
+            lane, peers = run.lane, run.peers
+            members = tuple(p.key for p in peers)
+            lost = any(self._steps.readies[p.identity].generation != lane.generation for p in peers)
+            rebuild = self.settings.transport.rebuild_group or members != lane.members
+            if rebuild or lane.backend.generation < 0 or lost:
+                self._generation += 1
+                lane.generation, lane.members = self._generation, members
+            group = GroupSpec(
+                session=self.session,
+                generation=lane.generation,
+                backend=lane.backend.name,
+                bucket_size=lane.backend.bucket_size,
+                members=[Member(p.identity, p.pid) for p in peers],
+                join=lane.backend.join_spec(lane.generation),
+            )
+            await self._steps.send_plans(version, peers, group, others or [], lane.key, self._refused)
+            joins.append((lane.executor.submit(lane.backend.join, group, 0, version), run))
+        for joined, _ in joins:
+            await self._joined(version, joined, [f for f, _ in joins])
+
+    async def _joined(self, version: int, joined: asyncio.Future[None], every: list[asyncio.Future[None]]) -> None:
+        """One lane's join: bounded by timeout_s (the backend's own too); a member that is gone ends it sooner."""
+        try:
             await self._steps.while_connected(joined, self.timeout_s, f"version {version}: joining the group")
         except asyncio.TimeoutError:
-            forget(joined)
+            for future in every:
+                forget(future)
             who = await self._steps.laggards(version)
             raise WeightSyncTimeout(
                 f"version {version}: the data-plane group not joined within transport.timeout_s={self.timeout_s}s; "
                 f"{who}"
             ) from None
         except WeightSyncError:
-            forget(joined)
+            for future in every:
+                forget(future)
             raise
         except Exception as exc:  # the backend's own failure to form the group: a peer's, not a bug here
+            for future in every:
+                forget(future)
             who = await self._steps.laggards(version)
             raise PeerError(f"version {version}: joining the data-plane group failed ({exc}); {who}") from exc
         except BaseException:
-            forget(joined)
+            for future in every:
+                forget(future)
             raise
 
     async def _stream(
-        self, source: _Drainable, peers: list[Peer], stats: SendStats, options: _VersionOptions, sent: _Sent
+        self, source: _Drainable, lanes: list[LaneVersion], stats: SendStats, options: _VersionOptions, sent: _Sent
     ) -> None:
-        """Split, pack, publish, broadcast, swap: the planner's steps for one version, executed.
+        """Split, pack, publish, broadcast, swap: the planner's steps for one version, executed on every lane.
 
-        Packed buckets take turns in the two slots (bucket metadata, then its broadcast, then on to the
+        Packed buckets take turns in a lane's two slots (bucket metadata, then its broadcast, then on to the
         other slot once the broadcast that last read it is complete). A direct bucket (one chunk of a
         large tensor) needs no slot: its metadata leaves and its broadcast is queued at once, so the
         metadata runs ahead of the bytes and the data-plane thread issues broadcasts back to back.
+        The source is pulled once; each lane gets its part of every tensor (lanes.py).
         """
-        assert self._backend is not None
-        backend = self._backend
+        runs = [self._lane_run(run, stats, options, sent) for run in lanes]
+        async for name, tensor in source:
+            self._shapes[name] = tensor.shape if isinstance(tensor, TensorShard) else tuple(tensor.shape)
+            for run in runs:
+                part = run.view.part(name, tensor)
+                if part is None:
+                    continue
+                for step in run.planner.add(name, part):
+                    if isinstance(step, Pack):
+                        run.lane.backend.pack(step.slot, step.offset, step.data)
+                    else:
+                        await self._flush(run, step)
+                if not options.stable_tensors:  # the caller may reuse this tensor's memory next
+                    await self._settle_direct(run.lane, 0, run.wire.version)
+        for run in runs:
+            last = run.planner.finish()
+            await self._flush(run, last)  # after a direct bucket: an empty terminator (no broadcast)
+            await self._settle_direct(run.lane, 0, run.wire.version)
+            for slot in (next_slot(last.slot), last.slot):  # oldest broadcast first
+                await self._complete(run.lane, slot, run.wire.version)
+            if run.wire.recorder is not None:  # streamed whole: what every peer that takes it will hold
+                run.lane.layout = run.wire.recorder.finish()
+                stats.layout_buckets += run.wire.recorder.same  # 0 without a held layout
+            counts = run.planner.counts
+            stats.nbytes += counts.nbytes
+            stats.num_tensors = max(stats.num_tensors, counts.tensors)
+            stats.num_chunked_tensors += counts.chunked_tensors
+            stats.num_buckets += counts.buckets
+            stats.direct_buckets += counts.direct_buckets
+
+    def _lane_run(self, run: LaneVersion, stats: SendStats, options: _VersionOptions, sent: _Sent) -> _LaneRun:
+        """One lane's planner and wire for this version: the whole lane fingerprints and diffs as configured;
+        a lane of boxes fingerprints its boxes and sends them whole."""
+        lane, backend = run.lane, run.lane.backend
+        lane.reset()
+        if run.whole:
+            fingerprints, delta = sent.fingerprints, sent.delta
+        else:
+            fingerprints = SenderFingerprints(options.verify, stats.version)
+            delta = VersionDelta(DeltaBase(), DeltaPolicy(False, None, False))
         planner = BucketPlanner(
-            self.bucket_size,
+            backend.bucket_size,
             direct_min=self.direct_min,
             direct_device=self.device if backend.direct_ok else None,
-            transforms=(sent.fingerprints.stamp, sent.delta.transform),  # fingerprints are of the tensor itself
+            transforms=(fingerprints.stamp, delta.transform),  # fingerprints are of the tensor itself
         )
-        wire = _Wire.of(stats.version, peers, options, sent.delta, self.direct_in_flight, self._layouts(peers, options))
-        self._pending = [None] * NUM_SLOTS
-        self._direct = deque()
-        async for name, tensor in source:
-            for step in planner.add(name, tensor):
-                if isinstance(step, Pack):
-                    backend.pack(step.slot, step.offset, step.data)
-                else:
-                    await self._flush(step, wire)
-            if not options.stable_tensors:  # the caller may reuse this tensor's memory next
-                await self._settle_direct(0, wire.version)
-        last = planner.finish()
-        await self._flush(last, wire)  # after a direct bucket: an empty terminator (no broadcast)
-        await self._settle_direct(0, wire.version)
-        for slot in (next_slot(last.slot), last.slot):  # oldest broadcast first
-            await self._complete(slot, wire.version)
-        if wire.recorder is not None:  # streamed whole: what every peer that takes it will hold
-            self._layout = wire.recorder.finish()
-            stats.layout_buckets = wire.recorder.same  # 0 without a held layout
-        counts = planner.counts
-        stats.nbytes, stats.num_tensors = counts.nbytes, counts.tensors
-        stats.num_chunked_tensors = counts.chunked_tensors
-        stats.num_buckets, stats.direct_buckets = counts.buckets, counts.direct_buckets
+        layouts = self._layouts(lane, run.peers, options)
+        wire = _Wire.of(stats.version, run.peers, options, delta, self.direct_in_flight, layouts)
+        return _LaneRun(lane, run.view, planner, wire)
 
-    def _layouts(self, peers: list[Peer], options: _VersionOptions) -> tuple[Layout | None, LayoutRecorder | None]:
-        """The layout this version may name (the one every peer said it holds in Ready, if it is the one this
-        sender streamed last), and the recorder of this version's (transport.layout_once; not sharded: each
+    def _layouts(
+        self, lane: Lane, peers: list[Peer], options: _VersionOptions
+    ) -> tuple[Layout | None, LayoutRecorder | None]:
+        """The layout this version may name on `lane` (the one every peer said it holds in Ready, if it is the one
+        this lane streamed last), and the recorder of this version's (transport.layout_once; not sharded: each
         rank's buckets are its own)."""
         if not self.settings.transport.layout_once or options.sharded:
             return None, None
-        held = self._layout
+        held = lane.layout
         if held is not None and any(self._steps.readies[p.identity].layout != held.digest for p in peers):
             held = None
         return held, LayoutRecorder()
 
-    async def _flush(self, step: Flush, wire: _Wire) -> None:
-        """A planned bucket out: its metadata to every receiver, then its broadcast onto the data-plane thread
-        (from its slot, or from the caller's tensor for a direct bucket). A packed bucket's slot is the next
-        but one to pack: the sender waits until the other slot's last broadcast is complete."""
-        assert self._backend is not None and self._executor is not None
-        backend = self._backend
+    async def _flush(self, run: _LaneRun, step: Flush) -> None:
+        """A planned bucket out: its metadata to the lane's receivers, then its broadcast onto the lane's
+        data-plane thread (from its slot, or from the caller's tensor for a direct bucket). A packed bucket's
+        slot is the next but one to pack: the sender waits until the other slot's last broadcast is complete."""
+        lane, wire = run.lane, run.wire
+        backend = lane.backend
         backend.fence(step.slot)
         await self._steps.publish(wire.peers, wire.meta(step))
-        future = self._executor.submit_started(backend.start_broadcast, step.slot, step.nbytes, step.index, step.data)
+        future = lane.executor.submit_started(backend.start_broadcast, step.slot, step.nbytes, step.index, step.data)
         if step.direct:
-            self._direct.append((future, step.index))
-            await self._settle_direct(wire.direct_in_flight, wire.version)
+            lane.direct.append((future, step.index))
+            await self._settle_direct(lane, wire.direct_in_flight, wire.version)
             return
-        self._pending[step.slot] = (future, step.index)
+        lane.pending[step.slot] = (future, step.index)
         if not step.is_last:
-            await self._complete(next_slot(step.slot), wire.version)
+            await self._complete(lane, next_slot(step.slot), wire.version)
 
-    async def _settle_direct(self, keep: int, version: int) -> None:
-        """Wait for the oldest direct broadcasts until at most `keep` are queued or running."""
-        while len(self._direct) > keep:
-            future, index = self._direct.popleft()
+    async def _settle_direct(self, lane: Lane, keep: int, version: int) -> None:
+        """Wait for the lane's oldest direct broadcasts until at most `keep` are queued or running."""
+        while len(lane.direct) > keep:
+            future, index = lane.direct.popleft()
             await self._broadcast_done(future, version, index)
 
-    async def _complete(self, slot: int, version: int) -> None:
-        """Wait until the broadcast that last used `slot` is complete on this rank."""
-        pending, self._pending[slot] = self._pending[slot], None
+    async def _complete(self, lane: Lane, slot: int, version: int) -> None:
+        """Wait until the broadcast that last used the lane's `slot` is complete on this rank."""
+        pending, lane.pending[slot] = lane.pending[slot], None
         if pending is not None:
             await self._broadcast_done(pending[0], version, pending[1])
 
@@ -692,23 +823,25 @@ class WeightSender(Endpoint):
     async def _abandon(self, version: int, peers: list[Peer], exc: BaseException, *, transport_failed: bool) -> None:
         """After a failure: tell the group to drop the version.
 
-        If the caller's iterable failed, the group is healthy: let the broadcasts in flight finish
-        (receivers are inside them) and keep the group. If the transport failed, forget the group.
+        If the caller's iterable failed, the groups are healthy: let the broadcasts in flight finish
+        (receivers are inside them) and keep the groups. If the transport failed, forget them.
         """
         reason = explain(exc)[:1000]
         # the caller gets `exc` (the trainer's driver logs it once, or raises it): not a second WARNING here
         logger.debug("version %d abandoned: %s", version, reason)
+        lanes = [lane for lane in (self._whole, *self._box_lanes.values()) if lane is not None]
         if not transport_failed:
             try:
-                await self._settle_direct(0, version)
-                for slot in range(NUM_SLOTS):
-                    await self._complete(slot, version)
+                for lane in lanes:
+                    await self._settle_direct(lane, 0, version)
+                    for slot in range(NUM_SLOTS):
+                        await self._complete(lane, slot, version)
             except (WeightSyncError, asyncio.CancelledError):
                 transport_failed = True
-        for future in [*(p[0] for p in self._pending if p is not None), *(f for f, _ in self._direct)]:
-            forget(future)
-        self._pending = [None] * NUM_SLOTS
-        self._direct = deque()
+        for lane in lanes:
+            for future in lane.futures():
+                forget(future)
+            lane.reset()
         await self._steps.abort(version, peers, reason)
         if transport_failed:
             self._fail_group()

@@ -23,7 +23,7 @@ import torch
 
 from ..config import VerifyMode
 from ..errors import ProtocolError, VerifyError
-from ..protocol.boxes import is_dtensor
+from ..protocol.boxes import is_dtensor, local_of
 from ..protocol.chunks import as_bytes
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint
 from ..protocol.messages import BucketMeta, check_tensor
@@ -61,6 +61,7 @@ class ShardVerifier:
         self.whole = Verifier(mode, version)  # the report, and the one "not fingerprinted" line, as gather mode's
         self.report = self.whole.report
         self.expected: dict[str, dict[int, list[int]]] = {}  # name -> sender -> [fingerprint, start, end]
+        self.whole_from: dict[str, set[int]] = {}  # name -> senders that sent it as the whole tensor's ranges
 
     def part(self, sender: int) -> _Part:
         return _Part(self, sender)
@@ -72,6 +73,8 @@ class ShardVerifier:
             if value == NO_FINGERPRINT:
                 continue
             start, end = _range(meta, i)
+            if not entry.box:
+                self.whole_from.setdefault(entry.name, set()).add(sender)
             shard = self.expected.setdefault(entry.name, {}).get(sender)
             if shard is None:
                 self.expected[entry.name][sender] = [value, start, end]
@@ -94,9 +97,13 @@ class ShardVerifier:
         if not shards:
             self.whole.unchecked(name)
             return
-        if is_dtensor(tensor):  # this rank kept its box: the senders' byte ranges are of the whole tensor
-            self.whole.unchecked_box(name)
-            return
+        whole_from = self.whole_from.pop(name, set())
+        if is_dtensor(tensor):
+            local = local_of(tensor)
+            if whole_from and local.shape != tensor.shape:  # it kept its box of ranges of the whole tensor
+                self.whole.unchecked_box(name)
+                return
+            tensor = local  # every sender sent its part of this rank's box (fingerprints of those), or it is whole
         data = as_bytes(tensor)
         covered = 0
         for sender, (want, start, end) in sorted(shards.items(), key=lambda kv: kv[1][1]):

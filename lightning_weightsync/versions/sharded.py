@@ -30,6 +30,7 @@ import torch
 
 from ..errors import DeltaError, ProtocolError, WeightSyncError, WeightSyncTimeout, explain
 from ..protocol.chunks import TensorMeta
+from ..protocol.declare import Declaration
 from ..protocol.messages import Plan
 from ..protocol.tiling import TilingMerger
 from .delta import apply_range_delta
@@ -43,6 +44,7 @@ class SenderPart(Protocol):
     """What a sharded version needs of the receiver of one other sender (a `WeightReceiver`: its public face)."""
 
     delta_base: int | None  # the version it says (in its Ready) it can apply a delta to
+    declared: Declaration | None  # the boxes it declares to its sender (protocol/declare.py)
 
     @property
     def address(self) -> str: ...
@@ -72,9 +74,10 @@ class OtherSenders(Generic[P]):
         self.subs: dict[tuple[str, int], P] = {}
         self.joined: list[tuple[P, Plan]] = []  # the version in flight: each sub and its plan
 
-    async def join(self, plan: Plan, held: int | None) -> list[tuple[P, Plan]]:
+    async def join(self, plan: Plan, held: int | None, declared: Declaration | None = None) -> list[tuple[P, Plan]]:
         """Join every other sender's part of `plan.version` (their Prepare / Ready / Plan / group, at once);
-        `held`: the version this receiver holds whole, which each sender hears (deltas are of it)."""
+        `held`: the version this receiver holds whole, which each sender hears (deltas are of it); `declared`:
+        the boxes it holds, which each sender hears too (each serves them once it took them)."""
         wanted = [(a.host, a.port) for a in plan.senders]
         for key in [k for k in self.subs if k not in wanted]:  # a sender no longer in the version
             await self.subs.pop(key).close()
@@ -86,6 +89,7 @@ class OtherSenders(Generic[P]):
         subs = [self.subs[key] for key in wanted]
         for sub in subs:
             sub.delta_base = held
+            sub.declared = declared
         results = await asyncio.gather(*(self._version(sub, plan.version) for sub in subs), return_exceptions=True)
         self.joined = [(sub, got) for sub, got in zip(subs, results, strict=True) if isinstance(got, Plan)]
         failed = [(sub, got) for sub, got in zip(subs, results, strict=True) if isinstance(got, BaseException)]

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import NoReturn, TypeVar
 
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
@@ -234,12 +235,21 @@ class SenderSteps:
 
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(
-        self, version: int, peers: list[Peer], group: GroupSpec, others: list[SenderAddress] | None = None
+        self,
+        version: int,
+        peers: list[Peer],
+        group: GroupSpec,
+        others: list[SenderAddress] | None = None,
+        boxes: str = "",
+        refused: Mapping[str, str] | None = None,
     ) -> None:
-        """Every member's rank (1..N, in the order of `peers`), the group to join, and (sharded send mode)
-        the other senders of the version."""
+        """Every member's rank (1..N, in the order of `peers`), the group to join, (sharded send mode) the other
+        senders of the version, the declaration the group's lane serves (versions/lanes.py), and to a receiver
+        whose declaration was refused, why."""
+        refused = refused or {}
         for rank, peer in enumerate(peers, start=1):
-            await self.control.send(peer.identity, Plan(version, rank, group, others or []))
+            why = refused.get(peer.identity, "")[:1000]
+            await self.control.send(peer.identity, Plan(version, rank, group, others or [], boxes, why))
 
     async def while_connected(self, work: asyncio.Future[T], timeout_s: float, what: str) -> T:
         """`work` (the group's join, or a broadcast, on the data-plane thread: it completes only with
@@ -468,11 +478,11 @@ class ReceiverSteps:
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
-    async def ready(self, prepare: Prepare, generation: int, layout: str = "") -> None:
-        """Answer `prepare`: the group this receiver still holds, the version it can apply a delta to, and the
-        digest of the bucket layout it holds (protocol/layout.py)."""
+    async def ready(self, prepare: Prepare, generation: int, layout: str = "", boxes: str = "") -> None:
+        """Answer `prepare`: the group this receiver still holds, the version it can apply a delta to, the
+        digest of the bucket layout it holds (protocol/layout.py) and of the boxes it declared (declare.py)."""
         held = -1 if self.held is None else self.held
-        await self.control.send(Ready(self.identity, prepare.version, generation, held, layout))
+        await self.control.send(Ready(self.identity, prepare.version, generation, held, layout, boxes))
 
     # 3 ---------------------------------------------------------------------------------------
     async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:

@@ -25,7 +25,7 @@ import torch
 
 from ..config import VerifyMode
 from ..errors import VerifyError
-from ..protocol.boxes import is_dtensor
+from ..protocol.boxes import is_dtensor, local_of
 from ..protocol.chunks import TensorShard
 from ..protocol.fingerprint import NO_FINGERPRINT, checksum_hex, fingerprint, sampled
 from ..protocol.messages import BucketMeta
@@ -101,6 +101,7 @@ class Verifier:
     def __init__(self, mode: VerifyMode, version: int) -> None:
         self.mode = mode
         self.expected: dict[str, int] = {}
+        self.boxed: set[str] = set()  # tensors that came as this receiver's box: their fingerprint is of it
         self.report = VerifyReport(version, str(mode))
         self._warned = False
 
@@ -111,6 +112,8 @@ class Verifier:
         for entry, value in zip(meta.entries, meta.fingerprints, strict=True):  # validated: one per entry
             if value != NO_FINGERPRINT:
                 self.expected[entry.name] = value
+                if entry.box:
+                    self.boxed.add(entry.name)
 
     def unchecked(self, name: str) -> None:
         """`name` arrived without a fingerprint: said once a version, where every tensor was to be checked."""
@@ -139,9 +142,12 @@ class Verifier:
         if want is None:
             self.unchecked(name)
             return
-        if is_dtensor(tensor):  # this rank kept its box of the tensor: the whole one's fingerprint cannot be had
-            self.unchecked_box(name)
-            return
+        if is_dtensor(tensor):
+            local = local_of(tensor)
+            if name not in self.boxed and local.shape != tensor.shape:  # it kept its box of the whole tensor
+                self.unchecked_box(name)
+                return
+            tensor = local  # it came as its box (the sender fingerprinted that), or this rank holds it whole
         got = fingerprint(tensor)
         if got != want:
             raise VerifyError(

@@ -1,7 +1,10 @@
 """A tensor-parallel rollout (2 processes, `parallelize_module`: column- and row-wise linears, a vocab-parallel
 embedding tied to a column-parallel LM head) receives versions with `receive_weights(into=...)` whose `into`
 returns the rollout's own DTensor parameters, and nothing else: every rank's local tensors end equal to its box
-of the trainer's weights, bitwise (protocol/boxes.py places each chunk's part of the box)."""
+of the trainer's weights, bitwise. The first version comes whole (each rank keeps its box: protocol/boxes.py
+places each chunk's part of it) and teaches each rank its boxes, which it declares (transport.slices); from the
+second on each rank receives exactly its boxes and the tensors it holds whole (versions/lanes.py), counted in
+bytes against the model's, and every tensor, boxes included, is verified (transport.verify=full)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from tests.support.mp import free_port, run_workers
 from tests.support.transfer import engine_cfg, with_timeout
 
 TP = 2
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 TIMEOUT_S = 120
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "max_seq_len": 16}
 
@@ -51,19 +54,28 @@ def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
     model.lm_head.weight = model.embed.weight  # tied on the rollout too, after parallelizing
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     sharded = sorted(n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape != p.shape)
+    trainer = _trainer_model(1).state_dict()
+    model_bytes = sum(t.numel() * t.element_size() for n, t in trainer.items() if n != "lm_head.weight")
+    held = {n: (params[n].to_local() if isinstance(params[n], DTensor) else params[n]) for n in trainer if n in params}
+    held_bytes = sum(t.numel() * t.element_size() for n, t in held.items() if n != "lm_head.weight")
 
     async def main() -> dict[str, Any]:
         cfg = engine_cfg(port, transport__verify="full")
         seen: dict[int, list[str]] = {}
+        received: dict[int, int] = {}
         async with WeightReceiver(cfg, identity=f"tp{rank}") as receiver:
             for version in VERSIONS:
                 got = [n async for n, _ in receiver.receive_weights(into=lambda meta: params.get(meta.name))]
                 seen[version] = got
-                # transport.verify=full: every tensor held whole is checked; a box cannot be, against the
-                # fingerprint of the whole tensor (counted, not checked)
-                plain = [n for n in got if not isinstance(params.get(n), DTensor)]
+                assert receiver.last_stats is not None
+                received[version] = receiver.last_stats.nbytes
+                # transport.verify=full: the first version, whole, checks every tensor held whole (a box kept of
+                # a whole tensor cannot be, against the whole one's fingerprint: counted, not checked); from the
+                # second on the boxes come alone, fingerprinted as such, and every tensor is checked
+                plain = [n for n in got if n not in sharded]
                 report = receiver.last_verify
-                assert report is not None and report.tensors == len(got) and report.verified == len(plain), report
+                checked = len(plain) if version == VERSIONS[0] else len(got)
+                assert report is not None and report.tensors == len(got) and report.verified == checked, report
                 expected = _trainer_model(version).state_dict()
                 for name, param in params.items():
                     if name not in expected or name == "lm_head.weight":
@@ -80,7 +92,7 @@ def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
                     assert local.dtype == want.dtype and local.shape == want.shape, name
                     assert torch.equal(as_bytes(local.contiguous()), as_bytes(want.contiguous())), (version, name)
                 assert model.lm_head.weight is model.embed.weight
-        return {"seen": seen, "sharded": sharded}
+        return {"seen": seen, "sharded": sharded, "received": received, "model": model_bytes, "held": held_bytes}
 
     try:
         return asyncio.run(main())
@@ -158,3 +170,10 @@ def test_a_tensor_parallel_rollout_receives_into_its_dtensors_bitwise(senders: i
         ), rank["sharded"]
         for version in VERSIONS:
             assert "embed.weight" in rank["seen"][version] and "layers.1.down.weight" in rank["seen"][version]
+        # bytes off the wire: the whole model first, then exactly this rank's boxes and what it holds whole
+        received = rank["received"]
+        print(f"rank bytes a version {received} of a {rank['model']}-byte model; its boxes and whole tensors: "
+              f"{rank['held']} ({rank['held'] / rank['model']:.0%})")  # fmt: skip
+        assert received[VERSIONS[0]] == rank["model"], received
+        assert all(received[v] == rank["held"] for v in VERSIONS[1:]), (received, rank["held"])
+        assert rank["held"] < 0.7 * rank["model"], rank

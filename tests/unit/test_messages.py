@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 
 import lightning_weightsync
 from lightning_weightsync import ProtocolError, TensorMeta
+from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import MAX_BUCKET_ENTRIES
+from lightning_weightsync.protocol.declare import Declaration
 from lightning_weightsync.protocol.dtypes import DTYPES
 from lightning_weightsync.protocol.joins.nccl import NCCL_UNIQUE_ID_BYTES, NcclJoin
 from lightning_weightsync.protocol.joins.nixl import MAX_NIXL_METADATA_BYTES, NixlJoin, NixlRegion
@@ -45,6 +47,8 @@ from lightning_weightsync.protocol.messages import (
     MAX_TIED_NAMES,
     Abort,
     Ack,
+    BoxEntry,
+    Boxes,
     BucketDone,
     BucketMeta,
     Bye,
@@ -117,6 +121,9 @@ MESSAGES = [
     Refuse("rollout-0", "identity held by a connected receiver"),
     StoreRequest("rollout-0", 7, "set", "lws/5f0c2a/1/0/1", b"addr"),
     StoreReply(7, False),
+    Ready("rollout-1", 4, 2, 3, "ab" * 16, "cd" * 16),
+    Boxes("rollout-1", "cd" * 16, 0, 2, [BoxEntry("layers.0.up.weight", [64, 0], [64, 128])]),
+    BucketMeta(3, 1, False, 100, [Entry("w", [4, 8], "float32", 0, 64, 0, [2, 0, 2, 8])]),
 ]
 
 
@@ -894,7 +901,10 @@ def _largest_to_receiver() -> dict[str, Message]:
             _largest_lora(),
             delta_ranges=[(ranges_end - (1 << 39), 1 << 39)] * len(entry),  # longer than the payload, in range
         ),
-        "plan": Plan((1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)]),
+        "plan": Plan(
+            (1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)],
+            "ab" * 16, _wide(1000),
+        ),  # fmt: skip
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN)),
         "store-reply": StoreReply((1 << 63) - 1, True, b"v" * MAX_STORE_VALUE_LEN),
     }
@@ -902,10 +912,15 @@ def _largest_to_receiver() -> dict[str, Message]:
 
 def _largest_to_sender() -> dict[str, Message]:
     big, identity, text = (1 << 63) - 1, _wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN)
+    # the fullest page a receiver packs: names as long as legal, boxes of MAX_NDIM dims of 64-bit numbers
+    box = Box((big,) * MAX_NDIM, (big,) * MAX_NDIM)
+    pages = Declaration.of({_wide(MAX_NAME_LEN, f"{i}."): box for i in range(64)}).pages(identity)
     return {
         "register": Register(identity, text, big, text, big, big, _wide(256), _wide(256)),
         "ack": Ack(identity, big, False, text),
         "store-request": StoreRequest(identity, big, "set", _wide(MAX_STORE_KEY_LEN), b"v" * MAX_STORE_VALUE_LEN),
+        "ready": Ready(identity, big, big, big, "ab" * 16, "cd" * 16),
+        "boxes": max(pages, key=lambda page: len(encode(page)[0])),
     }
 
 

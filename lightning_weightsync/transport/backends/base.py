@@ -96,6 +96,12 @@ class Backend(ABC):
         """Sender only, once: create whatever receivers will attach to."""
         self.buckets = [empty_bucket(self.bucket_size, self.device) for _ in range(NUM_SLOTS)]
 
+    def setup_lane(self, primary: Backend, host: str) -> None:
+        """Sender only, once, for a lane of boxes (versions/lanes.py): set up beside `primary`, the whole lane's
+        backend of the same kind. By default a set-up of its own on any free port; a backend that can share
+        what `primary` created (a rendezvous store) does."""
+        self.setup(host, 0)
+
     def preallocate(self) -> int:
         """Receiver: allocate the slots now, at the configured bucket size, where they are this process's
         own memory; returns the bytes taken (0 where the slots come from the sender at the first join).
@@ -118,10 +124,13 @@ class Backend(ABC):
                 f"plan for backend {group.backend} carries {type(group.join).__name__} join fields, "
                 f"backend {self.name} needs {self.join_type.__name__}"
             )
-        stale = len(self.buckets) != NUM_SLOTS or self.bucket_size != group.bucket_size
+        # a receiver's own slots serve a group of smaller buckets too (a lane of boxes: versions/lanes.py)
+        size, wanted = self.bucket_size, group.bucket_size
+        fits = size >= wanted if self.own_receiver_slots else size == wanted
+        stale = len(self.buckets) != NUM_SLOTS or not fits
         # shared-memory slots belong to one sender session: a restarted sender has new ones
         if not self.is_sender and (stale or (group.session != self.session and not self.own_receiver_slots)):
-            if self.buckets and self.bucket_size != group.bucket_size:
+            if self.buckets and not fits:
                 logger.warning(
                     "the sender's buckets are %d bytes, this receiver's transport.bucket_size_mb gives %d: "
                     "the slots are allocated again at the sender's size (set the same bucket_size_mb on both "

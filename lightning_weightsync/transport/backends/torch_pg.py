@@ -62,6 +62,14 @@ class TorchProcessGroupBackend(Backend):
         self._store_addr = (host, self._store.port)
         logger.debug("%s data-plane store listening on %s:%d", self.name, host, self._store.port)
 
+    def setup_lane(self, primary: Backend, host: str) -> None:
+        """A lane's groups meet in the whole lane's store (their generations are unique): no port of its own."""
+        if not isinstance(primary, TorchProcessGroupBackend) or primary._store_addr is None:
+            super().setup_lane(primary, host)
+            return
+        Backend.setup(self, host, 0)  # the slots
+        self._store, self._store_addr = primary._store, primary._store_addr
+
     def join_spec(self, generation: int) -> StoreJoin:
         if self._store_addr is None:
             raise WeightSyncError(f"{self.name}: join_spec() before setup() (the sender sets up at start())")

@@ -48,8 +48,10 @@ from torch.distributed.distributed_c10d import PrefixStore, Store
 from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ConfigError, PeerError, ProtocolError
+from ...protocol.declare import Declarations
 from ...protocol.messages import (
     MAX_FRAME_TO_SENDER,
+    Boxes,
     BucketDone,
     Bye,
     Message,
@@ -142,6 +144,7 @@ class SenderControl:
         self.refused_registrations = 0  # duplicate registrations of a live identity (answered or not)
         self.throttled_registrations = 0  # ... of which dropped unanswered (REFUSE_EVERY_S)
         self.progress: dict[str, BucketDone] = {}  # identity -> its latest progress report
+        self.declarations = Declarations()  # the boxes each receiver declared, page by page
         self._routes: dict[bytes, str] = {}  # connection -> the identity it registered
         self._former: dict[str, bytes] = {}  # identity -> its last connection (an Abort may still reach it)
         # (identity, receiver instance) -> the last seq accepted: a Register that is refused records nothing,
@@ -463,6 +466,9 @@ class SenderControl:
             self.peers[identity].last_seen = time.monotonic()
         if isinstance(msg, BucketDone):  # where the receiver is (the engine names laggards from it)
             self.progress[identity] = msg
+            return False, True
+        if isinstance(msg, Boxes):  # a page of the boxes it holds (protocol/declare.py), read at its next Ready
+            self.declarations.add(identity, msg)
             return False, True
         if isinstance(msg, StoreRequest):
             try:
