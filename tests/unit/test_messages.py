@@ -902,9 +902,13 @@ def _largest_to_receiver() -> dict[str, Message]:
             delta_ranges=[(ranges_end - (1 << 39), 1 << 39)] * len(entry),  # longer than the payload, in range
         ),
         "plan": Plan(
-            (1 << 63) - 1, 1, group, [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)],
-            "ab" * 16, _wide(1000),
-        ),  # fmt: skip
+            (1 << 63) - 1,
+            1,
+            group,
+            [SenderAddress(_wide(256, f"{i}."), 65535) for i in range(MAX_SENDERS)],
+            "ab" * 16,
+            _wide(1000),
+        ),
         "refuse": Refuse(_wide(MAX_IDENTITY_LEN), _wide(MAX_TEXT_LEN)),
         "store-reply": StoreReply((1 << 63) - 1, True, b"v" * MAX_STORE_VALUE_LEN),
     }

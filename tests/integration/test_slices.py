@@ -1,0 +1,135 @@
+"""Receivers that declare boxes get only those (versions/lanes.py), over real sockets and gloo groups in one
+process: receivers with the same declaration share one lane's group, one that declared nothing takes whole
+tensors beside them, and a declaration that does not fit the tensors is refused by name at Ready while the
+version goes on for everyone (the refused receiver gets whole tensors)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_weightsync import WeightReceiver, WeightSender
+from lightning_weightsync.protocol.boxes import Box
+from lightning_weightsync.protocol.chunks import TensorMeta
+from tests.support.transfer import engine_cfg, with_timeout
+
+VERSIONS = (1, 2, 3)
+ROWS = {"top": Box((0, 0), (3, 6)), "bottom": Box((3, 0), (5, 6))}  # of "w", an (8, 6) tensor
+
+
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(version)
+    return [
+        ("w", torch.randn(8, 6, generator=gen)),
+        ("e", torch.randn(16, 4, generator=gen).to(torch.bfloat16)),
+        ("b", torch.randn(6, generator=gen)),
+    ]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int]:
+    """One version: declared boxes land in tensors of the box's shape (what a sender that took the declaration
+    sends), everything else in whole ones; returns what arrived and the bytes taken off the wire."""
+    receiver.declare_boxes(boxes)
+
+    def into(meta: TensorMeta) -> torch.Tensor:
+        return torch.empty(meta.local_shape, dtype=meta.dtype)
+
+    got = {n: t.clone() async for n, t in receiver.receive_weights(into=into)}
+    assert receiver.last_stats is not None
+    return got, receiver.last_stats.nbytes
+
+
+async def _run(declarations: dict[str, dict[str, Box] | None]) -> tuple[dict[str, list[Any]], WeightSender]:
+    cfg = engine_cfg(0, trainer__min_receivers=len(declarations), transport__verify="full")
+    sender = WeightSender(cfg)
+    await sender.start()
+    receivers = {
+        ident: WeightReceiver(engine_cfg(sender.port, transport__verify="full"), identity=ident)
+        for ident in declarations
+    }
+    for r in receivers.values():
+        await r.start()
+    try:
+
+        async def consume(ident: str) -> list[Any]:
+            out = []
+            for _ in VERSIONS:
+                got, nbytes = await _receive(receivers[ident], declarations[ident])
+                world = receivers[ident]._backend.world_size  # its lane's group: the sender and the lane's members
+                out.append((receivers[ident].version, got, nbytes, world))
+            return out
+
+        async def send() -> None:
+            for version in VERSIONS:
+                await sender.send_weights(_weights(version), version=version)
+
+        results = await with_timeout(asyncio.gather(send(), *(consume(i) for i in declarations)), 90)
+    finally:
+        for r in receivers.values():
+            await r.close()
+        await sender.close()
+    return dict(zip(declarations, results[1:], strict=True)), sender
+
+
+def _expected(version: int, boxes: dict[str, Box] | None) -> dict[str, torch.Tensor]:
+    return {n: (boxes[n].of(t) if boxes and n in boxes else t) for n, t in _weights(version)}
+
+
+async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane() -> None:
+    declarations = {
+        "top-a": {"w": ROWS["top"]},
+        "top-b": {"w": ROWS["top"]},  # the same box: the same lane (one broadcast for both)
+        "bottom": {"w": ROWS["bottom"], "e": Box((8, 0), (8, 4))},
+        "whole": None,
+    }
+    results, _ = await _run(declarations)
+    model = sum(_nbytes(t) for _, t in _weights(1))
+    for ident, versions in results.items():
+        for version, got, nbytes, world in versions:
+            # the first version is sent whole (the sender checks a declaration on tensors it has sent)
+            boxes = declarations[ident] if version > VERSIONS[0] else None
+            want = _expected(version, boxes)
+            assert sorted(got) == sorted(want), (ident, version)
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (ident, name)
+                assert torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (ident, name)
+            assert nbytes == sum(_nbytes(t) for t in want.values()), (ident, version, nbytes)
+            if version > VERSIONS[0]:
+                # lanes: {top-a, top-b}, {bottom}, {whole}; each group is the sender and its lane's receivers
+                assert world == {"top-a": 3, "top-b": 3, "bottom": 2, "whole": 2}[ident], (ident, world)
+                assert (nbytes < model) == (declarations[ident] is not None)
+
+
+HOSTILE = {
+    "outside the tensor": ({"w": Box((6, 0), (3, 6))}, "outside the tensor's shape"),
+    "larger than the tensor": ({"w": Box((0, 0), (8, 7))}, "outside the tensor's shape"),
+    "of another rank": ({"b": Box((0, 0), (1, 6))}, "a box of rank 2"),
+    "of a tensor never sent": ({"nope": Box((0,), (1,))}, "does not send"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+async def test_a_declaration_that_does_not_fit_is_refused_at_ready_and_the_version_goes_on(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad, why = HOSTILE[kind]
+    caplog.set_level(logging.WARNING)
+    results, _ = await _run({"good": {"w": ROWS["top"]}, "hostile": bad})
+    for version, got, _, _ in results["hostile"]:  # whole tensors, every version, bitwise
+        want = _expected(version, None)
+        assert all(torch.equal(got[n], t) for n, t in want.items()), version
+    for version, got, _, _ in results["good"]:  # the others' versions go on, sliced
+        want = _expected(version, {"w": ROWS["top"]} if version > VERSIONS[0] else None)
+        assert all(torch.equal(got[n], t) for n, t in want.items()), version
+    refused = [r for r in caplog.records if "refused the boxes" in r.getMessage()]
+    # the sender names the receiver and the tensor; the receiver hears why in its plan
+    assert any(r.levelno == logging.WARNING and "hostile" in r.getMessage() and why in r.getMessage() for r in refused)
+    assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in refused), [r.getMessage() for r in refused]
