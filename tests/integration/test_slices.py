@@ -34,9 +34,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int]:
+async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int, int]:
     """One version: declared boxes land in tensors of the box's shape (what a sender that took the declaration
-    sends), everything else in whole ones; returns what arrived and the bytes taken off the wire."""
+    sends), everything else in whole ones; returns what arrived, the bytes taken off the wire, and the buckets
+    that named a held layout (transport.layout_once) instead of listing their entries."""
     receiver.declare_boxes(boxes)
 
     def into(meta: TensorMeta) -> torch.Tensor:
@@ -44,7 +45,7 @@ async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tu
 
     got = {n: t.clone() async for n, t in receiver.receive_weights(into=into)}
     assert receiver.last_stats is not None
-    return got, receiver.last_stats.nbytes
+    return got, receiver.last_stats.nbytes, receiver.last_stats.layout_buckets
 
 
 async def _run(declarations: dict[str, dict[str, Box] | None]) -> tuple[dict[str, list[Any]], WeightSender]:
@@ -62,9 +63,9 @@ async def _run(declarations: dict[str, dict[str, Box] | None]) -> tuple[dict[str
         async def consume(ident: str) -> list[Any]:
             out = []
             for _ in VERSIONS:
-                got, nbytes = await _receive(receivers[ident], declarations[ident])
+                got, nbytes, layout = await _receive(receivers[ident], declarations[ident])
                 world = receivers[ident]._backend.world_size  # its lane's group: the sender and the lane's members
-                out.append((receivers[ident].version, got, nbytes, world))
+                out.append((receivers[ident].version, got, nbytes, world, layout))
             return out
 
         async def send() -> None:
@@ -93,7 +94,7 @@ async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane
     results, _ = await _run(declarations)
     model = sum(_nbytes(t) for _, t in _weights(1))
     for ident, versions in results.items():
-        for version, got, nbytes, world in versions:
+        for version, got, nbytes, world, layout in versions:
             # the first version is sent whole (the sender checks a declaration on tensors it has sent)
             boxes = declarations[ident] if version > VERSIONS[0] else None
             want = _expected(version, boxes)
@@ -106,6 +107,8 @@ async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane
                 # lanes: {top-a, top-b}, {bottom}, {whole}; each group is the sender and its lane's receivers
                 assert world == {"top-a": 3, "top-b": 3, "bottom": 2, "whole": 2}[ident], (ident, world)
                 assert (nbytes < model) == (declarations[ident] is not None)
+            if version == VERSIONS[-1]:  # each lane keeps its own held layout: the second sliced version names it
+                assert layout > 0, (ident, version)
 
 
 HOSTILE = {
@@ -123,10 +126,10 @@ async def test_a_declaration_that_does_not_fit_is_refused_at_ready_and_the_versi
     bad, why = HOSTILE[kind]
     caplog.set_level(logging.WARNING)
     results, _ = await _run({"good": {"w": ROWS["top"]}, "hostile": bad})
-    for version, got, _, _ in results["hostile"]:  # whole tensors, every version, bitwise
+    for version, got, *_ in results["hostile"]:  # whole tensors, every version, bitwise
         want = _expected(version, None)
         assert all(torch.equal(got[n], t) for n, t in want.items()), version
-    for version, got, _, _ in results["good"]:  # the others' versions go on, sliced
+    for version, got, *_ in results["good"]:  # the others' versions go on, sliced
         want = _expected(version, {"w": ROWS["top"]} if version > VERSIONS[0] else None)
         assert all(torch.equal(got[n], t) for n, t in want.items()), version
     refused = [r for r in caplog.records if "refused the boxes" in r.getMessage()]
