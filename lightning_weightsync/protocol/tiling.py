@@ -85,8 +85,8 @@ class TilingMerger:
         whole = tile.landing.whole_bytes
         if whole is None:
             raise ProtocolError(
-                f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.delta=off "
-                "for a tensor-parallel rollout"
+                f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.slices=true "
+                "(boxes come whole) or transport.delta=off for a tensor-parallel rollout"
             )
         fill(whole[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
         return self._covered(tile, sender, held)

@@ -30,7 +30,7 @@ from ..errors import (
     WeightSyncTimeout,
     explain,
 )
-from ..protocol.boxes import Box, box_of
+from ..protocol.boxes import Box, box_of, is_dtensor
 from ..protocol.chunks import TensorMeta, merge_weight_chunks
 from ..protocol.declare import PAGES_PER_VERSION, Declaration
 from ..protocol.layout import Layout, LayoutRecorder
@@ -513,6 +513,11 @@ class WeightReceiver(Endpoint):
         meta, based_on = delta
         held = self._held(meta, based_on, base)
         target = destinations(meta) if destinations is not None else None
+        if is_dtensor(held) or is_dtensor(target):  # it holds a box: a delta rebuilds the whole tensor
+            raise DeltaError(
+                f"{name!r} arrived as a delta, which does not apply into a DTensor's box; transport.slices=true "
+                "(boxes come whole) or transport.delta=off for a tensor-parallel rollout"
+            )
         return apply_delta(payload, meta, held, target, self.output_device)
 
     def _held(self, meta: TensorMeta, based_on: int, base: Into | None) -> torch.Tensor:

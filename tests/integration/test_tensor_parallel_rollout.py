@@ -39,10 +39,10 @@ def _trainer_model(version: int) -> torch.nn.Module:
     return model
 
 
-def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
+def _tp_model(store_port: int, rank: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """This rank's part of the rollout's model, tensor-parallel over a 2-rank mesh, and its tensors by name."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=True)
@@ -56,7 +56,14 @@ def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
                  f"layers.{i}.up": ColwiseParallel(), f"layers.{i}.down": RowwiseParallel()}  # fmt: skip
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.embed.weight  # tied on the rollout too, after parallelizing
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    return model, dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _tp_rollout(port: int, store_port: int, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model, params = _tp_model(store_port, rank)
     sharded = sorted(n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape != p.shape)
     trainer = _trainer_model(1).state_dict()
     held = {n: (params[n].to_local() if isinstance(params[n], DTensor) else params[n]) for n in trainer if n in params}
@@ -188,6 +195,70 @@ def _overlap_trainer(port: int, store_port: int, rank: int, mode: str) -> list[i
     finally:
         driver.close()
     return [TP] * len(VERSIONS) if all(delivered[1:]) and driver.record.failures == 0 else delivered
+
+
+def _tp_rollout_keeping(port: int, store_port: int, rank: int) -> list[str]:
+    """A rank that takes whole tensors (transport.slices=false) and keeps what it receives (`base=`): a delta
+    (transport.delta=always) rebuilds a whole tensor, which a DTensor's box cannot hold: refused by name."""
+    import torch.distributed as dist
+
+    _, params = _tp_model(store_port, rank)
+
+    async def main() -> list[str]:
+        cfg = engine_cfg(port, transport__slices="false")
+        outcomes = []
+        async with WeightReceiver(cfg, identity=f"tp{rank}") as receiver:
+            for _ in VERSIONS:
+                try:
+                    tensors = receiver.receive_weights(
+                        into=lambda m: params.get(m.name), base=lambda m: params.get(m.name)
+                    )
+                    async for _name, _t in tensors:
+                        pass
+                    outcomes.append(f"{receiver.version}: ok")
+                except Exception as exc:
+                    outcomes.append(f"{receiver.version}: {type(exc).__name__}: {exc}")
+        return outcomes
+
+    try:
+        return asyncio.run(main())
+    finally:
+        dist.destroy_process_group()
+
+
+def _delta_trainer(port: int) -> list[str]:
+    async def main() -> list[str]:
+        cfg = engine_cfg(port, trainer__min_receivers=TP, transport__delta="always")
+        outcomes = []
+        async with WeightSender(cfg) as sender:
+            for version in VERSIONS:
+                try:
+                    weights = [(n, t.clone()) for n, t in _weights(1)]  # one element a version changes: deltas win
+                    for _, tensor in weights:
+                        tensor.view(-1)[:1] += version
+                    stats = await with_timeout(sender.send_weights(weights, version=version, tied=TIED), 90)
+                    outcomes.append(f"{version}: {stats.delta_tensors} deltas")
+                except Exception as exc:
+                    outcomes.append(f"{version}: {type(exc).__name__}")
+        return outcomes
+
+    return asyncio.run(main())
+
+
+def _delta_role(role: int, port: int, rollout_store_port: int) -> Any:
+    return _delta_trainer(port) if role == 0 else _tp_rollout_keeping(port, rollout_store_port, role - 1)
+
+
+def test_a_delta_into_a_dtensor_is_refused_by_name_and_the_next_version_comes_whole() -> None:
+    port, rollout_store_port = free_port(), free_port()
+    trainer, *ranks = run_workers(
+        _delta_role, [(r, port, rollout_store_port) for r in range(1 + TP)], timeout_s=TIMEOUT_S
+    )
+    assert trainer[0] == "1: 0 deltas" and trainer[1] == "2: PeerError" and trainer[2] == "3: 0 deltas", trainer
+    for outcomes in ranks:
+        assert outcomes[0] == "1: ok" and outcomes[2] == "3: ok", outcomes
+        assert outcomes[1].startswith("2: DeltaError") and "DTensor's box" in outcomes[1], outcomes
+        assert "transport.slices=true" in outcomes[1] and "transport.delta=off" in outcomes[1], outcomes
 
 
 def _role(role: int, senders: int, port: int, store_port: int, rollout_store_port: int, overlap: str) -> Any:
