@@ -48,12 +48,14 @@ async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tu
     return got, receiver.last_stats.nbytes, receiver.last_stats.layout_buckets
 
 
-async def _run(declarations: dict[str, dict[str, Box] | None]) -> tuple[dict[str, list[Any]], WeightSender]:
-    cfg = engine_cfg(0, trainer__min_receivers=len(declarations), transport__verify="full")
+async def _run(
+    declarations: dict[str, dict[str, Box] | None], backend: str = "gloo"
+) -> tuple[dict[str, list[Any]], WeightSender]:
+    cfg = engine_cfg(0, backend=backend, trainer__min_receivers=len(declarations), transport__verify="full")
     sender = WeightSender(cfg)
     await sender.start()
     receivers = {
-        ident: WeightReceiver(engine_cfg(sender.port, transport__verify="full"), identity=ident)
+        ident: WeightReceiver(engine_cfg(sender.port, backend=backend, transport__verify="full"), identity=ident)
         for ident in declarations
     }
     for r in receivers.values():
@@ -84,14 +86,15 @@ def _expected(version: int, boxes: dict[str, Box] | None) -> dict[str, torch.Ten
     return {n: (boxes[n].of(t) if boxes and n in boxes else t) for n, t in _weights(version)}
 
 
-async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane(backend: str) -> None:
     declarations = {
         "top-a": {"w": ROWS["top"]},
         "top-b": {"w": ROWS["top"]},  # the same box: the same lane (one broadcast for both)
         "bottom": {"w": ROWS["bottom"], "e": Box((8, 0), (8, 4))},
         "whole": None,
     }
-    results, _ = await _run(declarations)
+    results, _ = await _run(declarations, backend)
     model = sum(_nbytes(t) for _, t in _weights(1))
     for ident, versions in results.items():
         for version, got, nbytes, world, layout in versions:

@@ -128,8 +128,10 @@ class Backend(ABC):
         size, wanted = self.bucket_size, group.bucket_size
         fits = size >= wanted if self.own_receiver_slots else size == wanted
         stale = len(self.buckets) != NUM_SLOTS or not fits
-        # shared-memory slots belong to one sender session: a restarted sender has new ones
-        if not self.is_sender and (stale or (group.session != self.session and not self.own_receiver_slots)):
+        # shared slots belong to the sender's backend that made them: a restarted sender (another session), or
+        # another of its lanes (another join: its own segments), has others
+        moved = group.session != self.session or (self.group is not None and group.join != self.group.join)
+        if not self.is_sender and (stale or (moved and not self.own_receiver_slots)):
             if self.buckets and not fits:
                 logger.warning(
                     "the sender's buckets are %d bytes, this receiver's transport.bucket_size_mb gives %d: "
