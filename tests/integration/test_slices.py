@@ -49,15 +49,12 @@ async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tu
 
 
 async def _run(
-    declarations: dict[str, dict[str, Box] | None], backend: str = "gloo"
+    declarations: dict[str, dict[str, Box] | None], backend: str = "gloo", token: str | None = None
 ) -> tuple[dict[str, list[Any]], WeightSender]:
-    cfg = engine_cfg(0, backend=backend, trainer__min_receivers=len(declarations), transport__verify="full")
-    sender = WeightSender(cfg)
+    both = {"backend": backend, "transport__verify": "full", "transport__auth_token": token}
+    sender = WeightSender(engine_cfg(0, trainer__min_receivers=len(declarations), **both))
     await sender.start()
-    receivers = {
-        ident: WeightReceiver(engine_cfg(sender.port, backend=backend, transport__verify="full"), identity=ident)
-        for ident in declarations
-    }
+    receivers = {ident: WeightReceiver(engine_cfg(sender.port, **both), identity=ident) for ident in declarations}
     for r in receivers.values():
         await r.start()
     try:
@@ -86,15 +83,21 @@ def _expected(version: int, boxes: dict[str, Box] | None) -> dict[str, torch.Ten
     return {n: (boxes[n].of(t) if boxes and n in boxes else t) for n, t in _weights(version)}
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "token"),
+    [("gloo", None), ("shm", None), ("gloo", "lanes-secret-0123456")],
+    ids=["gloo", "shm", "token"],
+)
+async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane(
+    backend: str, token: str | None
+) -> None:
     declarations = {
         "top-a": {"w": ROWS["top"]},
         "top-b": {"w": ROWS["top"]},  # the same box: the same lane (one broadcast for both)
         "bottom": {"w": ROWS["bottom"], "e": Box((8, 0), (8, 4))},
         "whole": None,
     }
-    results, _ = await _run(declarations, backend)
+    results, _ = await _run(declarations, backend, token)  # with a token: the lanes' groups meet via the control
     model = sum(_nbytes(t) for _, t in _weights(1))
     for ident, versions in results.items():
         for version, got, nbytes, world, layout in versions:
