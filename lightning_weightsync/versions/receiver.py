@@ -190,8 +190,7 @@ class WeightReceiver(Endpoint):
         {}: whole tensors. Sent to the sender with the next version's Ready; from the version its plan says it
         took them (`Plan.boxes`), each tensor named arrives as that box alone. A receiver whose `into` returns
         DTensors declares their boxes itself after its first version (transport.slices)."""
-        parts = {n: b for n, b in (boxes or {}).items()}
-        declared = Declaration.of(parts) if parts else None
+        declared = Declaration.of(boxes) if boxes else None
         if (declared.digest if declared else None) != (self.declared.digest if self.declared else None):
             self.declared, self._boxes_cursor = declared, 0
 

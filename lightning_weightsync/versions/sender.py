@@ -622,8 +622,10 @@ class WeightSender(Endpoint):
     def _declared(self, version: int, peer: Peer, views: dict[str, LaneView]) -> str:
         """The lane key of `peer` this version: its declaration's digest where taken, else WHOLE."""
         digest = self._steps.readies[peer.identity].boxes
-        if not digest or digest in views:
-            return digest if digest in views else WHOLE
+        if not digest:
+            return WHOLE
+        if digest in views:  # another receiver of this version declared the same: the same lane
+            return digest
         try:
             boxes = self._control.declarations.complete(peer.identity, digest)
             if boxes is None or not self._shapes:  # pages still coming, or no version sent yet to check it on
