@@ -289,12 +289,4 @@ def _union(boxes: list[Box], params: list[str]) -> Box | None:
     return outer
 
 
-def expand_box(tensor: torch.Tensor, meta_shape: Sequence[int], box: Box) -> torch.Tensor:
-    """A tensor of the whole shape with `tensor` (the box's local tensor) in its box and zeros elsewhere: what a
-    loader that reads only the box makes the same as from the whole tensor."""
-    whole = torch.zeros(tuple(meta_shape), dtype=tensor.dtype, device=tensor.device)
-    box.of(whole).copy_(tensor)
-    return whole
-
-
-__all__ = ["Slices", "derive_boxes", "expand_box"]
+__all__ = ["Slices", "derive_boxes"]
