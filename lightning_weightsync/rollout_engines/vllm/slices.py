@@ -28,10 +28,12 @@ How the trace runs, and why this way:
   elements read is then checked to be exactly a box (its bounding box, every element of it hit); one is, or
   the tensor goes whole. Memory: the checkpoint probe is a view (no memory); a parameter's probe is its shape
   in float32 (float64 for a dimension of 2^23 elements or more), one per dimension, one parameter at a time.
-- Values are `index + OFFSET`, and the probe starts at -1: what a loader writes that is not a copied element
-  (the vocab embedding zero-fills its padding rows, a loader fills a constant) is out of that range and counts
-  as not read. A loader that does arithmetic on values (quantizing, scaling) is not followed: a quantized
-  (non-float) parameter is refused up front, and a value in range but not an integer fails the trace.
+- Values are `index + OFFSET`, and the probe starts at -1: a zero a loader writes (the vocab embedding
+  zero-fills its padding rows) is out of that range and counts as not read. A loader that does arithmetic on
+  values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter is
+  refused up front, and a value written that is neither a copied index, -1 nor 0 fails the trace.
+- A tensor no parameter reads (a tied LM head the model skips) is declared as a box of one element: the
+  name still arrives (a box is never empty), the bytes do not.
 
 What a box buys at receive time is only that the elements outside it are never sent: the worker still feeds a
 whole-shaped tensor (the box in place, zeros elsewhere) to `load_weights`, which reads only the box, so the
@@ -66,11 +68,14 @@ class _Untraceable(Exception):
 class Slices:
     """What `derive_boxes` learnt: `boxes`, the box of each tensor this worker reads a part of; `whole`, why
     each other tensor goes whole (`read whole`: every element reaches this worker, a replicated norm, a KV
-    head TP ranks share; else the reason the trace gave); `params`, which parameters read each tensor."""
+    head TP ranks share; else the reason the trace gave); `params`, which parameters read each tensor; `unread`,
+    the tensors no parameter reads (a tied LM head the model skips, a tensor it does not use): a box of one
+    element each, since the name must still arrive (a box cannot be empty)."""
 
     boxes: dict[str, Box] = field(default_factory=dict)
     whole: dict[str, str] = field(default_factory=dict)
     params: dict[str, list[str]] = field(default_factory=dict)
+    unread: list[str] = field(default_factory=list)
 
     def nbytes(self, shapes: Mapping[str, Sequence[int]], itemsize: Callable[[str], int]) -> int:
         """Bytes this worker receives a version: its boxes, and every other tensor whole."""
@@ -109,8 +114,9 @@ def derive_boxes(
                 out.whole[name] = str(exc)
                 continue
             out.params[name] = params
-            if box is None:
-                out.whole[name] = "no parameter reads it (tied to another, or unused by this model)"
+            if box is None:  # its values reach no parameter: one element of it is all this worker needs
+                out.boxes[name] = Box((0,) * len(shape), (1,) * len(shape))
+                out.unread.append(name)
             elif box.is_whole(shape):
                 out.whole[name] = "read whole"
             else:
@@ -119,8 +125,10 @@ def derive_boxes(
         if why != "read whole":
             logger.info("tensor-parallel slices: %r goes whole: %s", name, why)
     logger.info(
-        "tensor-parallel slices: %d tensors sliced, %d read whole, %d whole for another reason",
+        "tensor-parallel slices: %d tensors sliced (%d read by no parameter: one element), %d read whole, %d whole "
+        "for another reason",
         len(out.boxes),
+        len(out.unread),
         sum(why == "read whole" for why in out.whole.values()),
         sum(why != "read whole" for why in out.whole.values()),
     )
@@ -243,6 +251,9 @@ def _read_box(call: _Call, shape: tuple[int, ...], offset: float) -> Box | None:
         mask = read[0]
         if any(not torch.equal(mask, other) for other in read[1:]):
             raise _Untraceable(f"parameter {call.param!r}: its loader copies some elements in one coordinate only")
+        untouched = (parts[0] == -1 - offset) | (parts[0] == -offset)  # the probe's -1, a zero fill (padding)
+        if not bool((mask | untouched).all()):
+            raise _Untraceable(f"parameter {call.param!r}: its loader writes values it did not copy from the tensor")
         for k, part in enumerate(parts):
             got = part[mask]
             if got.numel() == 0:
