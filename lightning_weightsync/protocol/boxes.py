@@ -225,11 +225,20 @@ def take(data: torch.Tensor, box: Box, shape: Sequence[int], itemsize: int, star
     return first, out
 
 
+def expand_box(local: torch.Tensor, shape: Sequence[int], box: Box) -> torch.Tensor:
+    """A new tensor of the whole `shape`: `local` (the box's local tensor) in `box`, zeros elsewhere. What an
+    engine's loader that reads only the box (a tensor-parallel rank's `load_weights`) takes for the whole."""
+    whole = torch.zeros(tuple(shape), dtype=local.dtype, device=local.device)
+    box.of(whole).copy_(local)
+    return whole
+
+
 __all__ = [
     "Box",
     "box_of",
     "byte_pieces",
     "check_boxes",
+    "expand_box",
     "flat_boxes",
     "local_byte_view",
     "local_range",

@@ -26,6 +26,7 @@ import torch
 
 from ..config import ReceiverSettings
 from ..errors import SinkError, WeightSyncError
+from ..protocol.boxes import Box, expand_box
 from ..protocol.chunks import TensorMeta
 from ..protocol.messages import LoraSpec
 from ..rollout.consume import Call, VersionSink, consume_version
@@ -168,12 +169,22 @@ class ModelLoadSink(VersionSink):
     (the engine's own name mapping, fusing and tensor-parallel sharding apply); nothing is staged, so the
     version is whole only when the loop commits, and `touched` says whether a failed one reached
     the model. `expected`: the version the trainer announced; another one arriving is refused (a
-    stale or foreign sender) and drained."""
+    stale or foreign sender) and drained.
+
+    A tensor that arrives as a box (a worker that declared the box its parameters read:
+    `vllm/slices.py`) is put back into a tensor of the whole shape, zeros outside the box, before
+    `load_weights`, which reads only the box: the model is what it would be from the whole tensor, bitwise.
+    Memory: one whole tensor at a time, as for a whole version, plus its box while it is copied in (the
+    receiver's bucket-bounded buffers are unchanged).
+    `shapes`: every tensor's whole shape and dtype, as the last version sent them (what the boxes are
+    derived from)."""
 
     def __init__(self, model: torch.nn.Module, expected: int | None) -> None:
         self.model = model
         self.expected = expected
         self.touched = False
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._boxes: dict[str, Box] = {}  # the box each boxed tensor of this version arrives as
 
     def begin(
         self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
@@ -183,10 +194,16 @@ class ModelLoadSink(VersionSink):
             raise SinkError(f"the trainer announced version {self.expected} but version {version} arrived")
 
     def destination(self, meta: TensorMeta) -> torch.Tensor | None:
-        return None  # load_weights copies (and shards) from a whole tensor
+        self.shapes[meta.name] = (tuple(meta.shape), meta.dtype)
+        if meta.box is not None:
+            self._boxes[meta.name] = meta.box
+        return None  # load_weights copies (and shards) from a whole tensor; a box's own tensor is expanded
 
     def accept(self, name: str, tensor: torch.Tensor) -> None:
         self.touched = True
+        box = self._boxes.pop(name, None)
+        if box is not None:
+            tensor = expand_box(tensor, self.shapes[name][0], box)
         try:
             # a vLLM / SGLang model's own method; torch types a Module's attributes as Tensor | Module
             self.model.load_weights([(name, tensor)])  # type: ignore[operator]

@@ -148,6 +148,13 @@ class LightningWeightSyncEngine(
         world = parallel_state.get_world_group()
         return world.cpu_group if world.world_size > 1 else None
 
+    def _tp_size(self) -> int:
+        from vllm.distributed import parallel_state
+
+        if parallel_state._TP is None:  # not in a vLLM worker (vLLM's own tests build engines bare)
+            return 1
+        return int(parallel_state.get_tensor_model_parallel_world_size())
+
     def _after_restore(self) -> None:
         # HostCopy.restore put kernel-format tensors back: re-derive what layers keep outside them (MLA's
         # W_UK_T / W_UV from kv_b_proj), as vLLM's own reload of kernel-format weights ends

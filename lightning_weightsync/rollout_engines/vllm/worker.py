@@ -30,6 +30,7 @@ update_weights (running while our sender broadcasts) -> finish_weight_update(wei
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -140,6 +141,10 @@ class WeightSyncEngineBody:
         self._host_copy: HostCopy | None = None  # vllm.rollback=host: the model as it was before this version
         self._reload_active = False
         self.identity: str | None = None
+        # tensor-parallel slices: the tensors (whole shape, dtype) the last version sent, and those the boxes
+        # declared to the running receiver were derived for
+        self._checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._sliced_for: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
         self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
@@ -169,6 +174,7 @@ class WeightSyncEngineBody:
             self._start_receiver([])
         if self._host_copy is not None:
             self._host_copy.take(self.model)
+        self._declare_slices()  # before the reload: the trace runs on the model as it serves
         if self._needs_layerwise_reload():
             self._begin_layerwise_reload()
             self._reload_active = True
@@ -203,6 +209,7 @@ class WeightSyncEngineBody:
             failure = exc
         failed = self._failed_workers(failure is None)
         if failure is None and not failed:
+            self._checkpoint = dict(sink.model_sink.shapes)
             self._loaded(record)
             return
         version = receiver.version
@@ -220,6 +227,45 @@ class WeightSyncEngineBody:
             raise SinkError(f"{self.identity}: version {version}: {failure}") from None
         logger.error("%s: version %s failed (%s); %s", self.identity, version, explain(failure), undone)
         raise failure
+
+    def _declare_slices(self) -> None:
+        """With tensor parallelism and `transport.slices`: once per checkpoint layout (the names and shapes the
+        last version sent), derive the box of each tensor this worker's parameters read (`slices.py`, by
+        tracing vLLM's own loaders) and declare them, so that the next versions send this worker only its
+        boxes. A failure here only costs the slices: logged, and the tensors keep coming whole."""
+        worker = self._worker_receiver
+        if worker is None or not self._checkpoint or self._checkpoint == self._sliced_for:
+            return
+        if not worker.receiver.settings.transport.slices or self._tp_size() < 2:
+            return
+        from .slices import derive_boxes
+
+        layout = dict(self._checkpoint)
+        self._sliced_for = layout
+        try:
+            slices = derive_boxes(self.model, {name: shape for name, (shape, _) in layout.items()})
+        except Exception as exc:
+            logger.warning("%s: deriving tensor-parallel slices failed (%s); tensors keep coming whole",
+                           self.identity, explain(exc))  # fmt: skip
+            return
+
+        async def declare() -> None:
+            worker.receiver.declare_boxes(slices.boxes)
+
+        worker.loop.call(declare(), timeout_s=30)
+        whole = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout.values())
+        sliced = slices.nbytes(
+            {name: shape for name, (shape, _) in layout.items()},
+            lambda name: torch.empty((), dtype=layout[name][1]).element_size(),
+        )
+        logger.info(
+            "%s: declared the boxes of %d of %d tensors (tensor-parallel slices): %.1f of %.1f MB a version",
+            self.identity, len(slices.boxes), len(layout), sliced / 1e6, whole / 1e6,
+        )  # fmt: skip
+
+    def _tp_size(self) -> int:
+        """This worker's tensor-parallel world size (1 outside vLLM; `weight_transfer.py` asks vLLM)."""
+        return 1
 
     def _loaded(self, record: VersionRecord) -> None:
         assert record.version is not None
@@ -350,6 +396,7 @@ class WeightSyncEngineBody:
 
     def _stop_receiver(self) -> None:
         worker, self._worker_receiver = self._worker_receiver, None
+        self._sliced_for = None  # a new receiver declares again
         if worker is not None:
             worker.close()
 
