@@ -103,7 +103,8 @@ def derive_boxes(
 ) -> Slices:
     """The box of each checkpoint tensor (`{name: shape}`, the trainer's names) `model`'s parameters read, by
     running `model.load_weights` (or `load`) on probes (see the module docstring). The model is unchanged."""
-    loader = load if load is not None else model.load_weights  # type: ignore[operator]
+    # a vLLM model's own method; torch types a Module's attributes as Tensor | Module
+    loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] = load if load is not None else model.load_weights  # type: ignore[assignment]
     out = Slices()
     with _probed(model) as calls:
         for name, shape in shapes.items():
@@ -153,7 +154,7 @@ def _default_loader() -> Callable[..., Any]:
     try:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        return default_weight_loader  # type: ignore[no-any-return]
+        return default_weight_loader
     except ImportError:  # outside vLLM (tests): its behaviour for a same-shaped tensor
 
         def copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
