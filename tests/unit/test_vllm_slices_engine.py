@@ -1,7 +1,8 @@
 """End to end against the REAL vLLM (skipped without it; `./dev vllm-contract` runs it on CPU): a real
 `WeightSender` (gloo, 127.0.0.1) sends 3 versions of a tiny Qwen3's checkpoint (q/k/v and gate/up separate,
-GQA with 1 KV head < TP 2, untied LM head), and of a tiny Llama with tied embeddings, to TWO of our vLLM engines (`LightningWeightSyncEngine`, built by
-vLLM's factory through our plugin, driven by vLLM's own base `update_weights`), one per simulated TP rank.
+GQA with 1 KV head < TP 2, untied LM head), and of a tiny Llama with tied embeddings, to TWO of our vLLM
+engines (`LightningWeightSyncEngine`, built by vLLM's factory through our plugin, driven by vLLM's own base
+`update_weights`), one per simulated TP rank.
 
 Both ranks live in one process, each engine on its own thread (as a vLLM worker's thread drives its engine):
 vLLM's TP getters are patched to answer the rank of the calling thread (`test_vllm_slices_real.py` patches them
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -157,20 +159,28 @@ def test_two_tp_ranks_receive_their_slices_from_a_real_sender_bitwise(
         local.rank = 0
         assert all(t.dtype == torch.float32 for t in checkpoints[0].values())
 
+        # vLLM's layerwise reload keeps process-wide state (0.33.0: reload/layerwise.py LOADING_LAYERS, cleared by
+        # every finalize): two models reloading in one process must not begin or finish at once (in a server each
+        # TP rank is a process of its own)
+        reload_lock = threading.Lock()
         sender = BlockingWeightSender(cfg)
         sender.start()
         try:
             for v, state in enumerate(checkpoints, start=1):
-                errors: list[BaseException] = []
+                errors: list[str] = []
+                loaded = threading.Barrier(WORLD, timeout=60)
 
-                def rollout(rank: int, version: int = v, errors: list[BaseException] = errors) -> None:
+                def rollout(rank: int, version: int = v, errors: list[str] = errors, loaded: Any = loaded) -> None:
                     local.rank = rank
                     try:
-                        engines[rank].start_weight_update()
+                        with reload_lock:
+                            engines[rank].start_weight_update()
                         engines[rank].update_weights({"version": version, "timeout_s": 30})  # vLLM's own
-                        engines[rank].finish_weight_update()
-                    except BaseException as exc:
-                        errors.append(exc)
+                        loaded.wait()
+                        with reload_lock:
+                            engines[rank].finish_weight_update()
+                    except BaseException:
+                        errors.append(traceback.format_exc())
 
                 threads = [threading.Thread(target=rollout, args=(rank,)) for rank in range(WORLD)]
                 for thread in threads:
@@ -178,7 +188,7 @@ def test_two_tp_ranks_receive_their_slices_from_a_real_sender_bitwise(
                 stats = sender.send_weights(list(state.items()), version=v)
                 for thread in threads:
                     thread.join(60)
-                assert not errors, errors
+                assert not errors, errors[0]
                 assert stats.receivers == WORLD
                 for rank, engine in enumerate(engines):
                     assert engine.version == v and not engine.incomplete
