@@ -67,8 +67,14 @@ class EngineVersionSink(VersionSink):
 
     takes_lora = True
 
-    def __init__(self, model: torch.nn.Module, expected: int | None, adapters: AdapterDirectory) -> None:
-        self.model_sink = ModelLoadSink(model, expected)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        expected: int | None,
+        adapters: AdapterDirectory,
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model_sink = ModelLoadSink(model, expected, aliases)
         self.adapters = adapters
         self.adapter: SafetensorsSink | None = None  # the version in flight's writer (adapter versions, rank 0)
         self.is_adapter = False  # the version in flight is a LoRA adapter

@@ -176,15 +176,23 @@ class ModelLoadSink(VersionSink):
     `load_weights`, which reads only the box: the model is what it would be from the whole tensor, bitwise.
     Memory: one whole tensor at a time, as for a whole version, plus its box while it is copied in (the
     receiver's bucket-bounded buffers are unchanged).
+    A tensor named as a parameter the model ties to another one (`aliases`, default `tied_aliases(model)`:
+    a tied LM head) is not loaded: the engines skip it anyway (vLLM 0.34, SGLang), vLLM 0.33.0 raises when a
+    `load_weights` call holds the alias without the tensor it is tied to (model_executor/models/utils.py
+    `_check_skipped_aliases`), which a call per tensor always does, and inside vLLM's layerwise reload (the
+    parameters on the meta device, the tie undone) it would be loaded into the tensor it is tied to: a sliced
+    version's one-element box of it would overwrite the embedding. The engine passes the aliases it found
+    before the reload began.
     `shapes`: every tensor's whole shape and dtype, as the last version sent them (what the boxes are
     derived from)."""
 
-    def __init__(self, model: torch.nn.Module, expected: int | None) -> None:
+    def __init__(self, model: torch.nn.Module, expected: int | None, aliases: Mapping[str, str] | None = None) -> None:
         self.model = model
         self.expected = expected
         self.touched = False
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._boxes: dict[str, Box] = {}  # the box each boxed tensor of this version arrives as
+        self._aliases = tied_aliases(model) if aliases is None else aliases
 
     def begin(
         self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
@@ -202,6 +210,8 @@ class ModelLoadSink(VersionSink):
     def accept(self, name: str, tensor: torch.Tensor) -> None:
         self.touched = True
         box = self._boxes.pop(name, None)
+        if name in self._aliases:
+            return  # its values are the tensor it is tied to, which loads under its own name
         if box is not None:
             tensor = expand_box(tensor, self.shapes[name][0], box)
         try:
@@ -215,6 +225,19 @@ class ModelLoadSink(VersionSink):
 
     def abort(self, version: int, reason: str) -> None:
         """The engine repairs the model on its own thread (`_abandon_layerwise_reload`)."""
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{name: the name it is tied to}: every parameter of `model` that is another one under a second name (a
+    tied LM head: vLLM's and SGLang's `lm_head.weight` is `model.embed_tokens.weight`)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def worker_rank() -> int:
@@ -234,4 +257,12 @@ def worker_identity(base: str | None, rank: int) -> str:
     return f"{base or socket.gethostname()}-{os.getpid()}-w{rank}"
 
 
-__all__ = ["CONFIG_ENV", "LoopThread", "ModelLoadSink", "WorkerReceiver", "worker_identity", "worker_rank"]
+__all__ = [
+    "CONFIG_ENV",
+    "LoopThread",
+    "ModelLoadSink",
+    "WorkerReceiver",
+    "tied_aliases",
+    "worker_identity",
+    "worker_rank",
+]

@@ -33,7 +33,8 @@ How the trace runs, and why this way:
   values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter is
   refused up front, and a value written that is neither a copied index, -1 nor 0 fails the trace.
 - A tensor no parameter reads (a tied LM head the model skips) is declared as a box of one element: the
-  name still arrives (a box is never empty), the bytes do not.
+  name still arrives (a box is never empty), the bytes do not. A tensor named as a parameter the model ties
+  to another (`tied_aliases`) is that without a trace: vLLM 0.33.0's `load_weights` raises on it alone.
 
 What a box buys at receive time is only that the elements outside it are never sent: the worker still feeds a
 whole-shaped tensor (the box in place, zeros elsewhere) to `load_weights`, which reads only the box, so the
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 
 from ...protocol.boxes import Box
+from ..worker import tied_aliases
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +107,16 @@ def derive_boxes(
     running `model.load_weights` (or `load`) on probes (see the module docstring). The model is unchanged."""
     # a vLLM model's own method; torch types a Module's attributes as Tensor | Module
     loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] = load if load is not None else model.load_weights  # type: ignore[assignment]
+    aliases = tied_aliases(model)
     out = Slices()
     with _probed(model) as calls:
         for name, shape in shapes.items():
             shape = tuple(int(s) for s in shape)
+            if name in aliases and shape:  # the sink does not load it: one element of it
+                out.boxes[name] = Box((0,) * len(shape), (1,) * len(shape))
+                out.unread.append(name)
+                out.params[name] = []
+                continue
             try:
                 box, params = _trace(loader, calls, name, shape)
             except _Untraceable as exc:

@@ -42,7 +42,7 @@ from ...errors import ConfigError, SinkError, explain
 from ...rollout.observability import VersionRecord
 from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
-from ..worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, worker_identity, worker_rank
+from ..worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, tied_aliases, worker_identity, worker_rank
 from .config import RollbackMode
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,9 @@ class WeightSyncEngineBody:
         # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
         self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
+        # the parameters the model ties to others (a tied LM head), found now: inside vLLM's layerwise reload the
+        # parameters are on the meta device and the tie is undone (ModelLoadSink skips these names)
+        self._aliases = tied_aliases(self.model)
         self._check_model_supported()
         if self._config_path:
             self._start_receiver([])
@@ -199,7 +202,7 @@ class WeightSyncEngineBody:
         if worker is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
         receiver = worker.receiver
-        sink = EngineVersionSink(self.model, getattr(update_info, "version", None), self._adapters)
+        sink = EngineVersionSink(self.model, getattr(update_info, "version", None), self._adapters, self._aliases)
         wait_s = getattr(update_info, "timeout_s", None)
         failure: BaseException | None = None
         try:
