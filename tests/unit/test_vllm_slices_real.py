@@ -1,13 +1,21 @@
 """Against the REAL vLLM model classes (skipped without vLLM; `./dev vllm-contract` runs it on CPU): at tensor
 parallelism 2, simulated in one process by patching vLLM's TP rank / world-size getters where its layers and
 parameters import them (its layers read them when built; the loaders read what the layer stored), for a tiny
-Qwen3 (fused qkv and gate_up, GQA with TP > KV heads and TP = KV heads) and a tiny Llama (untied and tied
-embeddings), each rank: the boxes `derive_boxes` learns from vLLM's own loaders, the model after a version of
-box-expanded tensors through our sink equal to `load_weights` of the whole tensors (bitwise), and the bytes the
-rank would receive against the model's (printed: `pytest -s`).
+Qwen3 (fused qkv and gate_up, GQA with TP > KV heads and TP = KV heads), a tiny Llama (untied and tied
+embeddings) and a tiny Qwen3-MoE (4 experts, per-expert checkpoint tensors `mlp.experts.<e>.gate_proj.weight`,
+... as Hugging Face's Qwen3-MoE checkpoints name them, the router `mlp.gate.weight`; expert parallelism off), each
+rank: the boxes `derive_boxes` learns from vLLM's own loaders, the model after a version of box-expanded tensors
+through our sink equal to `load_weights` of the whole tensors (bitwise), and the bytes the rank would receive
+against the model's (printed: `pytest -s`, with the tensors of the first layer that go whole).
 
 vLLM's attention layer is replaced by a module without parameters (it has none to load, and building it needs a
-device platform this CPU kit lacks); everything that holds or loads a weight is vLLM's own."""
+device platform this CPU kit lacks). For the MoE, vLLM's choice of the unquantized MoE kernel backend
+(`select_unquantized_moe_backend`, by platform) is answered "TRITON, no kernel class": on this kit's platform
+(`UnspecifiedPlatform`, neither CUDA nor CPU) it raises `UnboundLocalError` (`_get_priority_backends` sets no backend
+list); TRITON is the one that pads no size, and the kernel class is used only by post-load processing, which neither
+path here runs. The expert-parallel, data-parallel and context-parallel groups are single-rank stand-ins (EP off).
+Everything that holds or loads a weight is vLLM's own: the `FusedMoE` runner, its `RoutedExperts` with `w13_weight`
+/ `w2_weight` and their `weight_loader`, the router's `GateLinear`."""
 
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import torch
 
 pytest.importorskip("vllm.model_executor.models.qwen3")
 
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import TensorMeta
@@ -41,6 +49,9 @@ PATCHED = (
     "vllm.model_executor.models.qwen2",
     "vllm.model_executor.models.qwen3",
     "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen3_moe",
+    "vllm.model_executor.layers.fused_moe.layer",
+    "vllm.model_executor.layers.fused_moe.config",
 )
 
 
@@ -51,20 +62,37 @@ class NoAttention(torch.nn.Module):
 
 @contextmanager
 def tp_rank(rank: int, world: int = WORLD) -> Iterator[None]:
-    """vLLM's TP getters answer `rank` of `world` wherever the layers read them; one pipeline stage."""
-    pp = SimpleNamespace(is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0)
+    """vLLM's TP getters answer `rank` of `world` wherever the layers read them; one pipeline stage, and one rank
+    of expert, data and context parallelism; the MoE kernel backend chosen (see the module docstring)."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    single = SimpleNamespace(
+        is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0,
+        device_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0),
+    )  # fmt: skip
     with ExitStack() as stack:
         for name in PATCHED:
             module = importlib.import_module(name)
             for attr, value in (
                 ("get_tensor_model_parallel_rank", rank),
                 ("get_tensor_model_parallel_world_size", world),
-                ("get_pp_group", pp),
+                ("get_pp_group", single),
+                ("get_ep_group", single),
+                ("get_dp_group", single),
+                ("get_pcp_group", single),
             ):
                 if hasattr(module, attr):
                     stack.enter_context(mock.patch.object(module, attr, return_value=value))
             if hasattr(module, "Attention"):
                 stack.enter_context(mock.patch.object(module, "Attention", NoAttention))
+        stack.enter_context(
+            mock.patch.object(
+                unquantized_fused_moe_method,
+                "select_unquantized_moe_backend",
+                return_value=(UnquantizedMoeBackend.TRITON, None),
+            )
+        )
         yield
 
 
@@ -74,11 +102,12 @@ def build(arch: str, hf: Any, rank: int) -> torch.nn.Module:
     cls = {
         "qwen3": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
         "llama": "vllm.model_executor.models.llama:LlamaForCausalLM",
+        "qwen3_moe": "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
     }[arch]
     module, name = cls.split(":")
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     vllm_config.model_config = SimpleNamespace(  # what the model's layers read of it
-        hf_config=hf, dtype=torch.float32, head_dtype=torch.float32, get_text_config=lambda: hf
+        hf_config=hf, hf_text_config=hf, dtype=torch.float32, head_dtype=torch.float32, get_text_config=lambda: hf
     )
     with tp_rank(rank), set_current_vllm_config(vllm_config):
         return getattr(importlib.import_module(module), name)(vllm_config=vllm_config)  # type: ignore[no-any-return]
@@ -98,11 +127,20 @@ def llama(tied: bool) -> LlamaConfig:
     )  # fmt: skip
 
 
+def qwen3_moe() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 CASES = {
     "qwen3 GQA kv=1 (TP > KV heads)": ("qwen3", qwen3(1)),
     "qwen3 GQA kv=2": ("qwen3", qwen3(2)),
     "llama untied": ("llama", llama(False)),
     "llama tied": ("llama", llama(True)),
+    "qwen3 MoE 4 experts (EP off)": ("qwen3_moe", qwen3_moe()),
 }
 
 
@@ -112,13 +150,35 @@ def checkpoint(arch: str, hf: Any) -> dict[str, torch.Tensor]:
 
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(hf)
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return per_expert(state) if arch == "qwen3_moe" else state
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Transformers 5 holds a Qwen3-MoE layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate's rows
+    first; `mlp.experts.down_proj` [E, H, I]); Hugging Face's Qwen3-MoE checkpoints (and a trainer saving them)
+    name each expert's `gate_proj` [I, H], `up_proj` [I, H], `down_proj` [H, I]: those, split from the fused."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{name.removesuffix('gate_up_proj')}{e}.gate_proj.weight"] = tensor[e, :half].clone()
+                out[f"{name.removesuffix('gate_up_proj')}{e}.up_proj.weight"] = tensor[e, half:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                out[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = tensor[e].clone()
+        else:
+            out[name] = tensor
+    return out
 
 
 def expected_box(name: str, shape: tuple[int, ...], hf: Any, rank: int) -> Box | None:
     """The test's oracle (a table; the library learns it from vLLM's loaders): TP rank `rank` of 2."""
     head = hf.head_dim
     half = lambda n: (rank * n // WORLD, n // WORLD)  # noqa: E731
+    # an expert's gate_proj / up_proj (into `w13_weight`) and down_proj (`w2_weight`): its TP slice of the expert's
+    # intermediate dimension, like a dense MLP's
     if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
         start, size = half(shape[0])
         return Box((start, 0), (size, shape[1]))
@@ -137,7 +197,7 @@ def expected_box(name: str, shape: tuple[int, ...], hf: Any, rank: int) -> Box |
         start = rank * per_rank
         return Box((start, 0), (min(hf.vocab_size, start + per_rank) - start, shape[1]))
     assert head > 0
-    return None  # norms: replicated
+    return None  # norms, the MoE router `mlp.gate.weight`: replicated
 
 
 def first_layer(boxes: dict[str, Box]) -> list[tuple[str, Box]]:
@@ -192,5 +252,6 @@ def test_each_rank_derives_its_boxes_and_loads_bitwise_what_whole_tensors_load(c
             f"({ {n: w for n, w in slices.whole.items() if w != 'read whole'} }); "
             f"receives {received} of the model's {model_bytes} bytes ({100 * received / model_bytes:.1f} %); "
             f"boxes: { {n.removeprefix('model.'): (b.offsets, b.sizes) for n, b in first_layer(slices.boxes)} }"
+            f"; whole: {[n.removeprefix('model.') for n in slices.whole if '.layers.1.' not in n]}"
         )
         assert received < model_bytes

@@ -204,12 +204,17 @@ def _probe(
     probe = torch.Tensor._make_subclass(type(param), _stand_in(shape, torch.float32), False)
     probe.__dict__.update(param.__dict__)
 
-    def record(target: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def record(*args: Any, **kwargs: Any) -> Any:
+        # vLLM's loaders take (param, loaded_weight, ...), positionally (linear layers, `default_weight_loader`)
+        # or by name (FusedMoE's experts: `param.weight_loader(param=..., loaded_weight=..., expert_id=...)`)
+        target = args[0] if args else kwargs.get("param")
+        if not isinstance(target, torch.Tensor):
+            raise _Untraceable(f"parameter {qualname!r}: its loader was called without the parameter")
         if not floating:
             raise _Untraceable(f"parameter {qualname!r} holds {param.dtype} (a quantized layout): not traced")
         target.data = torch.full(shape, -1, dtype=recorder.dtype)
         try:
-            result = original(target, loaded, *args, **kwargs)
+            result = original(*args, **kwargs)
             recorder.calls.append((qualname, target.data))
         finally:
             target.data = _stand_in(shape, recorder.dtype)
