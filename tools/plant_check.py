@@ -664,6 +664,13 @@ PLANTS = [
           "        if is_dtensor(held) or is_dtensor(target):  # it holds a box",
           "        if False:  # it holds a box",
           ("tests/integration/test_tensor_parallel_rollout.py", "-k", "delta_into")),
+    # -- issue 46: slices inside vLLM workers
+    Plant("vllm slices: a strided read taken as its bounding box", f"{PKG}/rollout_engines/vllm/slices.py",
+          "    if count < box.numel:\n        raise _Untraceable(", "    if False:\n        raise _Untraceable(",
+          ("tests/unit/test_vllm_slices.py",)),
+    Plant("engine sink: a box loaded without its whole shape around it", f"{PKG}/rollout_engines/worker.py",
+          "            tensor = expand_box(tensor, self.shapes[name][0], box)", "            pass",
+          ("tests/unit/test_vllm_slices.py",)),
     Plant("declare: a box outside its tensor taken", f"{PKG}/protocol/declare.py",
           "        check_boxes(name[:120], shape, [box])", "        pass",
           ("tests/integration/test_slices.py", "-k", "outside")),
