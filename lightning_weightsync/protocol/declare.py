@@ -102,13 +102,15 @@ class Declarations:
 
 def check_declared(boxes: Mapping[str, Box], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Box]:
     """A declaration against the tensors the sender sends (`shapes`: name -> shape, the last version's): every
-    box inside its tensor, of its rank, not empty; a name the sender does not send is refused. Returns the
-    boxes that are not the whole tensor (those go whole anyway). `ProtocolError` naming the tensor and box."""
+    box inside its tensor, of its rank, not empty. Returns the boxes that are not the whole tensor (those go
+    whole anyway). A name this sender does not send costs nothing and is left out (in sharded mode a rank may
+    hold no part of a small tensor; a tensor that appears later goes whole to that lane, which keeps its box
+    of it as any receiver does). `ProtocolError` naming the tensor and box."""
     parts: dict[str, Box] = {}
     for name, box in boxes.items():
         shape = shapes.get(name)
         if shape is None:
-            raise ProtocolError(f"{name[:120]!r}: a box for a tensor this sender does not send")
+            continue
         check_boxes(name[:120], shape, [box])
         if not box.is_whole(shape):
             parts[name] = box

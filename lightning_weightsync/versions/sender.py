@@ -704,8 +704,9 @@ class WeightSender(Endpoint):
         The source is pulled once; each lane gets its part of every tensor (lanes.py).
         """
         runs = [self._lane_run(run, stats, options, sent) for run in lanes]
+        shapes: dict[str, tuple[int, ...]] = {}  # this version's tensors: the next declarations are checked on them
         async for name, tensor in source:
-            self._shapes[name] = tensor.shape if isinstance(tensor, TensorShard) else tuple(tensor.shape)
+            shapes[name] = tensor.shape if isinstance(tensor, TensorShard) else tuple(tensor.shape)
             for run in runs:
                 part = run.view.part(name, tensor)
                 if part is None:
@@ -732,6 +733,7 @@ class WeightSender(Endpoint):
             stats.num_chunked_tensors += counts.chunked_tensors
             stats.num_buckets += counts.buckets
             stats.direct_buckets += counts.direct_buckets
+        self._shapes = shapes
 
     def _lane_run(self, run: LaneVersion, stats: SendStats, options: _VersionOptions, sent: _Sent) -> _LaneRun:
         """One lane's planner and wire for this version: the whole lane fingerprints and diffs as configured;

@@ -121,7 +121,6 @@ HOSTILE = {
     "outside the tensor": ({"w": Box((6, 0), (3, 6))}, "outside the tensor's shape"),
     "larger than the tensor": ({"w": Box((0, 0), (8, 7))}, "outside the tensor's shape"),
     "of another rank": ({"b": Box((0, 0), (1, 6))}, "a box of rank 2"),
-    "of a tensor never sent": ({"nope": Box((0,), (1,))}, "does not send"),
 }
 
 
