@@ -173,6 +173,12 @@ def _bucket(*entries: Entry, nbytes: int = 1000, **kw) -> BucketMeta:
     return BucketMeta(kw.get("version", 1), kw.get("bucket_index", 0), False, nbytes, list(entries))
 
 
+def _box_delta() -> BucketMeta:
+    """A chunk of a box that claims to be a delta payload: a box is always sent whole."""
+    entry = _ok_entry(shape=[4, 8], chunk_size=16, box=[2, 0, 2, 8])
+    return BucketMeta(2, 0, False, 1000, [entry], deltas=[20], delta_base=1)
+
+
 def _ok_entry(**changes) -> Entry:
     base = {"name": "w", "shape": [10], "dtype": "float32", "chunk_offset": 0, "chunk_size": 40, "offset": 0}
     base.update(changes)
@@ -236,6 +242,21 @@ BAD = [
     ("identity-long", Register("i" * (MAX_IDENTITY_LEN + 1), "h", 1, "cpu"), "identity"),
     ("error-long", Ack("r", 1, False, error="e" * (MAX_TEXT_LEN + 1)), "error"),
     ("reason-long", Abort(1, "r" * (MAX_TEXT_LEN + 1)), "reason"),
+    # a chunk of a box (transport.slices): the box inside its tensor, the chunk inside the box's bytes
+    ("box-odd-length", _bucket(_ok_entry(shape=[4, 8], box=[0, 0, 2])), "box of 3 numbers"),
+    ("box-outside", _bucket(_ok_entry(shape=[4, 8], chunk_size=16, box=[3, 0, 2, 8])), "outside the tensor"),
+    ("box-empty", _bucket(_ok_entry(shape=[4, 8], chunk_size=0, box=[0, 0, 0, 8])), "outside the tensor"),
+    ("box-chunk-outside", _bucket(_ok_entry(shape=[4, 8], chunk_size=72, box=[2, 0, 2, 8])), "outside 64 bytes"),
+    ("box-and-delta", _box_delta(), "a box and a delta"),
+    ("ready-boxes-digest", Ready("r", 1, boxes="not-hex"), "digest"),
+    ("boxes-no-digest", Boxes("r", "", 0, 1, []), "without a digest"),
+    ("boxes-page-past-end", Boxes("r", "ab" * 16, 1, 1, []), "page 1 of 1"),
+    ("boxes-too-many-pages", Boxes("r", "ab" * 16, 0, 1025, []), "of 1025"),
+    ("boxes-name-empty", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("", [0], [1])]), "name of length 0"),
+    ("boxes-ranks-differ", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("w", [0, 0], [1])]), "2 offsets, 1 sizes"),
+    ("boxes-negative", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("w", [-1], [1])]), "negative offset"),
+    ("boxes-empty-size", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("w", [0], [0])]), "empty size"),
+    ("boxes-too-many", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("w", [0], [1])] * 4097), "4097 entries"),
 ]
 
 
