@@ -50,13 +50,13 @@ class Declaration:
     def pages(self, identity: str) -> list[Boxes]:
         """The declaration as `Boxes` messages, each at most `BOXES_PAGE_BYTES` encoded."""
         groups: list[list[BoxEntry]] = [[]]
-        used = _ENTRY_SLACK + len(identity.encode()) * 4 + len(self.digest)
-        budget = BOXES_PAGE_BYTES
+        head = _ENTRY_SLACK + len(identity.encode()) * 4 + len(self.digest)  # a page's own fields
+        used = head
         for entry in self.entries:
             size = len(msgspec.msgpack.encode(entry))
-            if groups[-1] and used + size > budget:
+            if groups[-1] and used + size > BOXES_PAGE_BYTES:
                 groups.append([])
-                used = _ENTRY_SLACK + len(identity.encode()) * 4 + len(self.digest)
+                used = head
             groups[-1].append(entry)
             used += size
         if len(groups) > MAX_BOX_PAGES:

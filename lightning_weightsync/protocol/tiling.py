@@ -71,6 +71,8 @@ class TilingMerger:
         if size > self.bucket_size:
             raise ProtocolError(f"chunk of {name!r} from {self._who(sender)} is {size} bytes > bucket_size")
         tile, held = self._claim(sender, meta)
+        if tile is None:  # bytes of the whole tensor outside this rank's box, which is complete: nothing to keep
+            return None
         if size:
             tile.landing.write(meta, start, data)
         return self._covered(tile, sender, held)
@@ -82,8 +84,8 @@ class TilingMerger:
         destination's bytes of that range itself (a shard's delta applied onto the held version, sharded send
         mode): the range is checked and counted as any chunk's; `fill` runs only once it is claimed."""
         tile, held = self._claim(sender, meta)
-        whole = tile.landing.whole_bytes
-        if whole is None:
+        whole = tile.landing.whole_bytes if tile is not None else None
+        if tile is None or whole is None:
             raise ProtocolError(
                 f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.slices=true "
                 "(boxes come whole) or transport.delta=off for a tensor-parallel rollout"
@@ -91,9 +93,10 @@ class TilingMerger:
         fill(whole[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
         return self._covered(tile, sender, held)
 
-    def _claim(self, sender: int, meta: TensorMeta) -> tuple[_Tile, int]:
+    def _claim(self, sender: int, meta: TensorMeta) -> tuple[_Tile | None, int]:
         """Record `sender`'s byte range of what this receiver holds of `meta`'s tensor (the whole tensor's bytes,
-        or its box's local bytes, whichever form the chunk came in); returns the tile and the bytes claimed.
+        or its box's local bytes, whichever form the chunk came in); returns the tile and the bytes claimed (no
+        tile: a chunk of the whole tensor that adds nothing to this rank's box, complete already).
         Raises for a range outside the tensor, or one that overlaps a range already received."""
         name, start, size = meta.name, meta.chunk_offset, meta.chunk_size
         nbytes = meta.nbytes
@@ -109,7 +112,7 @@ class TilingMerger:
             if kept is not None and meta.box is None:
                 start_, end_ = kept.local_range(meta)
                 if start_ == end_:
-                    return self._kept_tile(meta, kept), 0
+                    return None, 0
             raise ProtocolError(
                 f"overlap in {name!r}: {self._who(sender)} sent bytes [{start}, {end}) of a tensor already complete "
                 f"(completed by {self._who(self.done[name])}); two senders claim the same range"
@@ -136,13 +139,6 @@ class TilingMerger:
                 )
         ranges.insert(at, (start, end, sender))
         return tile, end - start
-
-    @staticmethod
-    def _kept_tile(meta: TensorMeta, landing: Landing) -> _Tile:
-        """A stand-in tile for a chunk that adds nothing to a complete box (nothing is written: 0 bytes claimed)."""
-        tile = _Tile.__new__(_Tile)
-        tile.meta, tile.dest, tile.landing, tile.ranges, tile.covered = meta, landing.dest, landing, [], -1
-        return tile
 
     def _covered(self, tile: _Tile, sender: int, size: int) -> tuple[str, torch.Tensor] | None:
         name = tile.meta.name

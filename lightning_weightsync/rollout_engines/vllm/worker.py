@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...errors import ConfigError, SinkError, explain
+from ...protocol.dtypes import itemsize
 from ...rollout.observability import VersionRecord
 from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
@@ -256,10 +257,10 @@ class WeightSyncEngineBody:
             worker.receiver.declare_boxes(slices.boxes)
 
         worker.loop.call(declare(), timeout_s=30)
-        whole = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout.values())
+        whole = sum(math.prod(shape) * itemsize(dtype) for shape, dtype in layout.values())
         sliced = slices.nbytes(
             {name: shape for name, (shape, _) in layout.items()},
-            lambda name: torch.empty((), dtype=layout[name][1]).element_size(),
+            lambda name: itemsize(layout[name][1]),
         )
         logger.info(
             "%s: declared the boxes of %d of %d tensors (tensor-parallel slices): %.1f of %.1f MB a version",
