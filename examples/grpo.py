@@ -595,10 +595,26 @@ def step_line(row: dict[str, Any], recipe: GRPORecipe) -> str:
     )
 
 
+def _coinciding(runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """The settings grouped by their reward curve: gather, sharded and overlap send the same weights every
+    version, so they sample, and earn, exactly the same rewards (one group of three), LoRA another."""
+    groups: dict[tuple[float, ...], list[str]] = {}
+    for name, rows in runs.items():
+        groups.setdefault(tuple(r["reward_mean"] for r in rows), []).append(name)
+    return list(groups.values())
+
+
+def _stall_top_ms(runs: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The stall panel's top: above every sync but each run's first (its one-off costs: the data-plane group,
+    the first bucket's allocation; one 400 ms spike there flattened a hundred 40 ms syncs). None: no data."""
+    later = [r["stall_s"] * 1000 for rows in runs.values() for r in rows[1:]]
+    return 1.15 * max(later) if later and max(later) > 0 else None
+
+
 def plot(output_dir: Path) -> str:
     """`<output_dir>/grpo.png`: reward, trainer stall and bytes a version against step, one curve per JSONL
     (setting)."""
-    runs = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(output_dir.glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if rows:
@@ -610,37 +626,66 @@ def plot(output_dir: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'lightning_weightsync[plot]'); the JSONL has it"
+    fig = figure(runs)
+    path = output_dir / "grpo.png"
+    fig.savefig(path, dpi=80, bbox_inches="tight", pil_kwargs={"optimize": True})
+    plt.close(fig)
+    return f"plot -> {path} ({len(runs)} setting{'s' if len(runs) != 1 else ''})"
+
+
+def figure(runs: dict[str, list[dict[str, Any]]]) -> Any:
+    """The plot's matplotlib figure: three panels sharing the step axis, the legend below them."""
+    import matplotlib.pyplot as plt
+
     fig, (top, middle, bottom) = plt.subplots(
         3, 1, figsize=(6.4, 6.8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.4]}
     )
-    # settings that learn identically (gather, sharded, overlap: the same weights every version) stay all visible
     styles = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+    markers = ("o", "s", "^", "D", "v", "P")
+    # settings with the same reward curve draw one line: each its own markers, staggered along it, so all are seen
+    place = {name: (i, len(group)) for group in _coinciding(runs) for i, name in enumerate(group)}
+    stall_top = _stall_top_ms(runs)
+    off_scale: list[float] = []
     for index, (name, rows) in enumerate(runs.items()):
-        style = styles[index % len(styles)]
+        style, marker = styles[index % len(styles)], markers[index % len(markers)]
         steps = [r["step"] for r in rows]
         rewards = [r["reward_mean"] for r in rows]
         window = 5  # a running mean: a step's reward is the mean of only prompts_per_step * group_size samples
         smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
                   for i in range(len(rewards))]  # fmt: skip
-        (line,) = top.plot(steps, smooth, linestyle=style, label=name)
+        nth, members = place[name]
+        every = max(1, len(steps) // 10) * members  # each member of a group: its markers between the others'
+        (line,) = top.plot(
+            steps, smooth, linestyle=style, marker=marker, markevery=(nth * every // members, every), markersize=5,
+            label=name,
+        )  # fmt: skip
         top.plot(steps, rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        middle.plot(steps, [r["stall_s"] * 1000 for r in rows], linestyle=style, color=line.get_color(), label=name)
+        stalls = [r["stall_s"] * 1000 for r in rows]
+        middle.plot(steps, stalls, linestyle=style, color=line.get_color())
+        if stall_top is not None and stalls and stalls[0] > stall_top:  # off the scale: a mark on the top edge
+            middle.plot([steps[0]], [stall_top], marker="^", color=line.get_color(), clip_on=False, markersize=6)
+            off_scale.append(stalls[0])
         sent = [(r["sync_version"], r["sync_bytes"] / 1024) for r in rows if r.get("sync_bytes") is not None]
-        bottom.plot([v for v, _ in sent], [kib for _, kib in sent], linestyle=style, color=line.get_color(), label=name)
+        bottom.plot([v for v, _ in sent], [kib for _, kib in sent], linestyle=style, color=line.get_color())
     top.set_ylabel("reward (5-step mean)")
     top.set_ylim(0, 1)
-    top.legend(loc="lower right", fontsize="small")
     middle.set_ylabel("trainer stall\nper sync (ms)")
-    middle.set_ylim(bottom=0)
+    middle.set_ylim(0, stall_top)
+    if off_scale:
+        values = ", ".join(f"{v:.0f}" for v in off_scale)
+        middle.set_title(f"\u25b2 first sync, off the scale: {values} ms", loc="right", fontsize="x-small")
     bottom.set_ylabel("KiB sent by\nrank 0 a version")
     bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step (= weight version)")
     top.set_title("GRPO, tiny LM on CPU: rollouts generate with the weights they received", fontsize="medium")
+    same = [group for group in _coinciding(runs) if len(group) > 1]
+    title = "; ".join(" = ".join(group) for group in same)
     fig.tight_layout()
-    path = output_dir / "grpo.png"
-    fig.savefig(path, dpi=80, pil_kwargs={"optimize": True})
-    plt.close(fig)
-    return f"plot -> {path} ({len(runs)} setting{'s' if len(runs) != 1 else ''})"
+    fig.legend(  # below the panels, outside every curve; savefig's tight box keeps it in the picture
+        loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize="small", title_fontsize="small",
+        title=f"same reward curve, one line, markers alternate:\n{title}" if same else None,
+    )  # fmt: skip
+    return fig
 
 
 # ------------------------------------------------------------------------------------- the launcher

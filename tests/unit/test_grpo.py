@@ -19,6 +19,7 @@ from examples.grpo import (
     GRPORecipe,
     LoraRecipe,
     build_policy,
+    figure,
     fingerprint,
     generate,
     group_advantages,
@@ -108,6 +109,41 @@ def test_plot_draws_one_curve_per_setting(tmp_path: Path) -> None:
         (tmp_path / f"{setting}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plot(tmp_path).endswith("(3 settings)")
     assert (tmp_path / "grpo.png").stat().st_size > 1000
+
+
+def test_plot_shows_coinciding_curves_keeps_its_legend_off_the_data_and_scales_the_stall_past_step_one() -> None:
+    """gather, sharded and overlap earn the same rewards (the same weights every version): one line, each setting's
+    markers at their own steps along it; the legend below the panels; a first sync ten times the others (the
+    group's set-up) is marked on the top edge, not the scale of the hundred after it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    same = [0.1 + 0.006 * s + 0.05 * (s % 3) for s in range(1, 41)]
+    runs = {
+        name: [{"step": s, "reward_mean": rewards[s - 1], "stall_s": (0.38 if s == 1 else 0.02 + 0.001 * (s % 7)),
+                "sync_version": s, "sync_bytes": 70 * 1024} for s in range(1, 41)]
+        for name, rewards in (("gather", same), ("sharded", same), ("overlap", list(same)),
+                              ("lora", [r / 2 for r in same]))
+    }  # fmt: skip
+    fig = figure(runs)
+    try:
+        top, middle, _ = fig.axes
+        curves = {line.get_label(): line for line in top.get_lines() if not line.get_label().startswith("_")}
+        assert sorted(curves) == ["gather", "lora", "overlap", "sharded"]
+        offsets = [curves[name].get_markevery() for name in ("gather", "sharded", "overlap")]
+        assert len({start for start, _ in offsets}) == 3, f"the three draw their markers at the same steps: {offsets}"
+        assert {len(curves[name].get_xdata()) for name in curves} == {40}
+
+        legend = fig.legends[0]
+        assert "gather = sharded = overlap" in legend.get_title().get_text()
+        fig.canvas.draw()
+        box = legend.get_window_extent()
+        assert not any(box.overlaps(axes.get_window_extent()) for axes in fig.axes), "the legend covers a panel"
+
+        assert 0.026 * 1000 <= middle.get_ylim()[1] < 100, middle.get_ylim()  # the later syncs', not step 1's
+        assert "380" in middle.get_title(loc="right")
+    finally:
+        plt.close(fig)
 
 
 def test_the_step_line_says_the_delivered_version_s_bytes_and_send_seconds() -> None:
