@@ -18,8 +18,8 @@ pytest.importorskip("trl.experimental.async_grpo", reason="needs trl (pip instal
 
 
 def test_check_health_names_a_stall_and_a_dead_process(tmp_path: Path) -> None:
+    from examples.trl_async_grpo import PROMPTS, count_up, write_tiny_model
     from lightning_weightsync.integrations.trl_rollout import CpuRolloutWorker
-    from tests.support.trl_cpu import PROMPTS, count_up, write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "model")
     worker = CpuRolloutWorker(engine_cfg(free_port()), str(model_dir), PROMPTS, count_up)  # no trainer: no version
