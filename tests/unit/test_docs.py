@@ -127,6 +127,51 @@ def test_the_quickstart_quotes_the_log_line_of_each_side(side: str, module: str,
     assert matches, f"docs/quickstart.md quotes {quoted and quoted[1]!r}; the {side} logs {fmt[1]!r}"
 
 
+def test_the_quickstart_s_log_lines_quote_the_demo_model_s_size() -> None:
+    """What section 3's run prints is the tiny LM's stream: its bytes and tensors (the page said 195 KiB while the
+    run printed 198)."""
+    from lightning_weightsync import iter_full_parameters
+    from lightning_weightsync.demo.tiny_lm import build_model
+    from lightning_weightsync.versions.stats import human_bytes
+
+    stream = list(iter_full_parameters(build_model()))
+    size = human_bytes(sum(t.numel() * t.element_size() for _, t in stream))
+    text = (DOCS / "quickstart.md").read_text()
+    quoted = re.findall(r"`version 8 (?:applied|sent): ([\d.]+ [KMG]?i?B) in [^`]*?, (\d+) tensors", text)
+    assert len(quoted) == 2, quoted
+    assert quoted == [(size, str(len(stream)))] * 2, f"the demo model streams {size} in {len(stream)} tensors"
+
+
+def test_the_backends_table_says_what_the_gpu_results_report() -> None:
+    """A backend whose device-check step reports a GPU run in the Results section is not "not run on a GPU" in the
+    table at the top of the same page (it was, for cuda_ipc, nccl and nixl, after the H200 run)."""
+    text = (DOCS / "backends.md").read_text()
+    results = text[text.index("### Results") :]
+    steps = {"cuda_ipc": "| `cuda_ipc_stream`", "nixl": "| `nixl_stream`", "nccl": "NCCL world-size-1 test passed"}
+    for backend, step in steps.items():
+        row = re.search(rf"^\| `{backend}` \|.*$", text, flags=re.M)
+        assert row, f"no table row for {backend}"
+        if step in results:
+            assert "not run on a GPU" not in row[0] and "H200" in row[0], f"{backend}: the table and Results disagree"
+
+
+def test_the_quickstart_says_what_ran_on_a_gpu() -> None:
+    text = (DOCS / "quickstart.md").read_text()
+    section = text[text.index("## 4. ") :]
+    assert "Not run on GPUs" not in section and "backends.md#results" in section
+
+
+@pytest.mark.parametrize("page", (*PAGES, "changes.md", "../README.md"))
+def test_pages_say_what_is_true_today_without_issue_numbers(page: str) -> None:
+    """History (what was broken, what a fix measured before) belongs in changes.md, and no page names issues: a
+    reader has no issue tracker to look them up in."""
+    text = (DOCS / page).read_text()
+    assert not re.findall(r"(?im)^#.*\bissues? \d+", text), f"{page}: an issue number in a heading"
+    assert not re.findall(r"(?i)\bissues? \d+", text), f"{page}: names an issue"
+    if page != "changes.md":
+        assert not re.findall(r"(?im)before the fix|before issue|^\|.*before -> after", text), f"{page}: history"
+
+
 def test_the_default_identity_is_documented_as_it_is_built() -> None:
     import os
     import socket
