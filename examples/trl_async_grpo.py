@@ -172,7 +172,8 @@ def main(argv: Sequence[str]) -> int:
     killed_at: list[float] = []
 
     class Record(TrainerCallback):
-        """The trainer's digest of what the coming sync sends (runs before TRL's own sync callbacks)."""
+        """The trainer's digest of what the coming sync sends (runs before TRL's own sync callbacks). On rank 0
+        alone: the CPU run is DDP, every rank holds whole parameters (under FSDP the gather would be collective)."""
 
         def _record(self, version: int, model: Any) -> None:
             if rank == 0:
@@ -207,7 +208,7 @@ def main(argv: Sequence[str]) -> int:
         reward_funcs=None if on_cpu else [counts_up_in_text],
         train_dataset=Dataset.from_dict({"prompt": [prompt] * 8}),
         processing_class=AutoTokenizer.from_pretrained(model),
-        callbacks=[Record()],
+        callbacks=[Record()] if on_cpu else [],
         rollout_worker=worker,
         weight_transfer=WeightSyncTransfer(cfg),  # <- the one line; every rank (TRL's LoRA probe is keyed on it)
     )
