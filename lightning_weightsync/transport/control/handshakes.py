@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +169,7 @@ class HandshakeWatch:
             except zmq.ZMQError:
                 return  # the socket or its context is closing
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: Mapping[str, Any]) -> None:
         event, value = int(message["event"]), int(message["value"])
         if event == zmq.EVENT_ACCEPTED:
             self._peers[value] = peer_address(value)
