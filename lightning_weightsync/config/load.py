@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ..errors import ConfigError
 from .schema import AUTH_TOKEN_ENV, TransportConfig, WeightSyncConfig, default_config
@@ -128,6 +128,10 @@ def _merge_overrides(cfg: Any, overrides: Sequence[str], secrets: list[str]) -> 
     return cfg
 
 
+_BAD_VALUE = re.compile(r"(?:Value|Incompatible value) '(?P<value>.*?)'")
+_FIELD_KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a non-empty string"}
+
+
 def _diagnosed(exc: OmegaConfBaseException, base: Any, path: Any, overrides: Sequence[str]) -> ConfigError:
     """An OmegaConf failure as one `ConfigError` naming the key: a secret's value hidden, every unknown key at
     once (with a close spelling), a bad choice with the allowed ones."""
@@ -140,7 +144,20 @@ def _diagnosed(exc: OmegaConfBaseException, base: Any, path: Any, overrides: Seq
     choice = _BAD_CHOICE.match(_first_line(exc))
     if choice:  # an Enum field: say it the way every other bad value is said
         return ConfigError(f"{bad_key}={choice['value']!r} is not allowed; choose one of: {choice['allowed']}")
+    if isinstance(exc, ValidationError) and not isinstance(exc, ConfigKeyError) and bad_key and not unknown:
+        return _bad_value(str(bad_key), exc)
     return ConfigError(f"invalid config key {bad_key!r}: {_first_line(exc)}")
+
+
+def _bad_value(key: str, exc: OmegaConfBaseException) -> ConfigError:
+    """A right key with a value of the wrong type: the value, the type the field takes, and an example."""
+    got = _BAD_VALUE.search(_first_line(exc))
+    default = OmegaConf.select(default_config(), key, default=None)
+    kind = _FIELD_KINDS.get(type(default), type(default).__name__) if default is not None else "a value"
+    example = f" like {default!r}" if default not in (None, "") else ""
+    if got is None or got["value"] == "None":
+        return ConfigError(f"{key} is empty (null); expected {kind}{example}")
+    return ConfigError(f"{key}={got['value']!r} is not {kind}; expected {kind}{example}")
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -226,9 +243,20 @@ def _shown(override: str) -> str:
     return f"{key}=<redacted>" if sep and key.strip() in SECRET_KEYS else override
 
 
+SCRUB_ANYWHERE_LEN = 8  # a secret this long is hidden wherever it appears; a shorter one only where it is a value
+
+
 def _scrub(text: str, secrets: list[str]) -> str:
+    """`text` with every secret hidden where a message could quote it. A short "secret" (the value of a token
+    that is refused for being short) is hidden only as a value (quoted, or after `=`), so the message's own
+    words stay readable: `auth_token=short` must not turn "a short token" into "a <redacted> token"."""
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
-        text = text.replace(secret, "<redacted>")
+        if len(secret) >= SCRUB_ANYWHERE_LEN:
+            text = text.replace(secret, "<redacted>")
+            continue
+        for shown in (repr(secret), f"'{secret}'", f'"{secret}"'):
+            text = text.replace(shown, "'<redacted>'")
+        text = re.sub(rf"=\s*{re.escape(secret)}(?![\w-])", "=<redacted>", text)
     return text
 
 

@@ -34,10 +34,30 @@ R = TypeVar("R")
 POSITIVE_FIELDS = ("steps", "batch_size", "seq_len", "devices", "num_nodes", "accumulate_grad_batches")
 
 
+SCHEMA_KEY = "_schema_"
+"""`recipe._schema_: package.module:Dataclass` names the recipe's schema in its YAML, so that
+`lightning-weightsync config show` checks the `recipe:` keys too, not only the script at start-up."""
+
+
+def recipe_schema(section: Any) -> type | None:
+    """The dataclass a `recipe:` section names in `_schema_`, imported; None where it names none."""
+    from ..rollout.sinks.base import load_object
+
+    path = section.get(SCHEMA_KEY) if section is not None else None
+    if path is None:
+        return None
+    schema = load_object(path, f"recipe.{SCHEMA_KEY}")
+    if not (isinstance(schema, type) and is_dataclass(schema)):
+        raise ConfigError(f"recipe.{SCHEMA_KEY}={path!r} is not a dataclass; name the recipe's schema class")
+    return schema
+
+
 def validate_recipe(section: Any, schema: type[R]) -> R:
     """The `recipe:` section (a mapping) as an instance of the dataclass `schema`; unknown keys,
     wrong types and non-positive counts are a `ConfigError` naming `recipe.<key>`."""
     assert is_dataclass(schema), f"{schema!r} is not a dataclass"
+    if section is not None and SCHEMA_KEY in section:
+        section = {k: v for k, v in dict(section).items() if k != SCHEMA_KEY}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), section or {})
         recipe = cast(R, OmegaConf.to_object(merged))  # the dataclass, nested ones (recipe.lora) built too
@@ -106,4 +126,4 @@ def recipe_main(
     return 0
 
 
-__all__ = ["load_recipe", "recipe_main", "setup_logging", "validate_recipe"]
+__all__ = ["SCHEMA_KEY", "load_recipe", "recipe_main", "recipe_schema", "setup_logging", "validate_recipe"]

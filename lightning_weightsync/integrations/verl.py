@@ -60,7 +60,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from ..config import ReceiverSettings, SenderSettings, WeightSyncConfig, load_config, settings
 from ..errors import PeerError, WeightSyncError
@@ -68,6 +67,10 @@ from ..rollout_engines.worker import LoopThread
 from ..transport.device import handoff
 from ..versions.receiver import WeightReceiver
 from ..versions.sender import WeightSender
+from . import require
+
+_base = require("verl.checkpoint_engine.base", "verl", "verl's lightning_weightsync checkpoint engine")
+CheckpointEngineRegistry = _base.CheckpointEngineRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +209,7 @@ async def _while_sender_linked(receiver: WeightReceiver, step: Coroutine[Any, An
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class LightningWeightSyncCheckpointEngine(CheckpointEngine):
+class LightningWeightSyncCheckpointEngine(_base.CheckpointEngine):  # type: ignore[name-defined]
     """verl `CheckpointEngine` (verl/checkpoint_engine/base.py:116-226) over our `WeightSender` / `WeightReceiver`.
 
     Args:

@@ -145,6 +145,13 @@ class RolloutDaemon:
             if connected and not was_connected:
                 logger.info("trainer connected at %s:%s", t.host, t.port)
                 warn_at = NO_TRAINER_WARN_S
+            elif not connected and for_s >= warn_at and (refused := self.receiver.handshake_refused):
+                warn_at = for_s + NO_TRAINER_REPEAT_S
+                logger.error(
+                    "the trainer at %s:%s refuses this rollout's control connection for %.0fs: %s; set the same "
+                    "transport.auth_token on both sides (still trying)",
+                    t.host, t.port, for_s, refused,
+                )  # fmt: skip
             elif not connected and for_s >= warn_at:
                 warn_at = for_s + NO_TRAINER_REPEAT_S
                 logger.warning(

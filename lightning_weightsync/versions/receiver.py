@@ -185,6 +185,11 @@ class WeightReceiver(Endpoint):
         """(a trainer connected, seconds since that last changed): `ReceiverControl.sender_link`."""
         return self._control.sender_link()
 
+    @property
+    def handshake_refused(self) -> str | None:
+        """Why the trainer refuses this receiver's handshake (the token), or None: `sender_link` reads it."""
+        return self._control.handshake_refused
+
     def declare_boxes(self, boxes: dict[str, Box] | None) -> None:
         """Declare the box of each tensor this receiver holds ({name: Box}; a name not in it: whole); None or
         {}: whole tensors. Sent to the sender with the next version's Ready; from the version its plan says it

@@ -129,10 +129,9 @@ class SenderSteps:
                 rnd.say_at = now + WAITING_LOG_EVERY_S
                 logger.warning(
                     "version %d: waiting %.0fs for trainer.min_receivers=%d ready receivers at %s: %d ready, "
-                    "registered %s; gives up in %.0fs (transport.timeout_s); is a rollout daemon pointing at this "
-                    "address (and using the same transport.auth_token)?",
+                    "registered %s; gives up in %.0fs (transport.timeout_s); %s",
                     version, now - rnd.started, rnd.min_receivers, self.control.address, len(rnd.ready),
-                    sorted(self.control.peers), give_up_at - now,
+                    sorted(self.control.peers), give_up_at - now, self._what_to_check(),
                 )  # fmt: skip
             if now >= give_up_at:
                 await self._give_up(rnd, self._too_few(rnd, now, give_up_at))
@@ -211,7 +210,18 @@ class SenderSteps:
         return (
             f"version {version}: {ready} of trainer.min_receivers={rnd.min_receivers} receivers ready "
             f"within transport.timeout_s={self.timeout_s}s at {control.address} (registered: "
-            f"{sorted(control.peers)}); start a rollout daemon pointing at this address, or lower "
+            f"{sorted(control.peers)}); {self._what_to_check()}"
+        )
+
+    def _what_to_check(self) -> str:
+        """The fix for too few receivers: the token when connections were refused for it, else a rollout."""
+        refused = self.control.refused_handshakes()
+        if refused:
+            return (
+                f"handshakes refused {refused}: set the same transport.auth_token on the trainer and every rollout"
+            )
+        return (
+            "start a rollout daemon pointing at this address (with the same transport.auth_token), or lower "
             "trainer.min_receivers"
         )
 

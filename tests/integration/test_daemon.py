@@ -377,3 +377,52 @@ async def test_a_full_disk_fails_the_version_names_enospc_and_the_daemon_keeps_s
     assert [(r.version, r.outcome) for r in daemon.records] == [(0, "applied"), (1, "failed"), (2, "applied")]
     assert "ENOSPC" in (daemon.records[1].error or "")
     assert sorted(p.name for p in small_disk.iterdir()) == ["step_0.safetensors", "step_2.safetensors"]
+
+
+TOKEN_A, TOKEN_B = "a" * 8 + "-trainer-token", "b" * 8 + "-rollout-token"
+
+
+@pytest.mark.parametrize(
+    ("trainer_token", "rollout_token", "trainer_says", "rollout_says"),
+    [
+        (TOKEN_A, TOKEN_B, "it uses another transport.auth_token", "another transport.auth_token, or none"),
+        (
+            TOKEN_A,
+            None,
+            "no transport.auth_token, and this trainer has one",
+            "a transport.auth_token, and this rollout has none",
+        ),
+        (None, TOKEN_B, "a transport.auth_token, and this trainer has none", "another transport.auth_token, or none"),
+    ],
+    ids=["other-token", "trainer-only", "rollout-only"],
+)
+async def test_a_token_mismatch_is_named_on_both_sides_within_seconds(
+    trainer_token: str | None, rollout_token: str | None, trainer_says: str, rollout_says: str, caplog
+) -> None:
+    """A rollout with another `transport.auth_token` (or one on one side only) fails the handshake at once;
+    both sides say so within 10 s, each naming the token, and the trainer's give-up names the refused address
+    instead of asking for a rollout that is there."""
+    port = free_port()
+    daemon = RolloutDaemon(daemon_cfg(port, transport__auth_token=rollout_token), handle_signals=False)
+    caplog.set_level("INFO", logger="lightning_weightsync")
+
+    def said(level: str, text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == level and text in r.getMessage()]
+
+    async with running(daemon), sender_on(port, transport__auth_token=trainer_token, transport__timeout_s=6) as sender:
+        send = asyncio.ensure_future(sender.send_weights(version_weights(0).items(), version=0))
+        try:
+            await until(lambda: said("WARNING", "refused a control connection from 127.0.0.1"), timeout_s=10)
+            await until(
+                lambda: said("ERROR", f"control handshake refused from the trainer at tcp://127.0.0.1:{port}"), 10
+            )
+        finally:
+            with pytest.raises(WeightSyncError) as failed:
+                await asyncio.wait_for(send, 30)
+    trainer_side = said("WARNING", "refused a control connection")[0]
+    assert trainer_says in trainer_side and "set the same transport.auth_token" in trainer_side, trainer_side
+    rollout_side = said("ERROR", "control handshake refused")[0]
+    assert rollout_says in rollout_side and "set the same transport.auth_token" in rollout_side, rollout_side
+    message = str(failed.value)
+    assert "handshakes refused from 127.0.0.1" in message and "set the same transport.auth_token" in message, message
+    assert "start a rollout daemon" not in message, message

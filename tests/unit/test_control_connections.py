@@ -64,3 +64,28 @@ async def test_an_over_size_frame_to_a_receiver_is_counted_and_logged(caplog: py
     finally:
         await receiver.close()
         await sender.close()
+
+
+def test_closed_by_us_names_the_peer_of_a_connection_this_host_closed() -> None:
+    """Where a refused handshake ends before its address is read, the kernel's TIME_WAIT entry still names it."""
+    import socket
+    import sys
+    import time
+
+    from lightning_weightsync.transport.control.handshakes import closed_by_us
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TIME_WAIT is read from Linux's /proc/net/tcp")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted, _ = server.accept()
+    client_port = client.getsockname()[1]
+    assert f"127.0.0.1:{client_port}" not in closed_by_us(port)
+    accepted.close()  # this side closes first: its end of the connection waits in TIME_WAIT
+    client.close()
+    server.close()
+    deadline = time.monotonic() + 5  # the client's FIN moves this side from FIN_WAIT2 to TIME_WAIT
+    while f"127.0.0.1:{client_port}" not in closed_by_us(port):
+        assert time.monotonic() < deadline, "no TIME_WAIT entry for the closed connection"
+        time.sleep(0.01)

@@ -169,3 +169,15 @@ def test_the_wheel_holds_no_dev_tool(tmp_path: Path) -> None:
                    "lightning_weightsync/bench/throughput.py", "lightning_weightsync/demo/demo.py",
                    "lightning_weightsync/demo/tiny_lm.py", "lightning_weightsync/cli.py"):  # fmt: skip
         assert needed in names, needed
+
+
+@pytest.mark.parametrize(("module", "framework"), [("verl", "verl"), ("vllm_trainer", "vllm")])
+def test_an_integration_without_its_framework_names_the_extra(monkeypatch, module: str, framework: str) -> None:
+    """`import lightning_weightsync.integrations.<x>` without <x>'s framework says what to pip install."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, framework, None)  # as if not installed: `import verl` raises ImportError
+    monkeypatch.delitem(sys.modules, f"lightning_weightsync.integrations.{module}", raising=False)
+    with pytest.raises(ImportError, match=rf"pip install 'lightning_weightsync\[{framework}\]'"):
+        importlib.import_module(f"lightning_weightsync.integrations.{module}")

@@ -40,6 +40,7 @@ from ...protocol.messages import (
     unseal,
 )
 from ..sockets import DEFAULT_LIVENESS_S
+from .handshakes import HANDSHAKE_FAILED, HandshakeVerdict
 from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_host
 from .store import STORE_POLL_S, ControlPlaneStore
 
@@ -93,6 +94,7 @@ class ReceiverControl:
         self.dropped_connections = 0  # links to the sender lost after their handshake (`sender_link`)
         # INFO, not WARNING: the usual cause is a trainer that finished (it says no Bye), not a fault
         self._lost_links = DropLog("lost the control connection", log=logger, level=logging.INFO)
+        self._handshake = HandshakeVerdict(self.address, bool(key))
 
     @property
     def address(self) -> str:
@@ -111,7 +113,7 @@ class ReceiverControl:
             sock.curve_serverkey = keys.server_public
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
         self._monitor_async = sock.get_monitor_socket(events)
         self._monitor = zmq.Socket.shadow(self._monitor_async.underlying)
         sock.connect(self.address)
@@ -122,17 +124,28 @@ class ReceiverControl:
         """(whether a connection to the sender is up, its handshake done, seconds since that last changed).
         Between versions the sender says nothing, so this is the only sign of a trainer: its process keeps
         the connection (and the ZMTP heartbeat) up whether or not it is syncing; a wrong port, a trainer
-        not running, or another `transport.auth_token` (the handshake fails) all read as not linked."""
+        not running, or another `transport.auth_token` all read as not linked (the last one also sets
+        `handshake_refused` and says so in the log)."""
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 while True:
-                    event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+                    message = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
+                    event = message["event"]
+                    self._handshake.seen(event, message["value"])
+                    if event not in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
+                        continue
                     linked = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
                     if self._linked and event == zmq.EVENT_DISCONNECTED:
                         self._lost_link()
                     if linked != self._linked:
                         self._linked, self._link_changed = linked, time.monotonic()
         return self._linked, time.monotonic() - self._link_changed
+
+    @property
+    def handshake_refused(self) -> str | None:
+        """Why the sender refuses our handshake (another `transport.auth_token`, or one on one side only), or
+        None; read from the link's events by `sender_link`."""
+        return self._handshake.refused
 
     def _lost_link(self) -> None:
         """A link that passed its handshake went down, and not by our `close` (it stops the monitor first).

@@ -45,7 +45,6 @@ from typing import Any
 
 import zmq
 from torch.distributed.distributed_c10d import PrefixStore, Store
-from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import ConfigError, PeerError, ProtocolError
 from ...protocol.declare import Declarations
@@ -65,6 +64,7 @@ from ...protocol.messages import (
     unseal,
 )
 from ..sockets import DEFAULT_LIVENESS_S
+from .handshakes import HANDSHAKE_FAILED, HandshakeWatch
 from .inbox import Inbox
 from .link import (
     DropLog,
@@ -84,9 +84,6 @@ MAX_TRACKED_ORIGINS = 4096  # receiver instances whose last seq the sender remem
 MAX_KEPT = 8192  # decoded messages kept for the next `recv` while a version streams (2 for each of 4096 receivers)
 REFUSE_EVERY_S = 1.0  # per identity: at most one liveness probe and `Refuse` for duplicate registrations
 BYE_GRACE_S = 0.5  # a disconnection is judged this long after it was seen: its connection's Bye may still be queued
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 DROPPED_CONNECTION_CAUSES = (
     "the peer process exited or was killed without a Bye, the link was silent past transport.liveness_s "
     "(ZMTP heartbeat), or it sent a frame over the {limit}-byte limit (ZMQ_MAXMSGSIZE; libzmq drops such a "
@@ -135,6 +132,7 @@ class SenderControl:
         self._overflowed_before = 0  # `overflowed_messages` of a closed socket
         self._failed_handshakes = 0
         self._monitor: zmq.Socket[Any] | None = None
+        self._handshakes: HandshakeWatch | None = None  # reads `_monitor` on its own thread
         self.dropped_connections = 0  # see `poll_connections`
         self._byes = 0  # Byes read whose disconnection is still to come
         self._explained = 0  # failed handshakes whose disconnection is still to come
@@ -180,15 +178,14 @@ class SenderControl:
         event of its own (decoder EMSGSIZE -> protocol error -> EVENT_DISCONNECTED, as for a peer that
         exits), so this counts them all and the WARNING names every likely cause. Called by `recv` and
         `_pump` too, so the line comes while the sender runs, not only when someone asks."""
-        if self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                while True:
-                    event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
-                    if event & _HANDSHAKE_FAILED:
-                        self._failed_handshakes += 1
-                        self._explained += 1
-                    elif event == zmq.EVENT_DISCONNECTED:
-                        self._disconnects.append(time.monotonic())
+        if self._handshakes is not None:
+            while not self._handshakes.events.empty():
+                seen = self._handshakes.events.get_nowait()
+                if seen.failed_handshake:
+                    self._failed_handshakes += 1
+                    self._explained += 1
+                else:
+                    self._disconnects.append(seen.at)
         due = time.monotonic() - BYE_GRACE_S
         while self._disconnects and self._disconnects[0] <= due:
             self._disconnects.pop(0)
@@ -217,6 +214,11 @@ class SenderControl:
                     del self.peers[identity]
         who = ", ".join(gone) if gone else "a connection that had not registered (or had already left)"
         self._lost_connections.note(who, DROPPED_CONNECTION_CAUSES.format(limit=MAX_FRAME_TO_SENDER))
+
+    def refused_handshakes(self) -> str | None:
+        """The addresses whose handshake this sender refused, with the cause (another token, or a token on one
+        side only), or None: what a wait for receivers says instead of blaming a missing rollout."""
+        return self._handshakes.refused_summary() if self._handshakes is not None else None
 
     @property
     def overflowed_messages(self) -> int:
@@ -249,7 +251,7 @@ class SenderControl:
             sock.curve_secretkey = keys.server_secret
             sock.curve_publickey = keys.server_public
         # handshake failures (`rejected_handshakes`) and disconnections (`dropped_connections`)
-        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
             if self.requested_port == 0:
                 self.port = sock.bind_to_random_port(endpoint(self.host, 0).rsplit(":", 1)[0])
@@ -264,6 +266,8 @@ class SenderControl:
             else:
                 fix = f"set transport.host to an address of this machine (got {self.host!r})"
             raise ConfigError(f"cannot bind the control socket on {where}: {exc}; {fix}") from None
+        self._handshakes = HandshakeWatch(self._monitor, self.address, self.port, bool(self.key))
+        self._handshakes.start()
         inbox = Inbox(on_drop=lambda route, why: self._overflows.note(f"connection {route.hex()}", why))
         self._router = RouterThread(sock, inbox, send_wait_s=self.send_wait_s)
         self._router.start(asyncio.get_running_loop())
@@ -278,7 +282,8 @@ class SenderControl:
             # joining takes a poll interval at most; off the loop, so receivers in this loop keep running
             if not await asyncio.to_thread(router.stop):
                 return  # the thread still owns the socket: leave it (and the context) to the process exit
-        if self._monitor is not None:
+        watch_ended = self._handshakes is None or await asyncio.to_thread(self._handshakes.stop)
+        if self._monitor is not None and watch_ended:
             if router is not None:
                 router.sock.disable_monitor()
             self._monitor.close(linger=0)
