@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from lightning_weightsync import load_config
-from tests.support.mp import run_workers
+from tests.support.mp import free_port, run_workers
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -72,6 +72,14 @@ def blocks(path: Path) -> list[Block]:
 
 
 ALL = [b for page in PAGES for b in blocks(page)]
+PORT = re.compile(r"(?<=port=)\d{4,5}\b|(?<=127\.0\.0\.1:)\d{4,5}\b")
+
+
+def on_free_ports(code: str) -> str:
+    """A block's fixed ports (`...port=29650`, `127.0.0.1:9450`: what a user types) swapped for free ones, the
+    same number for the same port, so blocks and the tests beside them never collide on one."""
+    chosen: dict[str, str] = {}
+    return PORT.sub(lambda m: chosen.setdefault(m[0], str(free_port())), code)
 
 
 def test_the_runner_finds_the_blocks() -> None:
@@ -112,7 +120,7 @@ def test_doc_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     env["PYTHONPATH"] = str(REPO)
     if block.lang == "python":
         script = tmp_path / "block.py"
-        script.write_text(block.code)
+        script.write_text(on_free_ports(block.code))
         # as `python block.py` from the repository root, in a worker forked from the test session's forkserver
         # (torch already imported: a fresh interpreter would spend seconds on that before the block's first line)
         for key in ("PATH", "PYTHONPATH"):
@@ -121,7 +129,7 @@ def test_doc_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         run_workers(run_as_script, [(str(script),)], timeout_s=TIMEOUT_S)
         return
     if block.lang == "bash":
-        cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+        cmd = ["bash", "-euo", "pipefail", "-c", on_free_ports(block.code)]
     else:
         raise AssertionError(f"{block.id}: cannot run a ```{block.lang} block; mark it config or skip")
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
