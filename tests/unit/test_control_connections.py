@@ -67,7 +67,7 @@ async def test_an_over_size_frame_to_a_receiver_is_counted_and_logged(caplog: py
 
 
 def test_closed_by_us_names_the_peer_of_a_connection_this_host_closed() -> None:
-    """Where a refused handshake ends before its address is read, the kernel's TIME_WAIT entry still names it."""
+    """Where a refused handshake ends before its address is read, the kernel still lists the connection."""
     import socket
     import sys
     import time

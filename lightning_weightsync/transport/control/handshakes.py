@@ -40,6 +40,7 @@ FIX = "set the same transport.auth_token (or transport.auth_token_file) on the t
 MAX_REFUSED_PEERS = 64  # addresses remembered for the trainer's give-up message
 WATCH_POLL_MS = 100  # how often the watch thread looks for `stop`
 UNREAD = "an address that closed before it could be read"
+UNREAD_BEFORE_SAYING = 3  # refusals from unread addresses in a row before the log says so without one
 CLOSES_BEFORE_HANDSHAKE = 2  # connections the sender closed mid-handshake before the receiver names the token
 
 
@@ -95,10 +96,14 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+CLOSED_HERE_FIRST = {"04", "05", "06", "0B"}  # FIN_WAIT1, FIN_WAIT2, TIME_WAIT, CLOSING (/proc/net/tcp's hex states)
+
+
 def closed_by_us(local_port: int) -> set[str]:
-    """Remote addresses of the connections to `local_port` that this host closed in the last minute (TCP
-    TIME_WAIT, Linux's /proc/net/tcp*): where a refused handshake ended before its address could be read
-    (a token on one side only fails at the greeting, in microseconds), this still names the peer."""
+    """Remote addresses of the connections to `local_port` that this host closed first in the last minute
+    (FIN_WAIT / TIME_WAIT in Linux's /proc/net/tcp*): where a refused handshake ended before its address
+    could be read (a token on one side only fails at the greeting, in microseconds), this still names the
+    peer, whether or not the peer's own close has arrived yet."""
     found: set[str] = set()
     for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         try:
@@ -108,7 +113,7 @@ def closed_by_us(local_port: int) -> set[str]:
             continue
         for row in rows:
             cols = row.split()
-            if len(cols) < 4 or cols[3] != "06":  # 06: TIME_WAIT
+            if len(cols) < 4 or cols[3] not in CLOSED_HERE_FIRST:
                 continue
             local, remote = cols[1].split(":"), cols[2].split(":")
             if int(local[1], 16) != local_port:
@@ -136,6 +141,7 @@ class HandshakeWatch:
         self._peers: dict[int, str | None] = {}  # fd -> address, while the connection is up
         self._causes: list[tuple[int, str]] = []  # (specificity, cause) of the connection that is failing
         self._closed_before: set[str] = set()  # `closed_by_us` at the last refusal
+        self._unread = 0  # refusals in a row whose address could not be read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lws-handshakes", daemon=True)
 
@@ -205,6 +211,10 @@ class HandshakeWatch:
                     self.refused.popitem(last=False)
             elif not self.refused:
                 self.refused[UNREAD] = ranked
+            self._unread = 0 if host is not None else self._unread + 1
+            if 0 < self._unread < UNREAD_BEFORE_SAYING:  # a retrying peer's next refusal will likely name it
+                logger.debug("refused a control connection from an address it could not read: %s", ranked[1])
+                return
         who = peer or (f"{host} (port not read)" if host else "an address it could not read")
         self._log.note(f"{who} at {self.address}", f"{ranked[1]}; {FIX}")
 
