@@ -674,6 +674,14 @@ PLANTS = [
     Plant("declare: a box outside its tensor taken", f"{PKG}/protocol/declare.py",
           "        check_boxes(name[:120], shape, [box])", "        pass",
           ("tests/integration/test_slices.py", "-k", "outside")),
+    # -- test strength, round six: lanes that rebuild or overspend, declarations lost to a restart, drift the
+    #    digest misses, a nack that is not a take, adapters' failure policy
+    Plant("lanes: every lane of boxes rebuilt every version", f"{PKG}/versions/sender.py",
+          "for key in [k for k in self._box_lanes if k not in by_key]:", "for key in list(self._box_lanes):",
+          ("tests/integration/test_slices.py", "-k", "keep_their_groups")),
+    Plant("lanes: a lane's slots kept at their size when the number of lanes changes", f"{PKG}/versions/sender.py",
+          "if lane is not None and lane.backend.bucket_size == bucket_size:", "if lane is not None:",
+          ("tests/integration/test_slices.py", "-k", "keep_their_groups")),
 ]  # fmt: skip
 
 
