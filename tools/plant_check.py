@@ -690,6 +690,13 @@ PLANTS = [
           "            if tuple(dest.shape) != meta.shape:  # the same box of another tensor",
           "            if False:  # the same box of another tensor",
           ("tests/integration/test_tensor_parallel_rollout.py", "-k", "never_lands")),
+    Plant("declare: a declaration taken by the old sender session not sent to a restarted one",
+          f"{PKG}/versions/receiver.py",
+          "        if self._boxes_taken != (prepare.session, declared.digest):",
+          "        if self._boxes_taken is None or self._boxes_taken[1] != declared.digest:",
+          ("tests/integration/test_slices.py", "-k", "restart")),
+    Plant("declare: a plan that has not taken the declaration yet read as a refusal", f"{PKG}/versions/receiver.py",
+          "        elif plan.boxes_refused:", "        else:", ("tests/integration/test_slices.py", "-k", "restart")),
 ]  # fmt: skip
 
 

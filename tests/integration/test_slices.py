@@ -18,6 +18,7 @@ from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import TensorMeta
 from lightning_weightsync.transport.backends import NUM_SLOTS
 from lightning_weightsync.versions.lanes import lane_bucket_size
+from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg, with_timeout
 
 VERSIONS = (1, 2, 3)
@@ -37,16 +38,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _local_shaped(meta: TensorMeta) -> torch.Tensor:
+    """A destination of what the sender sends: the box's shape where it took the declaration, else the whole."""
+    return torch.empty(meta.local_shape, dtype=meta.dtype)
+
+
 async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int, int]:
     """One version: declared boxes land in tensors of the box's shape (what a sender that took the declaration
     sends), everything else in whole ones; returns what arrived, the bytes taken off the wire, and the buckets
     that named a held layout (transport.layout_once) instead of listing their entries."""
     receiver.declare_boxes(boxes)
-
-    def into(meta: TensorMeta) -> torch.Tensor:
-        return torch.empty(meta.local_shape, dtype=meta.dtype)
-
-    got = {n: t.clone() async for n, t in receiver.receive_weights(into=into)}
+    got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
     assert receiver.last_stats is not None
     return got, receiver.last_stats.nbytes, receiver.last_stats.layout_buckets
 
@@ -192,3 +194,34 @@ async def test_lanes_keep_their_groups_across_versions_and_share_one_budget_when
     assert slots[1] == NUM_SLOTS * (bucket + 2 * lane_bucket_size(bucket, 2)), slots
     assert slots[3] == NUM_SLOTS * (bucket + 3 * lane_bucket_size(bucket, 3)), slots
     assert slots[3] <= 2 * NUM_SLOTS * bucket, slots
+
+
+async def test_after_a_trainer_restart_the_rollout_declares_again_and_slices_resume() -> None:
+    """A receiver declares once. The first sender's first version takes no declaration (it has sent no tensors
+    to check it on): not a refusal, the receiver keeps declaring and its second version is sliced. A restarted
+    trainer (a new sender session on the same port) knows nothing of it: the receiver declares again, and the
+    new sender's second version is sliced too."""
+    port = free_port()
+    cfg = engine_cfg(port, transport__verify="full")
+    receiver = WeightReceiver(cfg, identity="top")
+    receiver.declare_boxes({"w": ROWS["top"]})  # once, before the first version
+    await receiver.start()
+    seen: list[tuple[int, int, bool]] = []  # (version, bytes off the wire, "w" arrived as its box)
+    try:
+        for versions in ((1, 2), (3, 4)):  # two trainer runs, one sender session each
+            async with WeightSender(cfg) as sender:
+                for version in versions:
+
+                    async def receive() -> None:
+                        got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
+                        want = _expected(version, {"w": ROWS["top"]} if got["w"].shape != (8, 6) else None)
+                        assert all(torch.equal(got[n], t) for n, t in want.items()), version
+                        assert receiver.last_stats is not None
+                        seen.append((version, receiver.last_stats.nbytes, got["w"].shape != (8, 6)))
+
+                    await with_timeout(asyncio.gather(receive(), sender.send_weights(_weights(version), version=version)))
+    finally:
+        await receiver.close()
+    assert [(v, sliced) for v, _, sliced in seen] == [(1, False), (2, True), (3, False), (4, True)], seen
+    whole = sum(_nbytes(t) for _, t in _weights(1))
+    assert seen[1][1] == seen[3][1] == whole - _nbytes(_weights(1)[0][1]) + 3 * 6 * 4, seen
