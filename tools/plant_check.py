@@ -697,6 +697,18 @@ PLANTS = [
           ("tests/integration/test_slices.py", "-k", "restart")),
     Plant("declare: a plan that has not taken the declaration yet read as a refusal", f"{PKG}/versions/receiver.py",
           "        elif plan.boxes_refused:", "        else:", ("tests/integration/test_slices.py", "-k", "restart")),
+    Plant("replica digest: every block's rows weighted as the first block's", f"{PKG}/protocol/fingerprint.py",
+          "index = torch.arange(start, start + block.shape[0],", "index = torch.arange(0, block.shape[0],",
+          ("tests/unit/test_fingerprint.py", "-k", "replica_digest")),
+    Plant("replica digest: only the first block digested", f"{PKG}/protocol/fingerprint.py",
+          "for start in range(0, rows, REPLICA_BLOCK_ROWS):",
+          "for start in range(0, min(rows, REPLICA_BLOCK_ROWS), REPLICA_BLOCK_ROWS):",
+          ("tests/unit/test_fingerprint.py", "-k", "replica_digest")),
+    Plant("sharded FSDP1: whole copies compared by their row sums (an ulp up and one down unseen)",
+          f"{PKG}/trainer/sharded.py",
+          "    from ..protocol.fingerprint import replica_digest\n\n    if world == 1:",
+          "    from ..protocol.fingerprint import fingerprint as replica_digest\n\n    if world == 1:",
+          (SHARDED_LAYOUTS, "-k", "two_rank")),
 ]  # fmt: skip
 
 
