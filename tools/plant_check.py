@@ -709,6 +709,12 @@ PLANTS = [
           "    from ..protocol.fingerprint import replica_digest\n\n    if world == 1:",
           "    from ..protocol.fingerprint import fingerprint as replica_digest\n\n    if world == 1:",
           (SHARDED_LAYOUTS, "-k", "two_rank")),
+    Plant("session: a member that nacked then disconnected counted as having taken the version (waits timeout_s)",
+          f"{PKG}/versions/steps.py", "        return ack is not None and ack.ok\n", "        return ack is not None\n",
+          ("tests/integration/test_steps.py", "-k", "nacked_then_vanished")),
+    Plant("session: a member that acked then exited at once fails the version", f"{PKG}/versions/steps.py",
+          "        return ack is not None and ack.ok\n", "        return False\n",
+          ("tests/integration/test_steps.py", "-k", "acked_and_exited")),
 ]  # fmt: skip
 
 

@@ -305,6 +305,100 @@ async def test_a_receiver_gone_before_acking_fails_the_version_at_once() -> None
     assert elapsed < LIVENESS_POLL_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
 
 
+async def test_a_receiver_that_nacked_then_vanished_ends_the_wait_at_once_named_with_its_reason() -> None:
+    """A rollout whose consumer failed nacks, then (instead of taking part in the rest of the version) dies: the
+    sender, stuck in a broadcast it will never finish, must name it with its reason as soon as its connection
+    is found gone, not wait out transport.timeout_s as for a member that took the version."""
+    weights = [(f"t{i}", _tensor(2**20, i)) for i in range(48)]  # 48 MiB: more than loopback buffers hold
+    sender, receiver = await _pair(transport__timeout_s=60)  # far above LOAD_SLACK_S
+
+    async def die() -> None:  # after its nack went out: no drain, no goodbye
+        if receiver._pipeline is None:  # (asked before each version too: nothing to drain)
+            return
+        receiver._pipeline.cancel()
+        receiver._control._sock.close(linger=5000)  # what was sent still leaves (the nack), then the link drops
+        receiver._control._sock = None
+
+    receiver._finish_abandoned = die  # type: ignore[method-assign]
+
+    def into(meta):
+        if meta.name == "t2":
+            raise RuntimeError("the rollout's weights are not there any more")
+        return None
+
+    async def receive() -> None:
+        with pytest.raises(RuntimeError, match="not there any more"):
+            await receive_once(receiver, into=into)
+
+    try:
+        t0 = time.monotonic()
+        results = await with_timeout(
+            asyncio.gather(sender.send_weights(weights, version=1), receive(), return_exceptions=True), 90
+        )
+        elapsed = time.monotonic() - t0
+    finally:
+        await _close(sender, receiver)
+    assert results[1] is None, results
+    assert isinstance(results[0], PeerError), results
+    message = str(results[0])
+    assert "receiver r failed:" in message and "not there any more" in message, message
+    assert elapsed < LIVENESS_POLL_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
+
+
+async def test_a_receiver_that_acked_and_exited_at_once_does_not_fail_the_version() -> None:
+    """A rollout that takes the last version and shuts down at once: its ack and its disconnect reach the
+    sender together, while the sender may still be waiting for its side of the last broadcast. Held here in
+    that order on purpose: the last broadcast's completion waits until the sender has found the receiver's
+    connection gone (after its ack was sent), and the version must still succeed."""
+    import threading
+
+    weights = [(f"t{i}", _tensor(BUCKET, i)) for i in range(3)]
+    sender, receiver = await _pair(transport__timeout_s=60)
+    release = threading.Event()  # set from the loop, waited on by the sender's data-plane thread
+    backend = sender._backend
+    assert backend is not None
+    start_broadcast = backend.start_broadcast
+
+    def held_broadcast(slot, nbytes, index, buffer=None):
+        done = start_broadcast(slot, nbytes, index, buffer)
+        if done is not None:
+            done()
+        if index == len(weights) - 1:  # the last bucket: complete on the wire, not yet here
+            release.wait(60)
+
+    backend.start_broadcast = held_broadcast  # type: ignore[method-assign]
+    gone_seen = gone_called = 0
+    steps_gone = sender._steps.gone
+
+    async def watched_gone(what: str):
+        nonlocal gone_seen, gone_called
+        result = await steps_gone(what)
+        gone_called += 1
+        if "r" not in sender._control.peers:  # the probe found its connection gone (with or without a verdict)
+            gone_seen += 1
+            release.set()
+        return result
+
+    sender._steps.gone = watched_gone  # type: ignore[method-assign]
+
+    async def receive_then_exit() -> None:
+        got = await receive_once(receiver)  # acked on the way out
+        assert_bitwise(got, weights)
+        receiver._control._sock.close(linger=5000)  # the ack leaves, then the link drops: no goodbye
+        receiver._control._sock = None
+
+    try:
+        results = await with_timeout(
+            asyncio.gather(sender.send_weights(weights, version=1), receive_then_exit(), return_exceptions=True), 90
+        )
+    finally:
+        release.set()
+        await _close(sender, receiver)
+    assert gone_seen >= 1, (gone_called, results)  # the case held: it was found gone while the version ran
+    assert not isinstance(results[0], BaseException), results
+    assert results[0].receivers == 1 and not results[0].failed, results
+
+
 async def test_a_sender_without_receivers_says_whom_it_waits_for_before_the_timeout(monkeypatch, caplog) -> None:
     """Issue 25 item 1: with no daemon (or one at the wrong port) the trainer was silent for the whole
     transport.timeout_s (600 s by default), then failed with a good message."""
