@@ -719,6 +719,15 @@ PLANTS = [
           "        while not self.ready.empty():  # broadcasts posted but never awaited",
           "        if not self.ready.empty():  # broadcasts posted but never awaited",
           ("tests/integration/test_transfer.py", "-k", "several_buckets_queued")),
+    Plant("receiver: a restarted trainer's first Prepare below the old session's version taken as stale",
+          f"{PKG}/versions/steps.py",
+          "        return prepare.session != self.session or self.version is None or prepare.version > self.version",
+          "        return self.version is None or prepare.version > self.version",
+          ("tests/integration/test_steps.py", "-k", "restarted_trainer")),
+    Plant("receiver: a Prepare that supersedes a version before its plan dropped", f"{PKG}/versions/steps.py",
+          "                self.control.stash(msg)\n                raise VersionAborted(f\"version {prepare.version} superseded",
+          "                raise VersionAborted(f\"version {prepare.version} superseded",
+          ("tests/integration/test_steps.py", "-k", "supersedes")),
 ]  # fmt: skip
 
 

@@ -64,6 +64,46 @@ async def test_a_stale_prepare_for_the_version_just_received_gets_no_ready() -> 
         await _close(sender, receiver)
 
 
+async def test_a_restarted_trainer_whose_first_version_is_below_the_old_one_is_served() -> None:
+    """A new sender session (a trainer restarted, say from an older checkpoint) numbers its versions from where it
+    restarted: its first Prepare is below the version this receiver last saw, from another session, and starts a
+    version; only a Prepare of the same session that does not go above it is stale."""
+    from tests.support.mp import free_port
+
+    cfg = engine_cfg(free_port(), bucket_size_mb=BUCKET / 2**20)
+    async with WeightReceiver(cfg, identity="r") as receiver:
+        for version in (5, 2):  # two trainer runs, one sender session each
+            weights = [("a", _tensor(KIB, version))]
+            async with WeightSender(cfg) as sender:
+                got, stats = await with_timeout(
+                    asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=version))
+                )
+            assert_bitwise(got, weights)
+            assert stats.receivers == 1 and receiver.last_complete_version == version
+
+
+async def test_a_prepare_that_supersedes_a_version_before_its_plan_is_answered(caplog) -> None:
+    """The sender asks for version 1 and, before any plan, starts version 2 (it gave 1 up): the receiver, waiting
+    for version 1's plan, drops it, and the Prepare of version 2 it read meanwhile still starts version 2, answered
+    at once, not after transport.ready_timeout_s presumed the receiver dead."""
+    weights = [("a", _tensor(KIB, 2))]
+    sender, receiver = await _pair(transport__ready_timeout_s=10)
+    try:
+        waiting = asyncio.ensure_future(receive_once(receiver))
+        first = SenderSteps(sender._control, session=sender.session, min_receivers=1, timeout_s=10, ready_timeout_s=10)
+        assert [p.identity for p in await with_timeout(first.gather_ready(1))] == ["r"]  # Ready; no plan follows
+        with caplog.at_level("INFO"):
+            got, _ = await with_timeout(asyncio.gather(waiting, sender.send_weights(weights, version=2)))
+        superseded = [r.getMessage() for r in caplog.records if "superseded" in r.getMessage()]
+        assert superseded == ["version 1 superseded by 2 before it started"], superseded  # the case happened
+        assert_bitwise(got, weights)
+        assert receiver.last_complete_version == 2
+        dropped = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert not dropped, dropped
+    finally:
+        await _close(sender, receiver)
+
+
 async def test_bucket_metadata_larger_than_the_plan_s_bucket_is_dropped() -> None:
     weights = [("a", _tensor(KIB, 0)), ("b", _tensor(KIB, 1))]
     sender, receiver = await _pair()
