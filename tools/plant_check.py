@@ -725,9 +725,18 @@ PLANTS = [
           "        return self.version is None or prepare.version > self.version",
           ("tests/integration/test_steps.py", "-k", "restarted_trainer")),
     Plant("receiver: a Prepare that supersedes a version before its plan dropped", f"{PKG}/versions/steps.py",
-          "                self.control.stash(msg)\n                raise VersionAborted(f\"version {prepare.version} superseded",
-          "                raise VersionAborted(f\"version {prepare.version} superseded",
+          "                self.control.stash(msg)\n"
+          "                raise VersionAborted(f\"version {prepare.version}",
+          "                raise VersionAborted(f\"version {prepare.version}",
           ("tests/integration/test_steps.py", "-k", "supersedes")),
+    Plant("trl: on_failure=warn swallows what is not a sync failure (a stream of non-tensors)",
+          f"{PKG}/integrations/trl.py",
+          "        if self.config.trainer.on_failure is FailurePolicy.warn and isinstance(error, WeightSyncError):",
+          "        if self.config.trainer.on_failure is FailurePolicy.warn:",
+          ("tests/unit/test_trl_transfer.py", "-k", "not_a_sync_failure")),
+    Plant("trl: a failed pause carried into the versions after the next successful one", f"{PKG}/integrations/trl.py",
+          "        self._pause_error = None\n        if self.rollouts is None:", "        if self.rollouts is None:",
+          ("tests/unit/test_trl_transfer.py", "-k", "cleared")),
 ]  # fmt: skip
 
 

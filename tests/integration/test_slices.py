@@ -196,6 +196,16 @@ async def test_lanes_keep_their_groups_across_versions_and_share_one_budget_when
     assert slots[3] <= 2 * NUM_SLOTS * bucket, slots
 
 
+async def _receive_sliced_or_whole(receiver: WeightReceiver, version: int, seen: list[tuple[int, int, bool]]) -> None:
+    """One version, "w" as its top rows or whole, bitwise; notes (version, bytes off the wire, sliced)."""
+    got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
+    sliced = got["w"].shape != (8, 6)
+    want = _expected(version, {"w": ROWS["top"]} if sliced else None)
+    assert all(torch.equal(got[n], t) for n, t in want.items()), version
+    assert receiver.last_stats is not None
+    seen.append((version, receiver.last_stats.nbytes, sliced))
+
+
 async def test_after_a_trainer_restart_the_rollout_declares_again_and_slices_resume() -> None:
     """A receiver declares once. The first sender's first version takes no declaration (it has sent no tensors
     to check it on): not a refusal, the receiver keeps declaring and its second version is sliced. A restarted
@@ -211,15 +221,8 @@ async def test_after_a_trainer_restart_the_rollout_declares_again_and_slices_res
         for versions in ((1, 2), (3, 4)):  # two trainer runs, one sender session each
             async with WeightSender(cfg) as sender:
                 for version in versions:
-
-                    async def receive() -> None:
-                        got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
-                        want = _expected(version, {"w": ROWS["top"]} if got["w"].shape != (8, 6) else None)
-                        assert all(torch.equal(got[n], t) for n, t in want.items()), version
-                        assert receiver.last_stats is not None
-                        seen.append((version, receiver.last_stats.nbytes, got["w"].shape != (8, 6)))
-
-                    await with_timeout(asyncio.gather(receive(), sender.send_weights(_weights(version), version=version)))
+                    sent = sender.send_weights(_weights(version), version=version)
+                    await with_timeout(asyncio.gather(_receive_sliced_or_whole(receiver, version, seen), sent))
     finally:
         await receiver.close()
     assert [(v, sliced) for v, _, sliced in seen] == [(1, False), (2, True), (3, False), (4, True)], seen

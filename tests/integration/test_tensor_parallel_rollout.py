@@ -329,8 +329,8 @@ def _wrong_trainer(port: int, store_port: int) -> list[str]:
 def _wrong_rollout(port: int, store_port: int) -> list[str]:
     """Declares the first half of the rows of "w"; version 1 lands whole in a plain tensor, version 2 (its box
     alone, a direct bucket) in a DTensor that holds that box, version 3 in one that holds another box (its
-    columns), version 4 in one of the same box of another global shape. Each failed one must leave the DTensor's bytes as
-    they were: the refusal comes before any write."""
+    columns), version 4 in one of the same box of another global shape. Each failed one must leave the
+    DTensor's bytes as they were: the refusal comes before any write."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
