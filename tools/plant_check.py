@@ -737,6 +737,14 @@ PLANTS = [
     Plant("trl: a failed pause carried into the versions after the next successful one", f"{PKG}/integrations/trl.py",
           "        self._pause_error = None\n        if self.rollouts is None:", "        if self.rollouts is None:",
           ("tests/unit/test_trl_transfer.py", "-k", "cleared")),
+    Plant("verl: a rollout rank keeps its receiver when the topology names a new actor endpoint",
+          f"{PKG}/integrations/verl.py",
+          "        if self._receiver is not None and sender == self._endpoint:", "        if self._receiver is not None:",
+          ("tests/integration/test_verl.py", "-k", "new_actor_endpoint")),
+    Plant("verl: the old actor's receiver left open when a new endpoint replaces it", f"{PKG}/integrations/verl.py",
+          "            return\n        self._close_receiver()\n        t = self.config.transport",
+          "            return\n        t = self.config.transport",
+          ("tests/integration/test_verl.py", "-k", "new_actor_endpoint")),
 ]  # fmt: skip
 
 
