@@ -359,7 +359,7 @@ async def test_a_receiver_that_nacked_then_vanished_ends_the_wait_at_once_named_
         receiver._control._sock.close(linger=5000)  # what was sent still leaves (the nack), then the link drops
         receiver._control._sock = None
 
-    receiver._finish_abandoned = die  # type: ignore[method-assign]
+    receiver._finish_abandoned = die
 
     def into(meta):
         if meta.name == "t2":
@@ -406,7 +406,7 @@ async def test_a_receiver_that_acked_and_exited_at_once_does_not_fail_the_versio
         if index == len(weights) - 1:  # the last bucket: complete on the wire, not yet here
             release.wait(60)
 
-    backend.start_broadcast = held_broadcast  # type: ignore[method-assign]
+    backend.start_broadcast = held_broadcast
     gone_seen = gone_called = 0
     steps_gone = sender._steps.gone
 
@@ -419,7 +419,7 @@ async def test_a_receiver_that_acked_and_exited_at_once_does_not_fail_the_versio
             release.set()
         return result
 
-    sender._steps.gone = watched_gone  # type: ignore[method-assign]
+    sender._steps.gone = watched_gone
 
     async def receive_then_exit() -> None:
         got = await receive_once(receiver)  # acked on the way out

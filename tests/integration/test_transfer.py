@@ -682,10 +682,10 @@ async def test_cancelling_a_receive_with_several_buckets_queued_gives_the_group_
     try:
 
         async def both_posted() -> None:
-            while pipeline.ready.qsize() < 2 or not pipeline.ready._queue[0][3].done():  # type: ignore[attr-defined]
+            while pipeline.ready.qsize() < 2 or not pipeline.ready._queue[0][3].done():
                 await asyncio.sleep(0.01)
             if not left_behind:
-                await pipeline.ready._queue[1][3]  # type: ignore[attr-defined]
+                await pipeline.ready._queue[1][3]
 
         await with_timeout(both_posted(), 10)
         pipeline.cancel()

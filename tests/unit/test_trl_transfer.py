@@ -160,7 +160,7 @@ def test_on_failure_warn_still_raises_what_is_not_a_sync_failure() -> None:
     sync.init_weight_transfer()
     assert sync.port
     receiver = ThreadReceiver(sync.port, versions=1)  # registered: the sender pulls the stream and checks it
-    weights = Recording([("model.a", torch.randn(4)), ("model.b", "not a tensor"), ("model.c", torch.randn(2))])  # type: ignore[list-item]
+    weights = Recording([("model.a", torch.randn(4)), ("model.b", "not a tensor"), ("model.c", torch.randn(2))])
     try:
         with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
             sync.send_weights(iter(weights))
