@@ -66,7 +66,9 @@ class Destinations:
         except Exception:  # merge will call `into` again and report the error where it belongs
             self.cache.pop(meta.name, None)
             return None
-        if meta.box is not None and is_dtensor(dest) and box_of(dest) == meta.box:
+        if meta.box is not None and dest is not None and is_dtensor(dest) and box_of(dest) == meta.box:
+            if tuple(dest.shape) != meta.shape:  # the same box of another tensor: the merge refuses it by name
+                return None
             dest = local_of(dest)  # a chunk of this rank's box: bytes of its local tensor, in order
             if dest.dtype != meta.dtype or dest.device != device or not dest.is_contiguous():
                 return None

@@ -354,6 +354,13 @@ class WeightSender(Endpoint):
         return self._generation
 
     @property
+    def slot_bytes(self) -> int:
+        """Bucket memory the sender holds now, over all its lanes: the whole lane's slots, and the lanes of boxes'
+        slots sharing one more bucket budget (lanes.py), so at most 2 x NUM_SLOTS x bucket_size."""
+        lanes = [lane for lane in (self._whole, *self._box_lanes.values()) if lane is not None]
+        return sum(NUM_SLOTS * lane.backend.bucket_size for lane in lanes)
+
+    @property
     def registered(self) -> list[str]:
         """Identities of the receivers registered now (authenticated ones only, when a token is set)."""
         return sorted(self._control.peers)

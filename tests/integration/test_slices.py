@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,6 +16,9 @@ import torch
 from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import TensorMeta
+from lightning_weightsync.transport.backends import NUM_SLOTS
+from lightning_weightsync.versions.lanes import lane_bucket_size
+from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg, with_timeout
 
 VERSIONS = (1, 2, 3)
@@ -34,24 +38,36 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _local_shaped(meta: TensorMeta) -> torch.Tensor:
+    """A destination of what the sender sends: the box's shape where it took the declaration, else the whole."""
+    return torch.empty(meta.local_shape, dtype=meta.dtype)
+
+
 async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int, int]:
     """One version: declared boxes land in tensors of the box's shape (what a sender that took the declaration
     sends), everything else in whole ones; returns what arrived, the bytes taken off the wire, and the buckets
     that named a held layout (transport.layout_once) instead of listing their entries."""
     receiver.declare_boxes(boxes)
-
-    def into(meta: TensorMeta) -> torch.Tensor:
-        return torch.empty(meta.local_shape, dtype=meta.dtype)
-
-    got = {n: t.clone() async for n, t in receiver.receive_weights(into=into)}
+    got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
     assert receiver.last_stats is not None
     return got, receiver.last_stats.nbytes, receiver.last_stats.layout_buckets
 
 
+Declared = dict[str, Box] | None | Callable[[int], dict[str, Box] | None]  # fixed, or per version
+
+
 async def _run(
-    declarations: dict[str, dict[str, Box] | None], backend: str = "gloo", token: str | None = None
+    declarations: dict[str, Declared],
+    backend: str = "gloo",
+    token: str | None = None,
+    *,
+    versions: tuple[int, ...] = VERSIONS,
+    bucket_size_mb: float = 0.0625,
+    after: Callable[[WeightSender], None] | None = None,
 ) -> tuple[dict[str, list[Any]], WeightSender]:
+    """Every receiver takes `versions`, declaring its boxes before each (`after(sender)`: once each is sent)."""
     both = {"backend": backend, "transport__verify": "full", "transport__auth_token": token}
+    both["bucket_size_mb"] = bucket_size_mb
     sender = WeightSender(engine_cfg(0, trainer__min_receivers=len(declarations), **both))
     await sender.start()
     receivers = {ident: WeightReceiver(engine_cfg(sender.port, **both), identity=ident) for ident in declarations}
@@ -61,15 +77,19 @@ async def _run(
 
         async def consume(ident: str) -> list[Any]:
             out = []
-            for _ in VERSIONS:
-                got, nbytes, layout = await _receive(receivers[ident], declarations[ident])
+            declared = declarations[ident]
+            for version in versions:
+                boxes = declared(version) if callable(declared) else declared
+                got, nbytes, layout = await _receive(receivers[ident], boxes)
                 world = receivers[ident]._backend.world_size  # its lane's group: the sender and the lane's members
                 out.append((receivers[ident].version, got, nbytes, world, layout))
             return out
 
         async def send() -> None:
-            for version in VERSIONS:
+            for version in versions:
                 await sender.send_weights(_weights(version), version=version)
+                if after is not None:
+                    after(sender)
 
         results = await with_timeout(asyncio.gather(send(), *(consume(i) for i in declarations)), 90)
     finally:
@@ -141,3 +161,70 @@ async def test_a_declaration_that_does_not_fit_is_refused_at_ready_and_the_versi
     # the sender names the receiver and the tensor; the receiver hears why in its plan
     assert any(r.levelno == logging.WARNING and "hostile" in r.getMessage() and why in r.getMessage() for r in refused)
     assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in refused), [r.getMessage() for r in refused]
+
+
+async def test_lanes_keep_their_groups_across_versions_and_share_one_budget_when_their_number_changes() -> None:
+    """Two lanes of boxes keep their data-plane groups from version to version (no rendezvous per lane per
+    version); when a third receiver declares another box, every lane's slots are resized to the shared budget,
+    so the sender holds no more than its whole lane's slots and one more bucket budget."""
+    third = Box((5, 0), (3, 6))
+    generations: list[int] = []
+    slots: list[int] = []
+
+    def after(sender: WeightSender) -> None:
+        generations.append(sender.generation)
+        slots.append(sender.slot_bytes)
+
+    declarations: dict[str, Declared] = {
+        "top": {"w": ROWS["top"]},
+        "bottom": {"w": ROWS["bottom"]},
+        "late": lambda version: {"w": third} if version >= 4 else None,  # taken at version 4: a third lane
+    }
+    results, _ = await _run(declarations, versions=(1, 2, 3, 4), bucket_size_mb=4, after=after)
+    for ident, versions in results.items():  # each got its box (the first version whole), bitwise
+        for version, got, *_ in versions:
+            boxes = {"top": {"w": ROWS["top"]}, "bottom": {"w": ROWS["bottom"]}}.get(ident)
+            if ident == "late":
+                boxes = {"w": third} if version >= 4 else None
+            want = _expected(version, boxes if version > 1 else None)
+            assert all(torch.equal(got[n], t) for n, t in want.items()), (ident, version)
+    assert generations[2] == generations[1], generations  # version 3: the same lanes, the same groups
+    assert generations[3] > generations[2], generations  # version 4: a new lane (and the others resized)
+    bucket = 4 << 20
+    assert slots[1] == NUM_SLOTS * (bucket + 2 * lane_bucket_size(bucket, 2)), slots
+    assert slots[3] == NUM_SLOTS * (bucket + 3 * lane_bucket_size(bucket, 3)), slots
+    assert slots[3] <= 2 * NUM_SLOTS * bucket, slots
+
+
+async def _receive_sliced_or_whole(receiver: WeightReceiver, version: int, seen: list[tuple[int, int, bool]]) -> None:
+    """One version, "w" as its top rows or whole, bitwise; notes (version, bytes off the wire, sliced)."""
+    got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
+    sliced = got["w"].shape != (8, 6)
+    want = _expected(version, {"w": ROWS["top"]} if sliced else None)
+    assert all(torch.equal(got[n], t) for n, t in want.items()), version
+    assert receiver.last_stats is not None
+    seen.append((version, receiver.last_stats.nbytes, sliced))
+
+
+async def test_after_a_trainer_restart_the_rollout_declares_again_and_slices_resume() -> None:
+    """A receiver declares once. The first sender's first version takes no declaration (it has sent no tensors
+    to check it on): not a refusal, the receiver keeps declaring and its second version is sliced. A restarted
+    trainer (a new sender session on the same port) knows nothing of it: the receiver declares again, and the
+    new sender's second version is sliced too."""
+    port = free_port()
+    cfg = engine_cfg(port, transport__verify="full")
+    receiver = WeightReceiver(cfg, identity="top")
+    receiver.declare_boxes({"w": ROWS["top"]})  # once, before the first version
+    await receiver.start()
+    seen: list[tuple[int, int, bool]] = []  # (version, bytes off the wire, "w" arrived as its box)
+    try:
+        for versions in ((1, 2), (3, 4)):  # two trainer runs, one sender session each
+            async with WeightSender(cfg) as sender:
+                for version in versions:
+                    sent = sender.send_weights(_weights(version), version=version)
+                    await with_timeout(asyncio.gather(_receive_sliced_or_whole(receiver, version, seen), sent))
+    finally:
+        await receiver.close()
+    assert [(v, sliced) for v, _, sliced in seen] == [(1, False), (2, True), (3, False), (4, True)], seen
+    whole = sum(_nbytes(t) for _, t in _weights(1))
+    assert seen[1][1] == seen[3][1] == whole - _nbytes(_weights(1)[0][1]) + 3 * 6 * 4, seen

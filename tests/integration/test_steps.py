@@ -64,6 +64,46 @@ async def test_a_stale_prepare_for_the_version_just_received_gets_no_ready() -> 
         await _close(sender, receiver)
 
 
+async def test_a_restarted_trainer_whose_first_version_is_below_the_old_one_is_served() -> None:
+    """A new sender session (a trainer restarted, say from an older checkpoint) numbers its versions from where it
+    restarted: its first Prepare is below the version this receiver last saw, from another session, and starts a
+    version; only a Prepare of the same session that does not go above it is stale."""
+    from tests.support.mp import free_port
+
+    cfg = engine_cfg(free_port(), bucket_size_mb=BUCKET / 2**20)
+    async with WeightReceiver(cfg, identity="r") as receiver:
+        for version in (5, 2):  # two trainer runs, one sender session each
+            weights = [("a", _tensor(KIB, version))]
+            async with WeightSender(cfg) as sender:
+                got, stats = await with_timeout(
+                    asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=version))
+                )
+            assert_bitwise(got, weights)
+            assert stats.receivers == 1 and receiver.last_complete_version == version
+
+
+async def test_a_prepare_that_supersedes_a_version_before_its_plan_is_answered(caplog) -> None:
+    """The sender asks for version 1 and, before any plan, starts version 2 (it gave 1 up): the receiver, waiting
+    for version 1's plan, drops it, and the Prepare of version 2 it read meanwhile still starts version 2, answered
+    at once, not after transport.ready_timeout_s presumed the receiver dead."""
+    weights = [("a", _tensor(KIB, 2))]
+    sender, receiver = await _pair(transport__ready_timeout_s=10)
+    try:
+        waiting = asyncio.ensure_future(receive_once(receiver))
+        first = SenderSteps(sender._control, session=sender.session, min_receivers=1, timeout_s=10, ready_timeout_s=10)
+        assert [p.identity for p in await with_timeout(first.gather_ready(1))] == ["r"]  # Ready; no plan follows
+        with caplog.at_level("INFO"):
+            got, _ = await with_timeout(asyncio.gather(waiting, sender.send_weights(weights, version=2)))
+        superseded = [r.getMessage() for r in caplog.records if "superseded" in r.getMessage()]
+        assert superseded == ["version 1 superseded by 2 before it started"], superseded  # the case happened
+        assert_bitwise(got, weights)
+        assert receiver.last_complete_version == 2
+        dropped = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert not dropped, dropped
+    finally:
+        await _close(sender, receiver)
+
+
 async def test_bucket_metadata_larger_than_the_plan_s_bucket_is_dropped() -> None:
     weights = [("a", _tensor(KIB, 0)), ("b", _tensor(KIB, 1))]
     sender, receiver = await _pair()
@@ -303,6 +343,100 @@ async def test_a_receiver_gone_before_acking_fails_the_version_at_once() -> None
     assert isinstance(results[0], PeerError), results
     assert results[0].stats.failed == {"r": "disconnected before acking (its process stopped or the link is down)"}
     assert elapsed < LIVENESS_POLL_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
+
+
+async def test_a_receiver_that_nacked_then_vanished_ends_the_wait_at_once_named_with_its_reason() -> None:
+    """A rollout whose consumer failed nacks, then (instead of taking part in the rest of the version) dies: the
+    sender, stuck in a broadcast it will never finish, must name it with its reason as soon as its connection
+    is found gone, not wait out transport.timeout_s as for a member that took the version."""
+    weights = [(f"t{i}", _tensor(2**20, i)) for i in range(48)]  # 48 MiB: more than loopback buffers hold
+    sender, receiver = await _pair(transport__timeout_s=60)  # far above LOAD_SLACK_S
+
+    async def die() -> None:  # after its nack went out: no drain, no goodbye
+        if receiver._pipeline is None:  # (asked before each version too: nothing to drain)
+            return
+        receiver._pipeline.cancel()
+        receiver._control._sock.close(linger=5000)  # what was sent still leaves (the nack), then the link drops
+        receiver._control._sock = None
+
+    receiver._finish_abandoned = die
+
+    def into(meta):
+        if meta.name == "t2":
+            raise RuntimeError("the rollout's weights are not there any more")
+        return None
+
+    async def receive() -> None:
+        with pytest.raises(RuntimeError, match="not there any more"):
+            await receive_once(receiver, into=into)
+
+    try:
+        t0 = time.monotonic()
+        results = await with_timeout(
+            asyncio.gather(sender.send_weights(weights, version=1), receive(), return_exceptions=True), 90
+        )
+        elapsed = time.monotonic() - t0
+    finally:
+        await _close(sender, receiver)
+    assert results[1] is None, results
+    assert isinstance(results[0], PeerError), results
+    message = str(results[0])
+    assert "receiver r failed:" in message and "not there any more" in message, message
+    assert elapsed < LIVENESS_POLL_S + LOAD_SLACK_S < 60  # noticed by the liveness check, not the timeout
+
+
+async def test_a_receiver_that_acked_and_exited_at_once_does_not_fail_the_version() -> None:
+    """A rollout that takes the last version and shuts down at once: its ack and its disconnect reach the
+    sender together, while the sender may still be waiting for its side of the last broadcast. Held here in
+    that order on purpose: the last broadcast's completion waits until the sender has found the receiver's
+    connection gone (after its ack was sent), and the version must still succeed."""
+    import threading
+
+    weights = [(f"t{i}", _tensor(BUCKET, i)) for i in range(3)]
+    sender, receiver = await _pair(transport__timeout_s=60)
+    release = threading.Event()  # set from the loop, waited on by the sender's data-plane thread
+    backend = sender._backend
+    assert backend is not None
+    start_broadcast = backend.start_broadcast
+
+    def held_broadcast(slot, nbytes, index, buffer=None):
+        done = start_broadcast(slot, nbytes, index, buffer)
+        if done is not None:
+            done()
+        if index == len(weights) - 1:  # the last bucket: complete on the wire, not yet here
+            release.wait(60)
+
+    backend.start_broadcast = held_broadcast
+    gone_seen = gone_called = 0
+    steps_gone = sender._steps.gone
+
+    async def watched_gone(what: str):
+        nonlocal gone_seen, gone_called
+        result = await steps_gone(what)
+        gone_called += 1
+        if "r" not in sender._control.peers:  # the probe found its connection gone (with or without a verdict)
+            gone_seen += 1
+            release.set()
+        return result
+
+    sender._steps.gone = watched_gone
+
+    async def receive_then_exit() -> None:
+        got = await receive_once(receiver)  # acked on the way out
+        assert_bitwise(got, weights)
+        receiver._control._sock.close(linger=5000)  # the ack leaves, then the link drops: no goodbye
+        receiver._control._sock = None
+
+    try:
+        results = await with_timeout(
+            asyncio.gather(sender.send_weights(weights, version=1), receive_then_exit(), return_exceptions=True), 90
+        )
+    finally:
+        release.set()
+        await _close(sender, receiver)
+    assert gone_seen >= 1, (gone_called, results)  # the case held: it was found gone while the version ran
+    assert not isinstance(results[0], BaseException), results
+    assert results[0].receivers == 1 and not results[0].failed, results
 
 
 async def test_a_sender_without_receivers_says_whom_it_waits_for_before_the_timeout(monkeypatch, caplog) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.demo.tiny_lm import build_model
+from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import as_bytes
 from tests.support.mp import free_port, run_workers
 from tests.support.transfer import engine_cfg, with_timeout
@@ -296,3 +297,98 @@ def test_a_tensor_parallel_rollout_receives_into_its_dtensors_bitwise(senders: i
         assert received[VERSIONS[0]] == rank["model"], received
         assert [received[v] for v in VERSIONS[1:]] == rank["held"], (received, rank["held"])
         assert max(rank["held"]) < 0.7 * rank["model"], rank
+
+
+WRONG = {"w": (64, 512)}  # 128 KiB: a box of half its rows fills a 64 KiB bucket, a direct bucket of its own
+ROWS_BOX = Box((0, 0), (32, 512))
+
+
+def _wrong_trainer(port: int, store_port: int) -> list[str]:
+    """Rank 1 of the rollout's mesh (its DTensors need a 2-rank world), and the trainer: 4 versions of "w"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.support.sharded_senders import gloo_group
+
+    async def main() -> list[str]:
+        outcomes = []
+        async with WeightSender(engine_cfg(port, transport__verify="full")) as sender:
+            for version in (1, 2, 3, 4):
+                weights = [("w", torch.full(WRONG["w"], float(version)))]
+                try:
+                    await with_timeout(sender.send_weights(weights, version=version), 60)
+                    outcomes.append(f"{version}: ok")
+                except Exception as exc:
+                    outcomes.append(f"{version}: {type(exc).__name__}")
+        return outcomes
+
+    with gloo_group(1, TP, store_port):
+        init_device_mesh("cpu", (TP,))
+        return asyncio.run(main())
+
+
+def _wrong_rollout(port: int, store_port: int) -> list[str]:
+    """Declares the first half of the rows of "w"; version 1 lands whole in a plain tensor, version 2 (its box
+    alone, a direct bucket) in a DTensor that holds that box, version 3 in one that holds another box (its
+    columns), version 4 in one of the same box of another global shape. Each failed one must leave the
+    DTensor's bytes as they were: the refusal comes before any write."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tests.support.sharded_senders import gloo_group
+
+    with gloo_group(0, TP, store_port):
+        mesh = init_device_mesh("cpu", (TP,))
+
+        def dtensor(shape: tuple[int, int], dim: int) -> DTensor:
+            local_shape = (-(-shape[0] // TP), shape[1]) if dim == 0 else (shape[0], shape[1] // TP)
+            local = torch.full(local_shape, -7.0)
+            return DTensor.from_local(local, mesh, [Shard(dim)], shape=torch.Size(shape),
+                                      stride=(shape[1], 1), run_check=False)  # fmt: skip
+
+        async def main() -> list[str]:
+            outcomes = []
+            cfg = engine_cfg(port, transport__verify="full")
+            async with WeightReceiver(cfg, identity="tp0") as receiver:
+                # its own box (rows 0-32), another box (columns 0-256), its box of another tensor (rows 0-32 of 63)
+                dests = {2: dtensor(WRONG["w"], 0), 3: dtensor(WRONG["w"], 1), 4: dtensor((63, 512), 0)}
+                for version in (1, 2, 3, 4):
+                    receiver.declare_boxes({"w": ROWS_BOX})
+                    dest = dests.get(version)
+                    before = None if dest is None else dest.to_local().clone()
+                    try:
+                        async for name, tensor in receiver.receive_weights(
+                            into=lambda meta, d=dest: d if d is not None else torch.empty(meta.local_shape)
+                        ):
+                            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                            assert name == "w" and torch.equal(local, torch.full(tuple(local.shape), float(version)))
+                        stats = receiver.last_stats
+                        assert stats is not None
+                        outcomes.append(f"{version}: ok {stats.nbytes} bytes, {stats.direct_buckets} direct")
+                    except Exception as exc:
+                        outcomes.append(f"{version}: {type(exc).__name__}: {exc}")
+                    if version == 2:  # its box, received in place
+                        assert dest is not None and torch.equal(dest.to_local(), torch.full((32, 512), 2.0))
+                    elif dest is not None:  # the live weights untouched by a refused version
+                        assert torch.equal(dest.to_local(), before), f"version {version} wrote into the DTensor"
+            return outcomes
+
+        return asyncio.run(main())
+
+
+def _wrong_role(role: int, port: int, store_port: int) -> list[str]:
+    return _wrong_rollout(port, store_port) if role == 0 else _wrong_trainer(port, store_port)
+
+
+def test_a_box_never_lands_in_a_dtensor_of_another_box_or_global_shape_and_nothing_is_written() -> None:
+    """A direct bucket (one box filling a bucket) is received in place only into a destination that holds
+    exactly that box of a tensor of the stream's shape; otherwise the merge refuses it by name, and the live
+    weights were not touched first."""
+    port, store_port = free_port(), free_port()
+    rollout, trainer = run_workers(_wrong_role, [(r, port, store_port) for r in range(TP)], timeout_s=TIMEOUT_S)
+    assert trainer == ["1: ok", "2: ok", "3: PeerError", "4: PeerError"], (trainer, rollout)
+    box_bytes = 32 * 512 * 4
+    assert rollout[0] == f"1: ok {2 * box_bytes} bytes, 2 direct", rollout
+    assert rollout[1] == f"2: ok {box_bytes} bytes, 1 direct", rollout  # the box alone, received in place
+    assert rollout[2].startswith("3: ProtocolError") and "box at [0, 0] of sizes [32, 512]" in rollout[2], rollout
+    assert "box at [0, 0] of sizes [64, 256]" in rollout[2], rollout
+    assert rollout[3].startswith("4: ProtocolError") and "[63, 512]" in rollout[3] and "'w'" in rollout[3], rollout

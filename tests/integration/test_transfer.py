@@ -655,6 +655,47 @@ async def test_an_abort_ends_the_wait_for_a_broadcast_the_sender_never_finishes(
         executor.shutdown()
 
 
+@pytest.mark.parametrize("left_behind", [True, False], ids=["one-left-behind", "all-complete"])
+async def test_cancelling_a_receive_with_several_buckets_queued_gives_the_group_up_if_any_was_left_behind(
+    left_behind,
+):
+    """Two buckets posted and queued, the consumer at neither: the first broadcast complete, the second one (left
+    behind) never finished by the sender. Cancelling the receive must see the second, not stop at the first: a
+    broadcast left posted holds the data-plane thread and the group is out of step (the receiver gives it up);
+    with every queued broadcast complete, the group is kept."""
+    from lightning_weightsync.protocol.chunks import as_bytes
+    from lightning_weightsync.protocol.joins.store import StoreJoin
+    from lightning_weightsync.protocol.messages import BucketMeta, Entry, GroupSpec, Member, Plan
+    from lightning_weightsync.transport.executor import SerialExecutor
+    from lightning_weightsync.versions.pipeline import BucketPipeline
+
+    raw = as_bytes(torch.arange(8, dtype=torch.float32))
+    never = threading.Event()
+    metas = [
+        BucketMeta(1, 0, False, 16, [Entry("w", [8], "float32", 0, 16, 0)]),
+        BucketMeta(1, 1, True, 16, [Entry("w", [8], "float32", 16, 16, 0)]),
+    ]
+    wire = [raw[:16].clone(), never if left_behind else raw[16:].clone()]
+    backend, executor = _loopback_backend(wire), SerialExecutor("test-pipeline")
+    plan = Plan(1, 1, GroupSpec("s", 1, "loopback", 16, [Member("r", 1)], StoreJoin("127.0.0.1", 1)))
+    pipeline = BucketPipeline(plan, steps=_ScriptedSteps(metas), backend=backend, executor=executor, timeout_s=60)
+    try:
+
+        async def both_posted() -> None:
+            while pipeline.ready.qsize() < 2 or not pipeline.ready._queue[0][3].done():
+                await asyncio.sleep(0.01)
+            if not left_behind:
+                await pipeline.ready._queue[1][3]
+
+        await with_timeout(both_posted(), 10)
+        pipeline.cancel()
+        assert pipeline.abandoned is left_behind
+    finally:
+        never.set()
+        pipeline.cancel()
+        executor.shutdown()
+
+
 # -- layout once (transport.layout_once, protocol/layout.py) -----------------------------------------------
 
 

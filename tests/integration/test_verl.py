@@ -169,3 +169,48 @@ def test_versions_follow_global_steps_and_always_increase(engine_cls: Any) -> No
     assert engine.config.transport.bucket_size_mb == 1.0  # verl's bucket size, in our knob
     assert engine.config.rollout.device == "cpu"  # no GPU here: the worker's device
     assert not engine.is_master and engine.role is None  # a rollout rank and an actor rank > 0 look alike until init
+
+
+def test_a_rollout_rank_told_of_a_new_actor_endpoint_drops_its_receiver_and_joins_the_new_one(engine_cls: Any) -> None:
+    """A restarted actor reports another endpoint: the rollout rank's next `init_process_group` closes the receiver
+    of the old one (it leaves that sender's registry) and receives the next version from the new one, bitwise."""
+    import asyncio
+
+    import torch
+
+    from lightning_weightsync import WeightSender, load_config
+    from lightning_weightsync.integrations.verl import Role, SenderEndpoint
+
+    overrides = ["transport.host=127.0.0.1", "transport.port=0", "transport.timeout_s=20",
+                 "transport.heartbeat_interval_s=0.2"]  # fmt: skip
+    engine = engine_cls(bucket_size=1 << 20, overrides=overrides)
+    weights = [("w", torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))]
+
+    async def received() -> dict[str, torch.Tensor]:
+        return {n: t.clone() async for n, t in engine.receive_weights()}
+
+    async def main() -> list[str]:
+        old = WeightSender(load_config(overrides=overrides))
+        new = WeightSender(load_config(overrides=overrides))
+        await old.start()
+        await new.start()
+        try:
+            for sender, version in ((old, 1), (new, 2)):  # the actor, then the actor restarted elsewhere
+                endpoint = SenderEndpoint("127.0.0.1", sender.port)
+                await asyncio.to_thread(engine.init_process_group, Role.rollout, endpoint, 1)
+                sent = sender.send_weights(weights, version=version)
+                got, _ = await asyncio.wait_for(asyncio.gather(received(), sent), 60)
+                assert list(got) == ["w"] and torch.equal(got["w"], weights[0][1]), version
+            deadline = time.monotonic() + 10
+            while old.registered and time.monotonic() < deadline:  # its Bye reaches the old sender's registry
+                await old._control.recv(0.1)  # the registry is kept by reading the socket
+            return old.registered
+        finally:
+            await new.close()
+            await old.close()
+
+    try:
+        still = asyncio.run(main())
+    finally:
+        engine.close()
+    assert still == [], still  # the old actor's sender no longer counts this rank

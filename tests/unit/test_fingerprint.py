@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from lightning_weightsync.protocol.fingerprint import (
     GOLDEN,
     MASK,
     NO_FINGERPRINT,
+    REPLICA_BLOCK_ROWS,
     ROW_WORDS,
     checksum_hex,
     fingerprint,
@@ -170,3 +172,19 @@ def test_replica_digest_is_its_definition_and_sees_drift_that_cancels_in_a_row(s
     assert fingerprint(drifted) == fingerprint(tensor)  # the row sum: blind to it
     assert replica_digest(drifted) != replica_digest(tensor)
     assert replica_digest(tensor.clone()) == replica_digest(tensor)
+
+
+def test_replica_digest_of_a_tensor_of_several_blocks_is_its_definition_and_sees_drift_across_blocks() -> None:
+    """Past one block (`REPLICA_BLOCK_ROWS` rows, weighted at once) each block's rows must keep their own place:
+    the definition, in numpy's wrapping uint64 (an independent reduction, fast enough at 16 MiB), and drift of
+    +d and -d at the same place in two blocks, which a digest weighting each block alike would cancel."""
+    words = (REPLICA_BLOCK_ROWS + 3) * ROW_WORDS + 5  # two blocks, the last row partial
+    tensor = torch.randint(-(1 << 62), 1 << 62, (words,), generator=torch.Generator().manual_seed(3))
+    weights = np.arange(words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        want = int((tensor.numpy().view(np.uint64) * weights).sum(dtype=np.uint64))
+    assert replica_digest(tensor) == (want + words * 8 * GOLDEN) & MASK
+    drifted = tensor.clone()
+    drifted[7] += 3
+    drifted[7 + REPLICA_BLOCK_ROWS * ROW_WORDS] -= 3  # the same word of the same row, one block on
+    assert replica_digest(drifted) != replica_digest(tensor)

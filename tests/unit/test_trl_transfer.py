@@ -153,6 +153,24 @@ def test_on_failure_warn_returns_after_draining(caplog: pytest.LogCaptureFixture
     assert "skipped (trainer.on_failure=warn)" in caplog.text
 
 
+def test_on_failure_warn_still_raises_what_is_not_a_sync_failure() -> None:
+    """`warn` skips a version the sync failed (the transport, a rollout); a stream that yields a non-tensor is
+    the caller's bug, and raises (after the stream was drained whole: TRL's other ranks are in the same walk)."""
+    sync = transfer(trainer__on_failure="warn")
+    sync.init_weight_transfer()
+    assert sync.port
+    receiver = ThreadReceiver(sync.port, versions=1)  # registered: the sender pulls the stream and checks it
+    weights = Recording([("model.a", torch.randn(4)), ("model.b", "not a tensor"), ("model.c", torch.randn(2))])
+    try:
+        with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
+            sync.send_weights(iter(weights))
+    finally:
+        sync.destroy()
+        receiver._thread.join(60)  # its version was aborted: it stops
+    assert weights.pulled == ["model.a", "model.b", "model.c"]
+    assert sync.failures == 1
+
+
 class FakeEngine(RolloutClient):
     """A `RolloutClient` that records the calls `RolloutFleet` makes (a vLLM / SGLang server's steps)."""
 
@@ -222,6 +240,29 @@ def test_a_rollout_that_cannot_pause_fails_the_send_after_draining_and_is_resume
         sync.destroy()
     assert weights.pulled == [n for n, _ in weights.items]
     assert calls == ["pause", "resume"]
+
+
+def test_with_on_failure_warn_a_failed_pause_is_cleared_by_the_next_successful_one() -> None:
+    """A pause that failed skips its version (warn); the next pause succeeds, and its version goes out: the
+    earlier failure is not carried into it."""
+    calls: list[str] = []
+    engine = FakeEngine(calls, fail="pause")
+    sync = transfer(trainer__min_receivers=0, trainer__on_failure="warn")
+    sync.init_weight_transfer()
+    sync.rollouts = RolloutFleet([engine])
+    try:
+        sync.pause()
+        sync.send_weights(iter(stream(1)))  # skipped: the pause failed
+        sync.resume()
+        engine.fail = None  # the engine answers again
+        sync.pause()
+        sync.send_weights(iter(stream(2)))
+        sync.resume()
+    finally:
+        sync.destroy()
+    assert sync.failures == 1 and sync.last_stats is not None and sync.last_stats.version == 2
+    assert calls == ["pause", "resume", "pause", "start_update", "update 2", "finish 2", "after_update", "verify",
+                     "resume"]  # fmt: skip
 
 
 def test_destroy_frees_the_port_and_is_idempotent() -> None:
