@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from ...errors import BackendUnavailable, ConfigError
+from .reload_checks import ModuleLoad
+from .slices import CheckpointParams
 from .worker import InitInfo, UpdateInfo, WeightSyncEngineBody
 
 try:
@@ -155,6 +157,19 @@ class LightningWeightSyncEngine(
             return 1
         return int(parallel_state.get_tensor_model_parallel_world_size())
 
+    def _checkpoint_params(self) -> CheckpointParams | None:
+        hooks = self._reload
+        return lambda module: checkpoint_params(hooks, module)
+
+    def _module_loads(self) -> list[ModuleLoad]:
+        return module_loads(self._reload, self.model)
+
+    def _quantized_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return quantized_tensors(self.model)
+
+    def _largest_module_bytes(self) -> int:
+        return int(self._reload.largest_module_bytes(self.model))
+
     def _after_restore(self) -> None:
         # HostCopy.restore put kernel-format tensors back: re-derive what layers keep outside them (MLA's
         # W_UK_T / W_UV from kv_b_proj), as vLLM's own reload of kernel-format weights ends
@@ -186,6 +201,15 @@ class ReloadHooks:
     finish: Callable[[torch.nn.Module, Any, torch.device], None]
     load_context: Callable[[], AbstractContextManager[Any]]
     after_kernel_format_restore: Callable[[torch.nn.Module, Any], None]
+    layerwise_info: Callable[[torch.nn.Module], Any] | None = None
+    """A module's `LayerReloadingInfo` (reload/layerwise.py `LAYERWISE_INFO`: its checkpoint-format metadata and,
+    while an update runs, what its loaders buffered), or None; None here where this vLLM keeps no such table."""
+    is_deferred_attention: Callable[[torch.nn.Module], bool] = lambda module: False
+    """Attention-like layers, which vLLM processes only when the update finishes, loaded or not."""
+    skip_load_tensors: frozenset[str] = frozenset()
+    """Tensor names vLLM's reload never loads (reload/meta.py `SKIP_LOAD_TENSORS`; `bias` is never on meta)."""
+    largest_module_bytes: Callable[[torch.nn.Module], int] = lambda model: 0
+    """Bytes of the largest module in checkpoint format (0.34.0's `max_layer_reload_bytes`; 0 where absent)."""
 
 
 def _optional(module: str, name: str) -> Any:
@@ -232,7 +256,108 @@ def reload_hooks() -> ReloadHooks:
                     # vLLM's layer method; torch types a Module's attributes as Tensor | Module
                     layer.process_weights_after_loading(dtype)  # type: ignore[operator]
 
-    return ReloadHooks(begin, finish, no_mtp_check or contextlib.nullcontext, after_restore)
+    layerwise = _optional("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
+    meta = importlib.import_module("vllm.model_executor.model_loader.reload.meta") if layerwise is not None else None
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    largest = _optional("vllm.model_executor.model_loader.reload.layerwise", "max_layer_reload_bytes")
+    return ReloadHooks(
+        begin,
+        finish,
+        no_mtp_check or contextlib.nullcontext,
+        after_restore,
+        layerwise_info=layerwise.get if layerwise is not None else None,
+        is_deferred_attention=is_deferred_attention_layer,
+        skip_load_tensors=frozenset(getattr(meta, "SKIP_LOAD_TENSORS", ())) | {"bias"},
+        largest_module_bytes=largest if largest is not None else (lambda model: 0),
+    )
+
+
+def unwrapped_loader(loader: Any) -> Any:
+    """A parameter's own loader, without vLLM's layerwise wrappers (`online_process_loader`, which buffers into
+    the live module's reload state: the trace must never call it)."""
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+        loader = loader.__wrapped__
+    return loader
+
+
+def checkpoint_params(hooks: ReloadHooks, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """`module`'s checkpoint-format parameters as vLLM's reload restores them (fresh meta tensors of the
+    recorded class, shape, dtype and attributes, each `weight_loader` the layer's own, unwrapped), plus the
+    parameters the reload leaves live (`bias`); None where nothing was recorded (`slices.CheckpointParams`)."""
+    if hooks.layerwise_info is None:
+        return None
+    info = hooks.layerwise_info(module)
+    if info is None:
+        return None
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    recorded, _ = info.restore_metadata
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in recorded.items():
+        tensor = meta.data.to("meta")
+        tensor.__class__ = meta.__class__
+        tensor.__dict__ = meta.__dict__.copy()
+        restore_layer_refs(tensor, module)
+        loader = getattr(tensor, "weight_loader", None)
+        if loader is not None:
+            tensor.weight_loader = unwrapped_loader(loader)
+        out[name] = tensor
+    for name, param in module._parameters.items():
+        if param is not None and name not in out and name in hooks.skip_load_tensors:
+            out[name] = param
+    return out or None
+
+
+def module_loads(hooks: ReloadHooks, model: torch.nn.Module) -> list[ModuleLoad]:
+    """Every module's progress in vLLM's reload (`reload_checks.ModuleLoad`), attention-like layers left out
+    (vLLM processes them when the update finishes, whatever they got); [] where this vLLM keeps no table."""
+    if hooks.layerwise_info is None:
+        return []
+    loads: list[ModuleLoad] = []
+    for name, module in model.named_modules():
+        info = hooks.layerwise_info(module)
+        if info is None or hooks.is_deferred_attention(module):
+            continue
+        recorded, _ = info.restore_metadata
+        params = {p: t.numel() for p, t in recorded.items() if p not in hooks.skip_load_tensors}
+        buffered = 0
+        for _, args in info.loaded_weights:
+            for key, value in args.arguments.items():
+                if key != "param" and isinstance(value, torch.Tensor):
+                    buffered += value.numel() * value.element_size()
+        loads.append(
+            ModuleLoad(
+                name=name,
+                params=params,
+                written=frozenset(p for p, _ in info.loaded_weights),
+                loaded=int(info.load_numel),
+                total=int(info.load_numel_total or 0),
+                buffered_bytes=buffered,
+                pending=bool(info.can_load()),
+            )
+        )
+    return loads
+
+
+def quantized_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The scales (tensors named `*scale*`) and FP8 weights of every module a quantization method processes
+    (its `quant_method` is not one of vLLM's `Unquantized*` methods), by qualified name."""
+    scales: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or type(method).__name__.startswith("Unquantized"):
+            continue
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or tensor.is_meta:
+                continue
+            qualified = f"{prefix}.{name}" if prefix else name
+            if "scale" in name:
+                scales[qualified] = tensor
+            elif tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+                weights[qualified] = tensor
+    return scales, weights
 
 
 __all__ = [
@@ -240,5 +365,9 @@ __all__ = [
     "LightningWeightSyncInitInfo",
     "LightningWeightSyncUpdateInfo",
     "ReloadHooks",
+    "checkpoint_params",
+    "module_loads",
+    "quantized_tensors",
     "reload_hooks",
+    "unwrapped_loader",
 ]

@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -45,6 +45,18 @@ from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
 from ..worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, tied_aliases, worker_identity, worker_rank
 from .config import RollbackMode
+from .reload_checks import (
+    BufferWatch,
+    ModuleLoad,
+    bad_scales,
+    incomplete_modules,
+    missing_names,
+    padding_counts,
+    refusal,
+)
+
+if TYPE_CHECKING:
+    from .slices import CheckpointParams
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +158,11 @@ class WeightSyncEngineBody:
         # declared to the running receiver were derived for
         self._checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._sliced_for: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        # what the reload may leave short after a whole version (vocabulary padding): learnt from the last accepted
+        # version (reload_checks.incomplete_modules); and what vLLM buffered during the version in flight
+        self._padding: dict[str, int] | None = None
+        self._commit_loads: list[ModuleLoad] = []
+        self._watch = BufferWatch()
         # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
         self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
@@ -203,7 +220,12 @@ class WeightSyncEngineBody:
         if worker is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
         receiver = worker.receiver
-        sink = EngineVersionSink(self.model, getattr(update_info, "version", None), self._adapters, self._aliases)
+        self._watch = BufferWatch()
+        self._commit_loads = []
+        sink = EngineVersionSink(
+            self.model, getattr(update_info, "version", None), self._adapters, self._aliases,
+            after_load=self._sample_buffers, check=self._check_version,
+        )  # fmt: skip
         wait_s = getattr(update_info, "timeout_s", None)
         failure: BaseException | None = None
         try:
@@ -213,7 +235,10 @@ class WeightSyncEngineBody:
             failure = exc
         failed = self._failed_workers(failure is None)
         if failure is None and not failed:
-            self._checkpoint = dict(sink.model_sink.shapes)
+            if not sink.is_adapter:
+                self._checkpoint = dict(sink.model_sink.shapes)
+                if self._reload_active:
+                    self._padding = padding_counts(self._commit_loads)
             self._loaded(record)
             return
         version = receiver.version
@@ -232,6 +257,30 @@ class WeightSyncEngineBody:
         logger.error("%s: version %s failed (%s); %s", self.identity, version, explain(failure), undone)
         raise failure
 
+    def _sample_buffers(self) -> None:
+        """After each `load_weights` call of a version: what vLLM's reload holds buffered now."""
+        if self._reload_active:
+            self._watch.sample(self._module_loads())
+
+    def _check_version(self, arrived: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse (SinkError, before the ack) a version that leaves a parameter unwritten or part-written, or whose
+        re-quantization produced a NaN, infinite or zero scale (`reload_checks`); the engine then rolls back."""
+        problems: list[str] = []
+        missing = missing_names(self._checkpoint, arrived)
+        if missing:
+            problems.append(refusal(missing, f"{len(missing)} tensors the last version sent did not arrive"))
+        if self._reload_active:
+            self._commit_loads = self._module_loads()
+            incomplete = incomplete_modules(self._commit_loads, self._padding)
+            if incomplete:
+                problems.append(refusal(incomplete, f"{len(incomplete)} parameters left unwritten or part-written"))
+        scales, weights = self._quantized_tensors()
+        broken = bad_scales(scales, weights)
+        if broken:
+            problems.append(refusal(broken, f"{len(broken)} quantized tensors broken"))
+        if problems:
+            raise SinkError("refused: " + " | ".join(problems))
+
     def _declare_slices(self) -> None:
         """With tensor parallelism and `transport.slices`: once per checkpoint layout (the names and shapes the
         last version sent), derive the box of each tensor this worker's parameters read (`slices.py`, by
@@ -247,7 +296,8 @@ class WeightSyncEngineBody:
         layout = dict(self._checkpoint)
         self._sliced_for = layout
         try:
-            slices = derive_boxes(self.model, {name: shape for name, (shape, _) in layout.items()})
+            shapes = {name: shape for name, (shape, _) in layout.items()}
+            slices = derive_boxes(self.model, shapes, checkpoint_params=self._checkpoint_params())
         except Exception as exc:
             logger.warning("%s: deriving tensor-parallel slices failed (%s); tensors keep coming whole",
                            self.identity, explain(exc))  # fmt: skip
@@ -281,7 +331,18 @@ class WeightSyncEngineBody:
             "num_tensors": record.num_tensors,
             "verified": record.verified,
             "seconds": record.seconds,
+            # what vLLM's layerwise reload held buffered at most (modules at once, bytes of the tensors handed to
+            # their loaders), against its own budget unit: the largest module in checkpoint format
+            "buffered_modules_peak": self._watch.modules_peak,
+            "buffered_bytes_peak": self._watch.bytes_peak,
+            "largest_module_bytes": self._largest_module_bytes(),
         }
+        if self._watch.modules_peak > 1:
+            logger.warning(
+                "%s: version %d: vLLM's reload held %d modules buffered at once (%s): the tensors did not arrive in "
+                "parent-module order", self.identity, record.version, self._watch.modules_peak,
+                ", ".join(self._watch.names_at_peak[:4]),
+            )  # fmt: skip
         logger.info(
             "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
             self.identity,
@@ -443,6 +504,23 @@ class WeightSyncEngineBody:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         return dist.group.WORLD if dist.get_backend() == "gloo" else None
+
+    def _checkpoint_params(self) -> CheckpointParams | None:
+        """The checkpoint-format parameters the slices are traced on where a module serves others (a quantized
+        model's: `slices.py`); None outside vLLM."""
+        return None
+
+    def _module_loads(self) -> list[ModuleLoad]:
+        """Each module's progress in the engine's reload ([] outside vLLM)."""
+        return []
+
+    def _quantized_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The model's scales and FP8 weights, by name (none outside vLLM)."""
+        return {}, {}
+
+    def _largest_module_bytes(self) -> int:
+        """The engine's reload budget unit: its largest module in checkpoint format (0 outside vLLM)."""
+        return 0
 
     def _after_restore(self) -> None:
         """Re-derive what lives outside the model's parameters and buffers after `HostCopy.restore`."""
