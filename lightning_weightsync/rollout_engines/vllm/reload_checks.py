@@ -39,6 +39,9 @@ _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
     if hasattr(torch, name)
 )  # fmt: skip
+E8M0_CEILING = 254
+"""The largest exponent byte vLLM's MXFP8 quantizer writes (`clamp(0, 254)`): only an infinite block reaches it
+(the amax of finite fp32 values, over 448, needs at most 2^120, byte 247)."""
 _CHUNK = 1 << 24
 """Bytes of an FP8 weight examined at once (bounds the temporaries of the NaN scan)."""
 
@@ -95,8 +98,9 @@ def padding_counts(loads: Sequence[ModuleLoad]) -> dict[str, int]:
 
 def bad_scales(scales: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> list[str]:
     """The scales (name: tensor) that are NaN, infinite or zero, and the FP8 weights that hold a NaN, one line
-    each. Float scales: finite and non-zero; uint8 scales are E8M0 exponents (MXFP8), whose one bad value is
-    0xFF (NaN); a zero exponent is 2^-127, a scale, not a zero."""
+    each. Float scales: finite and non-zero; uint8 scales are E8M0 exponents (MXFP8): 0xFF is NaN, and 254 is what an
+    infinite block clamps to (vLLM's quantizer writes byte 0 for a NaN block, hence the NaN scan of the FP8 bytes); a
+    zero exponent is 2^-127, a scale, not a zero."""
     problems: list[str] = []
     for name, scale in scales.items():
         if scale.is_meta or scale.numel() == 0:
@@ -104,6 +108,8 @@ def bad_scales(scales: Mapping[str, torch.Tensor], weights: Mapping[str, torch.T
         if scale.dtype == torch.uint8:
             if bool((scale == 0xFF).any()):
                 problems.append(f"{name}: E8M0 scale 0xFF (NaN)")
+            elif bool((scale >= E8M0_CEILING).any()):
+                problems.append(f"{name}: E8M0 scale 2^127 (the quantizer's ceiling: an infinite weight)")
             continue
         values = scale.float()
         if not bool(torch.isfinite(values).all()):

@@ -82,6 +82,7 @@ class LightningWeightSyncEngine(
         # imported here, not on the first version: a cold import inside receive_weights would delay
         # the worker's Ready past transport.ready_timeout_s
         self._reload = reload_hooks()
+        self._largest: int | None = None
         self._weightsync_setup()
 
     # -- vLLM model hooks ---------------------------------------------------------------------------
@@ -168,7 +169,9 @@ class LightningWeightSyncEngine(
         return quantized_tensors(self.model)
 
     def _largest_module_bytes(self) -> int:
-        return int(self._reload.largest_module_bytes(self.model))
+        if self._largest is None:
+            self._largest = largest_module_bytes(self._reload, self.model)
+        return self._largest
 
     def _after_restore(self) -> None:
         # HostCopy.restore put kernel-format tensors back: re-derive what layers keep outside them (MLA's
@@ -208,8 +211,6 @@ class ReloadHooks:
     """Attention-like layers, which vLLM processes only when the update finishes, loaded or not."""
     skip_load_tensors: frozenset[str] = frozenset()
     """Tensor names vLLM's reload never loads (reload/meta.py `SKIP_LOAD_TENSORS`; `bias` is never on meta)."""
-    largest_module_bytes: Callable[[torch.nn.Module], int] = lambda model: 0
-    """Bytes of the largest module in checkpoint format (0.34.0's `max_layer_reload_bytes`; 0 where absent)."""
 
 
 def _optional(module: str, name: str) -> Any:
@@ -260,7 +261,6 @@ def reload_hooks() -> ReloadHooks:
     meta = importlib.import_module("vllm.model_executor.model_loader.reload.meta") if layerwise is not None else None
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    largest = _optional("vllm.model_executor.model_loader.reload.layerwise", "max_layer_reload_bytes")
     return ReloadHooks(
         begin,
         finish,
@@ -269,7 +269,6 @@ def reload_hooks() -> ReloadHooks:
         layerwise_info=layerwise.get if layerwise is not None else None,
         is_deferred_attention=is_deferred_attention_layer,
         skip_load_tensors=frozenset(getattr(meta, "SKIP_LOAD_TENSORS", ())) | {"bias"},
-        largest_module_bytes=largest if largest is not None else (lambda model: 0),
     )
 
 
@@ -340,6 +339,23 @@ def module_loads(hooks: ReloadHooks, model: torch.nn.Module) -> list[ModuleLoad]
     return loads
 
 
+def largest_module_bytes(hooks: ReloadHooks, model: torch.nn.Module) -> int:
+    """Bytes of the largest module's checkpoint-format parameters on this worker: the unit of vLLM's reload budget
+    (`WEIGHT_UPDATE_PEAK_LAYER_FACTOR` x it; 0.34.0's `max_layer_reload_bytes` counts buffers too, such as a
+    rotary embedding's cache, which no update loads); 0 where this vLLM keeps no reload table."""
+    if hooks.layerwise_info is None:
+        return 0
+    sizes = [0]
+    for module in model.modules():
+        info = hooks.layerwise_info(module)
+        if info is not None:
+            recorded, _ = info.restore_metadata
+            sizes.append(
+                sum(t.numel() * t.element_size() for n, t in recorded.items() if n not in hooks.skip_load_tensors)
+            )
+    return max(sizes)
+
+
 def quantized_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The scales (tensors named `*scale*`) and FP8 weights of every module a quantization method processes
     (its `quant_method` is not one of vLLM's `Unquantized*` methods), by qualified name."""
@@ -366,6 +382,7 @@ __all__ = [
     "LightningWeightSyncUpdateInfo",
     "ReloadHooks",
     "checkpoint_params",
+    "largest_module_bytes",
     "module_loads",
     "quantized_tensors",
     "reload_hooks",

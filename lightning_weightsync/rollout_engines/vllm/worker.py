@@ -337,11 +337,13 @@ class WeightSyncEngineBody:
             "buffered_bytes_peak": self._watch.bytes_peak,
             "largest_module_bytes": self._largest_module_bytes(),
         }
-        if self._watch.modules_peak > 1:
+        short = len(self._padding or {})  # modules a whole version leaves short (padding): held until the finish
+        if self._watch.modules_peak > 1 + short:
             logger.warning(
                 "%s: version %d: vLLM's reload held %d modules buffered at once (%s): the tensors did not arrive in "
-                "parent-module order", self.identity, record.version, self._watch.modules_peak,
-                ", ".join(self._watch.names_at_peak[:4]),
+                "parent-module order, so it holds several modules' tensors at once (send each module's tensors back "
+                "to back, as a Hugging Face state dict lists them)", self.identity, record.version,
+                self._watch.modules_peak, ", ".join(self._watch.names_at_peak[:4]),
             )  # fmt: skip
         logger.info(
             "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
