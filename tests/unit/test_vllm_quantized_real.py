@@ -103,13 +103,12 @@ def build_quantized(method: str, hf: Any) -> torch.nn.Module:
     patches answer, built as vLLM's loader builds it (the model's dtype the default, reload metadata recorded)."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.config.quantization import _ONLINE_SHORTHANDS
+    from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.model_loader.utils import configure_quant_config
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from vllm.model_executor.layers import rotary_embedding
 
     # vLLM shares one rotary embedding module between models built alike in a process (`get_rope`'s cache); two TP
     # ranks in one process must not: the reload of one would put the other's cache on the meta device
