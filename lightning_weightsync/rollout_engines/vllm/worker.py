@@ -271,7 +271,7 @@ class WeightSyncEngineBody:
             problems.append(refusal(missing, f"{len(missing)} tensors the last version sent did not arrive"))
         if self._reload_active:
             self._commit_loads = self._module_loads()
-            incomplete = incomplete_modules(self._commit_loads, self._padding)
+            incomplete = incomplete_modules(self._commit_loads, self._padding, self._aliases)
             if incomplete:
                 problems.append(refusal(incomplete, f"{len(incomplete)} parameters left unwritten or part-written"))
         scales, weights = self._quantized_tensors()
