@@ -53,7 +53,7 @@ from tests.unit.test_vllm_slices_engine import _Rank, tp_per_thread
 from tests.unit.test_vllm_slices_real import checkpoint, expected_box
 
 WORLD = 2
-METHODS = ("fp8_per_block", "mxfp8")
+METHODS = ("fp8_per_block", "mxfp8", "fp8_per_channel")
 LAYER0_Q = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -88,6 +88,36 @@ def cpu_kernels() -> Iterator[None]:
             mock.patch.dict(linear._POSSIBLE_MXFP8_KERNELS, {current_platform._enum: [EmulationMxfp8LinearKernel]})
         )
         yield
+
+
+def online_fp8() -> Any:
+    from vllm.model_executor.layers.quantization.online import fp8
+
+    return fp8
+
+
+class ThreadMax:
+    """vLLM's `amax_for_tp_weight_quant` for TP ranks that are threads of one process: the MAX all-reduce of a
+    sharded weight's amax over the ranks (quant_utils.py: `all_reduce(amax, MAX, group=tp_group)`), through a barrier
+    instead of a process group. Each rank calls it in the same order (its modules, in stream order), as vLLM's
+    collective requires of its ranks."""
+
+    def __init__(self, local: Any) -> None:
+        self.local = local
+        self.barrier = threading.Barrier(WORLD, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * WORLD
+        self.reduced = 0  # all-reduces run (per-channel FP8's row-parallel weights)
+
+    def __call__(self, amax: torch.Tensor, is_sharded: bool) -> torch.Tensor:
+        if not is_sharded:
+            return amax
+        self.reduced += self.local.rank == 0
+        self.slots[self.local.rank] = amax.clone()
+        self.barrier.wait()
+        reduced = torch.stack([slot for slot in self.slots if slot is not None]).amax(0)
+        self.barrier.wait()
+        amax.copy_(reduced)
+        return amax
 
 
 def model_config(method: str, hf: Any) -> SimpleNamespace:
@@ -183,13 +213,12 @@ class Servers:
             speculative_config=None,
             offload_config=None,
         )
+        self.amax = ThreadMax(self.local)
+        stack.enter_context(mock.patch.object(online_fp8(), "amax_for_tp_weight_quant", self.amax))
         self.engines: list[Any] = []
-        self.models: list[torch.nn.Module] = []
-        first = bf16_versions(hf, 1)[0]
-        for rank in range(WORLD):
+        self.models = self.cold_models(bf16_versions(hf, 1)[0])  # a server starts from a checkpoint
+        for rank, model in enumerate(self.models):
             self.local.rank = rank
-            model = build_quantized(method, hf)
-            cold_load(model, first)  # the server starts from a checkpoint, as vLLM's loader leaves it
             path = tmp_path / f"rank{rank}.yaml"
             path.write_text(OmegaConf.to_yaml(OmegaConf.merge(self.cfg, {"rollout": {"identity": f"tp{rank}"}})))
             monkeypatch.setenv("LIGHTNING_WEIGHTSYNC_CONFIG", str(path))
@@ -198,7 +227,6 @@ class Servers:
             )
             assert type(engine) is LightningWeightSyncEngine and engine._tp_size() == WORLD
             self.engines.append(engine)
-            self.models.append(model)
             stack.callback(engine.shutdown)
         self.local.rank = 0
         self.sender = BlockingWeightSender(self.cfg)
@@ -208,15 +236,34 @@ class Servers:
         # finish at once (in a server each TP rank is a process of its own)
         self.reload_lock = threading.Lock()
 
-    def cold(self, rank: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank `rank`'s kernel format after a cold load of `state` by the same vLLM."""
-        self.local.rank = rank
-        try:
-            model = build_quantized(self.method, self.hf)
-            cold_load(model, state)
-            return kernel_format(model)
-        finally:
-            self.local.rank = 0
+    def cold_models(self, state: dict[str, torch.Tensor]) -> list[torch.nn.Module]:
+        """Each rank's model after a cold load of `state` by the same vLLM: built one rank after the other, loaded
+        by both ranks at once (per-channel FP8 agrees each row-parallel weight's amax across the ranks)."""
+        models = []
+        for rank in range(WORLD):
+            self.local.rank = rank
+            models.append(build_quantized(self.method, self.hf))
+        self.local.rank = 0
+        errors: list[str] = []
+
+        def load(rank: int) -> None:
+            self.local.rank = rank
+            try:
+                cold_load(models[rank], state)
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=load, args=(rank,)) for rank in range(WORLD)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors[0]
+        return models
+
+    def cold(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each rank's kernel format after a cold load of `state` by the same vLLM."""
+        return [kernel_format(model) for model in self.cold_models(state)]
 
     def send(self, version: int, items: list[tuple[str, torch.Tensor]]) -> tuple[Any, list[str]]:
         """One version to both ranks: start, vLLM's update_weights, finish, each rank on its thread; the sender's
@@ -272,9 +319,13 @@ def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold
     model_bytes = sum(t.numel() * t.element_size() for t in checkpoints[0].values())
     with ExitStack() as stack:
         servers = Servers(method, hf, tmp_path, monkeypatch, stack)
-        expected = [[servers.cold(rank, state) for state in checkpoints] for rank in range(WORLD)]
+        cold = [servers.cold(state) for state in checkpoints]
+        expected = [[cold[v][rank] for v in range(len(checkpoints))] for rank in range(WORLD)]
         quantized = [n for n, t in expected[0][0].items() if t.dtype == torch.float8_e4m3fn]
         assert len(quantized) == 8, quantized  # qkv, o, gate_up, down of 2 layers: FP8 bytes
+        if method == "fp8_per_channel":  # kernel layout (K, N), and the amax of o_proj, down_proj agreed over TP
+            assert expected[0][0]["model.layers.0.self_attn.o_proj.weight"].shape == (128, 256)
+            assert servers.amax.reduced == 4 * 2 * 2  # 4 cold loads (start, 3 oracles) x 2 layers x (o, down)
         for v, state in enumerate(checkpoints, start=1):
             stats, errors = servers.send(v, list(state.items()))
             assert not any(errors), next(e for e in errors if e)
@@ -307,7 +358,8 @@ def test_a_version_missing_a_tensor_is_refused_by_name_and_the_last_version_stil
     checkpoints = bf16_versions(hf, 4)
     with ExitStack() as stack:
         servers = Servers(method, hf, tmp_path, monkeypatch, stack)
-        expected = [[servers.cold(rank, checkpoints[v]) for v in (1, 3)] for rank in range(WORLD)]
+        cold = [servers.cold(checkpoints[v]) for v in (1, 3)]
+        expected = [[cold[0][rank], cold[1][rank]] for rank in range(WORLD)]
         for v in (1, 2):
             _, errors = servers.send(v, list(checkpoints[v - 1].items()))
             assert not any(errors), next(e for e in errors if e)
@@ -350,7 +402,7 @@ def test_a_version_whose_requantization_breaks_a_scale_is_refused_by_name_and_ro
     bad = "model.layers.1.mlp.down_proj"
     with ExitStack() as stack:
         servers = Servers(method, hf, tmp_path, monkeypatch, stack)
-        expected = [servers.cold(rank, checkpoints[0]) for rank in range(WORLD)]
+        expected = servers.cold(checkpoints[0])
         _, errors = servers.send(1, list(checkpoints[0].items()))
         assert not any(errors), next(e for e in errors if e)
         _, errors = servers.send(2, list(poisoned(checkpoints[1], f"{bad}.weight", value).items()))
