@@ -24,6 +24,7 @@ format equals, bitwise, a cold load of that version's whole bf16 checkpoint by t
 
 from __future__ import annotations
 
+import importlib
 import threading
 import traceback
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ pytest.importorskip("vllm.model_executor.models.qwen3")
 pytest.importorskip("vllm.model_executor.layers.quantization.online.base")
 pytest.importorskip("vllm.distributed.weight_transfer.base")
 
-from transformers import Qwen3Config
+from transformers import Qwen3Config, Qwen3MoeConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -50,11 +51,19 @@ from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg
 from tests.unit.test_vllm_slices_engine import _Rank, tp_per_thread
-from tests.unit.test_vllm_slices_real import checkpoint, expected_box
+from tests.unit.test_vllm_slices_real import PATCHED, checkpoint, expected_box
 
 WORLD = 2
 METHODS = ("fp8_per_block", "mxfp8", "fp8_per_channel")
+CASES = [f"qwen3:{method}" for method in METHODS] + ["qwen3_moe:fp8_per_block"]
 LAYER0_Q = "model.layers.0.self_attn.q_proj.weight"
+MISSING = {  # arch: (the checkpoint tensor a version leaves out, the vLLM parameter it fills part of)
+    "qwen3": (LAYER0_Q, "model.layers.0.self_attn.qkv_proj.weight"),
+    "qwen3_moe": (
+        "model.layers.0.mlp.experts.1.up_proj.weight",
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
+    ),
+}
 
 
 def quant_qwen3(vocab_size: int = 100) -> Qwen3Config:
@@ -65,6 +74,21 @@ def quant_qwen3(vocab_size: int = 100) -> Qwen3Config:
         vocab_size=vocab_size, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
     )  # fmt: skip
+
+
+def quant_qwen3_moe() -> Qwen3MoeConfig:
+    """A tiny Qwen3-MoE as `quant_qwen3`, with 4 experts of intermediate size 128 (64 a rank, which block FP8 rounds up
+    to 128: vLLM's MoE layer is then one that a whole version leaves short, processed when the update finishes)."""
+    return Qwen3MoeConfig(
+        vocab_size=100, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+HF = {"qwen3": quant_qwen3, "qwen3_moe": quant_qwen3_moe}
+ARCHS = {"qwen3": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+         "qwen3_moe": "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM"}  # fmt: skip
 
 
 @contextmanager
@@ -80,8 +104,19 @@ def cpu_kernels() -> Iterator[None]:
         block = quantization == "fp8_block_w8a8"
         return TritonFp8BlockScaledMMKernel if block else ChannelWiseTorchFP8ScaledMMLinearKernel
 
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as moe_oracle
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
     supported = classmethod(lambda cls, compute_capability=None: (True, None))
+    # MoE: the backend vLLM picks by platform answered TRITON (no load-time layout change: convert_to_fp8_moe_kernel_
+    # format leaves TRITON's weights as quantized), its kernel object a stand-in (it holds no weight; built after the
+    # weights are final, used only to run the experts)
+    kernel = SimpleNamespace(fused_experts=SimpleNamespace(keep_constants=lambda layer: None))
     with ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(online_fp8(), "select_fp8_moe_backend", lambda **kw: (Fp8MoeBackend.TRITON, object))
+        )
+        stack.enter_context(mock.patch.object(moe_oracle, "make_fp8_moe_kernel", lambda **kw: kernel))
         stack.enter_context(mock.patch.object(linear, "choose_scaled_mm_linear_kernel", choose))
         stack.enter_context(mock.patch.object(ChannelWiseTorchFP8ScaledMMLinearKernel, "is_supported", supported))
         stack.enter_context(
@@ -120,6 +155,23 @@ class ThreadMax:
         return amax
 
 
+@contextmanager
+def single_rank_groups() -> Iterator[None]:
+    """One rank of expert, data and context parallelism (expert parallelism off), wherever vLLM's MoE layers ask (as
+    `test_vllm_slices_real.tp_rank` answers them; the TP getters are the thread's, `tp_per_thread`)."""
+    single = SimpleNamespace(
+        is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0,
+        device_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0),
+    )  # fmt: skip
+    with ExitStack() as stack:
+        for name in PATCHED:
+            module = importlib.import_module(name)
+            for attr in ("get_ep_group", "get_dp_group", "get_pcp_group"):
+                if hasattr(module, attr):
+                    stack.enter_context(mock.patch.object(module, attr, return_value=single))
+        yield
+
+
 def model_config(method: str, hf: Any) -> SimpleNamespace:
     """What vLLM's layers, its reload and our engine read of a `ModelConfig`."""
     return SimpleNamespace(
@@ -128,7 +180,7 @@ def model_config(method: str, hf: Any) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def build_quantized(method: str, hf: Any) -> torch.nn.Module:
+def build_quantized(method: str, hf: Any, arch: str = "qwen3") -> torch.nn.Module:
     """vLLM's Qwen3 with the online quantization `--quantization <method>` configures, at the TP rank the caller's
     patches answer, built as vLLM's loader builds it (the model's dtype the default, reload metadata recorded)."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -137,7 +189,6 @@ def build_quantized(method: str, hf: Any) -> torch.nn.Module:
     from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.model_loader.utils import configure_quant_config
-    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     # vLLM shares one rotary embedding module between models built alike in a process (`get_rope`'s cache); two TP
@@ -146,9 +197,11 @@ def build_quantized(method: str, hf: Any) -> torch.nn.Module:
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     vllm_config.model_config = model_config(method, hf)
     vllm_config.quant_config = OnlineQuantizationConfig(_ONLINE_SHORTHANDS[method])
-    configure_quant_config(vllm_config.quant_config, Qwen3ForCausalLM)
+    module, name = ARCHS[arch].split(":")
+    cls = getattr(importlib.import_module(module), name)
+    configure_quant_config(vllm_config.quant_config, cls)
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.bfloat16), cpu_kernels():
-        model = Qwen3ForCausalLM(vllm_config=vllm_config)
+        model = cls(vllm_config=vllm_config)
         record_metadata_for_reloading(model)
     return model
 
@@ -178,9 +231,9 @@ def assert_kernel_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert torch.equal(g.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), (where, name)
 
 
-def bf16_versions(hf: Any, count: int) -> list[dict[str, torch.Tensor]]:
+def bf16_versions(hf: Any, count: int, arch: str = "qwen3") -> list[dict[str, torch.Tensor]]:
     """`count` distinct bf16 checkpoints of one layout (what a bf16 trainer sends after each step)."""
-    state = checkpoint("qwen3", hf)
+    state = checkpoint(arch, hf)
     gen = torch.Generator().manual_seed(11)
     return [
         {
@@ -194,16 +247,19 @@ def bf16_versions(hf: Any, count: int) -> list[dict[str, torch.Tensor]]:
 class Servers:
     """Two engines (TP ranks 0 and 1) on quantized models, a real sender, and the per-rank cold-load oracle."""
 
-    def __init__(self, method: str, hf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack) -> None:
+    def __init__(
+        self, method: str, hf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack, arch: str
+    ) -> None:
         plugin.register()
         from lightning_weightsync.rollout_engines.vllm.weight_transfer import LightningWeightSyncEngine
 
         if not torch.accelerator.is_available():  # vLLM's base update_weights ends with an accelerator sync
             monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
         monkeypatch.setenv("VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD", "0")
-        self.method, self.hf = method, hf
+        self.method, self.hf, self.arch = method, hf, arch
         self.local = _Rank()
         stack.enter_context(tp_per_thread(self.local))
+        stack.enter_context(single_rank_groups())
         stack.enter_context(cpu_kernels())  # process-wide: kernels' post-load steps run inside the reload
         port = free_port()
         self.cfg = engine_cfg(port, bucket_size_mb=0.25, trainer__min_receivers=WORLD)
@@ -216,7 +272,7 @@ class Servers:
         self.amax = ThreadMax(self.local)
         stack.enter_context(mock.patch.object(online_fp8(), "amax_for_tp_weight_quant", self.amax))
         self.engines: list[Any] = []
-        self.models = self.cold_models(bf16_versions(hf, 1)[0])  # a server starts from a checkpoint
+        self.models = self.cold_models(bf16_versions(hf, 1, arch)[0])  # a server starts from a checkpoint
         for rank, model in enumerate(self.models):
             self.local.rank = rank
             path = tmp_path / f"rank{rank}.yaml"
@@ -242,7 +298,7 @@ class Servers:
         models = []
         for rank in range(WORLD):
             self.local.rank = rank
-            models.append(build_quantized(self.method, self.hf))
+            models.append(build_quantized(self.method, self.hf, self.arch))
         self.local.rank = 0
         errors: list[str] = []
 
@@ -309,20 +365,23 @@ def sliced_bytes(shapes: dict[str, tuple[int, ...]], hf: Any, rank: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", CASES)
 def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold_load(
-    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hf = quant_qwen3()
-    checkpoints = bf16_versions(hf, 3)
+    arch, method = case.split(":")
+    hf = HF[arch]()
+    checkpoints = bf16_versions(hf, 3, arch)
     shapes = {name: tuple(t.shape) for name, t in checkpoints[0].items()}
     model_bytes = sum(t.numel() * t.element_size() for t in checkpoints[0].values())
     with ExitStack() as stack:
-        servers = Servers(method, hf, tmp_path, monkeypatch, stack)
+        servers = Servers(method, hf, tmp_path, monkeypatch, stack, arch)
         cold = [servers.cold(state) for state in checkpoints]
         expected = [[cold[v][rank] for v in range(len(checkpoints))] for rank in range(WORLD)]
         quantized = [n for n, t in expected[0][0].items() if t.dtype == torch.float8_e4m3fn]
-        assert len(quantized) == 8, quantized  # qkv, o, gate_up, down of 2 layers: FP8 bytes
+        # FP8 bytes: qkv, o, gate_up, down of 2 layers; MoE: qkv, o, the router, the router's copy the experts hold,
+        # w13 and w2 of the 4 experts
+        assert len(quantized) == (12 if arch == "qwen3_moe" else 8), quantized
         if method == "fp8_per_channel":  # kernel layout (K, N), and the amax of o_proj, down_proj agreed over TP
             assert expected[0][0]["model.layers.0.self_attn.o_proj.weight"].shape == (128, 256)
             assert servers.amax.reduced == 4 * 2 * 2  # 4 cold loads (start, 3 oracles) x 2 layers x (o, down)
@@ -334,11 +393,11 @@ def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold
                 assert engine.version == v and not engine.incomplete
                 received = engine._worker_receiver.receiver.last_stats.nbytes
                 want = model_bytes if v == 1 else sliced_bytes(shapes, hf, rank)
-                assert received == want, (method, v, rank, received, want, model_bytes)
-                assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][v - 1], (method, v, rank))
+                assert received == want, (case, v, rank, received, want, model_bytes)
+                assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][v - 1], (case, v, rank))
                 report = engine.last_report
                 print(
-                    f"\n{method}, version {v}, TP rank {rank} of {WORLD}: received {received} of the bf16 model's "
+                    f"\n{case}, version {v}, TP rank {rank} of {WORLD}: received {received} of the bf16 model's "
                     f"{model_bytes} bytes ({100 * received / model_bytes:.1f} %); vLLM's reload buffered at most "
                     f"{report['buffered_modules_peak']} modules, {report['buffered_bytes_peak']} bytes (largest "
                     f"module in checkpoint format: {report['largest_module_bytes']} bytes)"
@@ -347,36 +406,39 @@ def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold
                 assert all(e._worker_receiver.receiver.last_stats.nbytes < model_bytes for e in servers.engines)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", CASES)
 def test_a_version_missing_a_tensor_is_refused_by_name_and_the_last_version_still_served_bitwise(
-    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Version 3 lacks layer 0's `q_proj`: vLLM's reload would process the fused `qkv_proj` with zeros for q; both
-    ranks refuse it, naming the tensor (it arrived in version 2) and vLLM's parameter (k and v arrived, q did not),
-    and roll back to version 2's kernel format, bitwise. Version 4, whole, is then taken."""
-    hf = quant_qwen3()
-    checkpoints = bf16_versions(hf, 4)
+    """Version 3 lacks a tensor: layer 0's `q_proj` (vLLM's reload would process the fused `qkv_proj` with zeros for
+    q), or for the MoE expert 1's `up_proj` (its expert bank `w13_weight` with zeros there). Both ranks refuse it,
+    naming the tensor (it arrived in version 2) and vLLM's parameter (the rest of it arrived), and roll back to
+    version 2's kernel format, bitwise. Version 4, whole, is then taken."""
+    arch, method = case.split(":")
+    hf = HF[arch]()
+    checkpoints = bf16_versions(hf, 4, arch)
+    dropped, param = MISSING[arch]
     with ExitStack() as stack:
-        servers = Servers(method, hf, tmp_path, monkeypatch, stack)
+        servers = Servers(method, hf, tmp_path, monkeypatch, stack, arch)
         cold = [servers.cold(checkpoints[v]) for v in (1, 3)]
         expected = [[cold[0][rank], cold[1][rank]] for rank in range(WORLD)]
         for v in (1, 2):
             _, errors = servers.send(v, list(checkpoints[v - 1].items()))
             assert not any(errors), next(e for e in errors if e)
-        partial = [(n, t) for n, t in checkpoints[2].items() if n != LAYER0_Q]
+        partial = [(n, t) for n, t in checkpoints[2].items() if n != dropped]
         _, errors = servers.send(3, partial)
         for rank, engine in enumerate(servers.engines):
             assert "SinkError" in errors[rank], errors[rank]
-            assert LAYER0_Q in errors[rank], errors[rank]  # by the checkpoint's name
-            assert "model.layers.0.self_attn.qkv_proj.weight" in errors[rank], errors[rank]  # by vLLM's parameter
+            assert dropped in errors[rank], errors[rank]  # by the checkpoint's name
+            assert param in errors[rank], errors[rank]  # by vLLM's parameter
             assert "rolled back to version 2" in errors[rank], errors[rank]
             assert engine.version == 2 and not engine.incomplete
-            assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][0], (method, 3, rank))
+            assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][0], (case, 3, rank))
         _, errors = servers.send(4, list(checkpoints[3].items()))
         assert not any(errors), next(e for e in errors if e)
         for rank, engine in enumerate(servers.engines):
             assert engine.version == 4
-            assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][1], (method, 4, rank))
+            assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][1], (case, 4, rank))
 
 
 def poisoned(state: dict[str, torch.Tensor], name: str, value: float) -> dict[str, torch.Tensor]:
@@ -401,7 +463,7 @@ def test_a_version_whose_requantization_breaks_a_scale_is_refused_by_name_and_ro
     checkpoints = bf16_versions(hf, 2)
     bad = "model.layers.1.mlp.down_proj"
     with ExitStack() as stack:
-        servers = Servers(method, hf, tmp_path, monkeypatch, stack)
+        servers = Servers(method, hf, tmp_path, monkeypatch, stack, "qwen3")
         expected = servers.cold(checkpoints[0])
         _, errors = servers.send(1, list(checkpoints[0].items()))
         assert not any(errors), next(e for e in errors if e)
@@ -427,7 +489,7 @@ def test_tensors_reach_each_worker_in_parent_module_order_one_module_buffered_at
     hf = quant_qwen3(vocab_size=128)
     checkpoints = bf16_versions(hf, 3)
     with ExitStack() as stack:
-        servers = Servers(method, hf, tmp_path, monkeypatch, stack)
+        servers = Servers(method, hf, tmp_path, monkeypatch, stack, "qwen3")
         for v in (1, 2):
             _, errors = servers.send(v, list(checkpoints[v - 1].items()))
             assert not any(errors), next(e for e in errors if e)
@@ -440,3 +502,27 @@ def test_tensors_reach_each_worker_in_parent_module_order_one_module_buffered_at
         _, errors = servers.send(3, reordered)
         assert not any(errors), next(e for e in errors if e)
         assert all(engine.last_report["buffered_modules_peak"] >= 2 for engine in servers.engines)
+
+
+def test_a_moe_layer_processed_at_finish_with_a_broken_scale_fails_the_finish_and_rolls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block FP8 rounds a rank's expert sizes up to 128, so vLLM processes the MoE layer only when the update
+    finishes (after the ack): a NaN in expert 0's `gate_proj` (at an element each rank reads) is found then, and the
+    finish call fails naming vLLM's expert bank scale, each rank back on version 1, bitwise."""
+    hf = quant_qwen3_moe()
+    checkpoints = bf16_versions(hf, 2, "qwen3_moe")
+    with ExitStack() as stack:
+        servers = Servers("fp8_per_block", hf, tmp_path, monkeypatch, stack, "qwen3_moe")
+        expected = servers.cold(checkpoints[0])
+        _, errors = servers.send(1, list(checkpoints[0].items()))
+        assert not any(errors), next(e for e in errors if e)
+        bad = poisoned(checkpoints[1], "model.layers.1.mlp.experts.0.gate_proj.weight", float("nan"))
+        stats, errors = servers.send(2, list(bad.items()))
+        assert stats.receivers == WORLD  # acknowledged: the layer is processed only at the finish
+        for rank, engine in enumerate(servers.engines):
+            assert "finish_weight_update" in errors[rank], errors[rank]
+            assert "model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv: scale holds NaN" in errors[rank]
+            assert "rolled back to version 1" in errors[rank], errors[rank]
+            assert engine.version == 1 and not engine.incomplete
+            assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank], ("moe nan", rank))

@@ -161,6 +161,7 @@ class WeightSyncEngineBody:
         # what the reload may leave short after a whole version (vocabulary padding): learnt from the last accepted
         # version (reload_checks.incomplete_modules); and what vLLM buffered during the version in flight
         self._padding: dict[str, int] | None = None
+        self._previous_version: int | None = None  # what a rollback at finish goes back to
         self._commit_loads: list[ModuleLoad] = []
         self._watch = BufferWatch()
         # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
@@ -235,6 +236,7 @@ class WeightSyncEngineBody:
             failure = exc
         failed = self._failed_workers(failure is None)
         if failure is None and not failed:
+            self._previous_version = self.version
             if not sink.is_adapter:
                 self._checkpoint = dict(sink.model_sink.shapes)
                 if self._reload_active:
@@ -407,10 +409,26 @@ class WeightSyncEngineBody:
         return {**report.as_dict(), **answer}
 
     def finish_weight_update(self) -> None:
-        """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun."""
-        if self._reload_active:
-            self._reload_active = False
-            self._finish_layerwise_reload()
+        """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun. The modules vLLM
+        processes only now (one a whole version leaves short, as a MoE layer whose sizes block FP8 rounds up to 128)
+        get their scales checked here, after the ack: a broken one rolls this worker back (`vllm.rollback=host`)
+        and fails the call, naming the tensor."""
+        if not self._reload_active:
+            return
+        self._reload_active = False
+        self._finish_layerwise_reload()
+        scales, weights = self._quantized_tensors()
+        broken = bad_scales(scales, weights)
+        if not broken:
+            return
+        version = self.version
+        self.version = self._previous_version
+        undone = self._undo(version, touched=True, whole=False)
+        self.last_report = {"ok": False, "version": version, "error": refusal(broken, "quantized tensors broken")}
+        raise SinkError(
+            f"{self.identity}: version {version}: {refusal(broken, f'{len(broken)} quantized tensors broken')} "
+            f"(processed when the update finished, after the version was acknowledged); {undone}"
+        )
 
     def shutdown(self) -> None:
         """Close the receiver (cancelling a receive in flight); the worker itself lives on."""
