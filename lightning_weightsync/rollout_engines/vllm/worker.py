@@ -348,12 +348,16 @@ class WeightSyncEngineBody:
                 self._watch.modules_peak, ", ".join(self._watch.names_at_peak[:4]),
             )  # fmt: skip
         logger.info(
-            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
+            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs; vLLM's reload held at most %d modules, %.1f MB, "
+            "against its largest module's %.1f MB)",
             self.identity,
             record.version,
             record.num_tensors,
             record.nbytes / 1e6,
             record.seconds,
+            self._watch.modules_peak,
+            self._watch.bytes_peak / 1e6,
+            self.last_report["largest_module_bytes"] / 1e6,
         )
 
     def _undo(self, version: int | None, *, touched: bool, whole: bool) -> str:
