@@ -83,6 +83,7 @@ class LightningWeightSyncEngine(
         # the worker's Ready past transport.ready_timeout_s
         self._reload = reload_hooks()
         self._largest: int | None = None
+        self._modules: ModuleTable | None = None
         self._weightsync_setup()
 
     # -- vLLM model hooks ---------------------------------------------------------------------------
@@ -163,7 +164,9 @@ class LightningWeightSyncEngine(
         return lambda module: checkpoint_params(hooks, module)
 
     def _module_loads(self) -> list[ModuleLoad]:
-        return module_loads(self._reload, self.model)
+        if self._modules is None:
+            self._modules = module_table(self._reload, self.model)
+        return module_loads(self._modules)
 
     def _quantized_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return quantized_tensors(self.model)
@@ -308,18 +311,36 @@ def checkpoint_params(hooks: ReloadHooks, module: torch.nn.Module) -> dict[str, 
     return out or None
 
 
-def module_loads(hooks: ReloadHooks, model: torch.nn.Module) -> list[ModuleLoad]:
-    """Every module's progress in vLLM's reload (`reload_checks.ModuleLoad`), attention-like layers left out
-    (vLLM processes them when the update finishes, whatever they got); [] where this vLLM keeps no table."""
+ModuleTable = list[tuple[str, Any, dict[str, int]]]
+"""Per module that holds checkpoint-format parameters in vLLM's reload: its name, its `LayerReloadingInfo`, and its
+parameters' element counts; built once (the modules and their reload records live as long as the model)."""
+
+
+def module_table(hooks: ReloadHooks, model: torch.nn.Module) -> ModuleTable:
+    """The modules `module_loads` reads, attention-like layers left out (vLLM processes them when the update
+    finishes, whatever they got) and modules without checkpoint-format parameters (a rotary cache); [] where this
+    vLLM keeps no reload table."""
     if hooks.layerwise_info is None:
         return []
-    loads: list[ModuleLoad] = []
+    table: ModuleTable = []
     for name, module in model.named_modules():
         info = hooks.layerwise_info(module)
         if info is None or hooks.is_deferred_attention(module):
             continue
         recorded, _ = info.restore_metadata
         params = {p: t.numel() for p, t in recorded.items() if p not in hooks.skip_load_tensors}
+        if params:
+            table.append((name, info, params))
+    return table
+
+
+def module_loads(table: ModuleTable) -> list[ModuleLoad]:
+    """The modules of `table` still waiting in vLLM's reload (`reload_checks.ModuleLoad`; a module vLLM has
+    processed is no longer pending and is left out). Cheap for the processed ones: it runs after every tensor."""
+    loads: list[ModuleLoad] = []
+    for name, info, params in table:
+        if info.load_numel_total is None:  # processed (or no update running)
+            continue
         buffered = 0
         for _, args in info.loaded_weights:
             for key, value in args.arguments.items():
@@ -331,9 +352,9 @@ def module_loads(hooks: ReloadHooks, model: torch.nn.Module) -> list[ModuleLoad]
                 params=params,
                 written=frozenset(p for p, _ in info.loaded_weights),
                 loaded=int(info.load_numel),
-                total=int(info.load_numel_total or 0),
+                total=int(info.load_numel_total),
                 buffered_bytes=buffered,
-                pending=bool(info.can_load()),
+                pending=True,
             )
         )
     return loads
@@ -384,6 +405,7 @@ __all__ = [
     "checkpoint_params",
     "largest_module_bytes",
     "module_loads",
+    "module_table",
     "quantized_tensors",
     "reload_hooks",
     "unwrapped_loader",
