@@ -46,8 +46,10 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from lightning_weightsync.rollout_engines.host_copy import live_tensors
 from lightning_weightsync.rollout_engines.vllm import plugin
 from lightning_weightsync.versions.sender import BlockingWeightSender
+from lightning_weightsync.versions.verify import tensors_digest
 from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg
 from tests.unit.test_vllm_slices_engine import _Rank, tp_per_thread
@@ -176,7 +178,8 @@ def model_config(method: str, hf: Any) -> SimpleNamespace:
     """What vLLM's layers, its reload and our engine read of a `ModelConfig`."""
     return SimpleNamespace(
         hf_config=hf, hf_text_config=hf, dtype=torch.bfloat16, head_dtype=torch.bfloat16, get_text_config=lambda: hf,
-        quantization=method, word_embeddings_untied_by_checkpoint=False, enable_sleep_mode=False,
+        quantization=method, quantization_config=None, word_embeddings_untied_by_checkpoint=False,
+        enable_sleep_mode=False,
     )  # fmt: skip
 
 
@@ -219,7 +222,8 @@ def cold_load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def kernel_format(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    """Every parameter and buffer the model serves (as the engine's host copy and `kernel_digest` see them)."""
+    return {name: tensor.detach().clone() for name, tensor in live_tensors(model).items()}
 
 
 def assert_kernel_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: Any) -> None:
@@ -379,9 +383,9 @@ def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold
         cold = [servers.cold(state) for state in checkpoints]
         expected = [[cold[v][rank] for v in range(len(checkpoints))] for rank in range(WORLD)]
         quantized = [n for n, t in expected[0][0].items() if t.dtype == torch.float8_e4m3fn]
-        # FP8 bytes: qkv, o, gate_up, down of 2 layers; MoE: qkv, o, the router, the router's copy the experts hold,
-        # w13 and w2 of the 4 experts
-        assert len(quantized) == (12 if arch == "qwen3_moe" else 8), quantized
+        # FP8 bytes: qkv, o, gate_up, down of 2 layers; MoE: qkv, o, the router (a GateLinear, quantized too; the
+        # experts hold the same module), w13 and w2 of the 4 experts
+        assert len(quantized) == (10 if arch == "qwen3_moe" else 8), quantized
         if method == "fp8_per_channel":  # kernel layout (K, N), and the amax of o_proj, down_proj agreed over TP
             assert expected[0][0]["model.layers.0.self_attn.o_proj.weight"].shape == (128, 256)
             assert servers.amax.reduced == 4 * 2 * 2  # 4 cold loads (start, 3 oracles) x 2 layers x (o, down)
@@ -395,6 +399,7 @@ def test_quantized_ranks_take_their_bf16_slices_and_requantize_bitwise_as_a_cold
                 want = model_bytes if v == 1 else sliced_bytes(shapes, hf, rank)
                 assert received == want, (case, v, rank, received, want, model_bytes)
                 assert_kernel_equal(kernel_format(servers.models[rank]), expected[rank][v - 1], (case, v, rank))
+                assert engine.kernel_digest()["digest"] == tensors_digest(expected[rank][v - 1])  # what verify compares
                 report = engine.last_report
                 print(
                     f"\n{case}, version {v}, TP rank {rank} of {WORLD}: received {received} of the bf16 model's "

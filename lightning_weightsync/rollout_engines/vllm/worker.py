@@ -412,6 +412,22 @@ class WeightSyncEngineBody:
             return {**answer, "verify": None, "tensors": 0, "verified": 0, "complete": False, "checksums": {}}
         return {**report.as_dict(), **answer}
 
+    def kernel_digest(self) -> dict[str, Any]:
+        """`{"identity", "version", "incomplete", "digest"}`: one digest (`versions.verify.tensors_digest`) of every
+        parameter and buffer the model serves now, fingerprinted where they are. For an online-quantized model these
+        are the FP8 bytes and scales the reload produced, which no trainer can compute: compare with what a worker of
+        a server cold-started from the same bf16 checkpoint answers (same vLLM, same TP rank). On request only (it
+        reads every tensor once; `versions.verify.worker_kernel_digest` through `collective_rpc`)."""
+        from ...versions.verify import tensors_digest
+        from ..host_copy import live_tensors
+
+        return {
+            "identity": self.identity,
+            "version": self.version,
+            "incomplete": self.incomplete,
+            "digest": tensors_digest(live_tensors(self.model)),
+        }
+
     def finish_weight_update(self) -> None:
         """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun. The modules vLLM
         processes only now (one a whole version leaves short, as a MoE layer whose sizes block FP8 rounds up to 128)
