@@ -57,7 +57,8 @@ from tests.unit.test_vllm_slices_real import PATCHED, checkpoint, expected_box
 
 WORLD = 2
 METHODS = ("fp8_per_block", "mxfp8", "fp8_per_channel")
-CASES = [f"qwen3:{method}" for method in METHODS] + ["qwen3_moe:fp8_per_block"]
+# per-channel MoE quantizes with `ops.scaled_fp8_quant`, a compiled vLLM op (`vllm._C`): not on this CPU kit
+CASES = [f"qwen3:{method}" for method in METHODS] + ["qwen3_moe:fp8_per_block", "qwen3_moe:mxfp8"]
 LAYER0_Q = "model.layers.0.self_attn.q_proj.weight"
 MISSING = {  # arch: (the checkpoint tensor a version leaves out, the vLLM parameter it fills part of)
     "qwen3": (LAYER0_Q, "model.layers.0.self_attn.qkv_proj.weight"),
@@ -119,6 +120,8 @@ def cpu_kernels() -> Iterator[None]:
             mock.patch.object(online_fp8(), "select_fp8_moe_backend", lambda **kw: (Fp8MoeBackend.TRITON, object))
         )
         stack.enter_context(mock.patch.object(moe_oracle, "make_fp8_moe_kernel", lambda **kw: kernel))
+        emulation = (Fp8MoeBackend.EMULATION, object)  # MXFP8 MoE: weights as quantized, dequantized when run
+        stack.enter_context(mock.patch.object(online_mxfp8(), "select_mxfp8_moe_backend", lambda **kw: emulation))
         stack.enter_context(mock.patch.object(linear, "choose_scaled_mm_linear_kernel", choose))
         stack.enter_context(mock.patch.object(ChannelWiseTorchFP8ScaledMMLinearKernel, "is_supported", supported))
         stack.enter_context(
@@ -131,6 +134,12 @@ def online_fp8() -> Any:
     from vllm.model_executor.layers.quantization.online import fp8
 
     return fp8
+
+
+def online_mxfp8() -> Any:
+    from vllm.model_executor.layers.quantization.online import mxfp8
+
+    return mxfp8
 
 
 class ThreadMax:
