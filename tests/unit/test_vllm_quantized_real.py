@@ -1,25 +1,31 @@
-"""Online-quantized vLLM models (`--quantization fp8_per_block`, `mxfp8`) at tensor parallelism 2, against the REAL
-vLLM classes (skipped without vLLM; `./dev vllm-contract` runs it on CPU): a real `WeightSender` (gloo, 127.0.0.1)
-sends bf16 checkpoints of a tiny Qwen3 to TWO of our vLLM engines (`LightningWeightSyncEngine`, built by vLLM's
-factory through our plugin, driven by vLLM's own base `update_weights`), one per simulated TP rank, each on its own
-thread as in `test_vllm_slices_engine.py` (whose patches and helpers this reuses).
+"""Online-quantized vLLM models (`--quantization fp8_per_block`, `mxfp8`, `fp8_per_channel`) at tensor parallelism 2,
+against the REAL vLLM classes (skipped without vLLM; `./dev vllm-contract` runs it on CPU, vLLM 0.33.0 and 0.34.0): a
+real `WeightSender` (gloo, 127.0.0.1) sends bf16 checkpoints of a tiny Qwen3 (and a tiny Qwen3-MoE, per-expert
+checkpoint names, block FP8 and MXFP8) to TWO of our vLLM engines (`LightningWeightSyncEngine`, built by vLLM's factory
+through our plugin, driven by vLLM's own base `update_weights`), one per simulated TP rank, each on its own thread as
+in `test_vllm_slices_engine.py` (whose patches and helpers this reuses).
 
-What is vLLM's own here: the model class, its layers and loaders, the online quantization config and methods
+What is vLLM's own here: the model classes, their layers and loaders, the online quantization config and methods
 (`OnlineQuantizationConfig` from vLLM's `--quantization` shorthand table; `Fp8PerBlockOnlineLinearMethod`,
-`Mxfp8OnlineLinearMethod`), the quantizers (`per_block_cast_to_fp8`, MXFP8's pure-torch 32-element E8M0 path),
-the layerwise reload that re-quantizes each module, and the cold load the oracle runs (`load_weights`,
+`Mxfp8OnlineLinearMethod`, `Fp8PtpcOnlineLinearMethod`, `Fp8PerBlockOnlineMoEMethod`, `Mxfp8OnlineMoEMethod`), the
+quantizers (`per_block_cast_to_fp8`, MXFP8's pure-torch 32-element E8M0 path, per-channel's chunked division), the
+layerwise reload that re-quantizes each module, and the cold load the oracle runs (`load_weights`,
 `finalize_layerwise_processing`, `process_weights_after_loading`, as `BaseModelLoader.load_model` does).
 What is not: vLLM picks a GEMM kernel by platform when it builds a quantized layer, and this kit's platform
 (`UnspecifiedPlatform`) has none. `cpu_kernels` answers with vLLM's own kernel classes whose post-load step is pure
 torch: `TritonFp8BlockScaledMMKernel` for block FP8 (`process_fp8_weight_block_strategy`: no transpose, no FNUZ
 here), `EmulationMxfp8LinearKernel` for MXFP8 (with `VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD=0`, so the model keeps
 FP8 bytes and E8M0 scales, as an MX kernel does), and `ChannelWiseTorchFP8ScaledMMLinearKernel` (a no-op post-load
-step) for per-channel. A GPU kernel's own repacking (DeepGEMM's UE8M0 scales, CUTLASS layouts) is not run here.
+step) for per-channel; the MoE backend TRITON (block FP8) or EMULATION (MXFP8), neither of which changes the quantized
+layout, with a stand-in kernel object (it holds no weight). Per-channel FP8 all-reduces each row-parallel weight's
+amax over the TP group: `ThreadMax`, a barrier between the two rank threads. A GPU kernel's own repacking (DeepGEMM's
+UE8M0 scales, CUTLASS layouts) is not run here.
 
-"Kernel format" below = every parameter and buffer of the model after vLLM's processing: FP8 weights, their scales,
-the bf16 norms and embeddings. Asserted per version and rank: version 1 arrives whole, versions 2 and 3 sliced (the
-boxes traced on the checkpoint-format parameters the reload restores, equal to the bf16 model's); each rank's kernel
-format equals, bitwise, a cold load of that version's whole bf16 checkpoint by the same vLLM at that rank.
+"Kernel format" below = every parameter and buffer the model serves after vLLM's processing: FP8 weights, their
+scales, the bf16 norms and embeddings. Asserted per version and rank: version 1 arrives whole, versions 2 and 3 sliced
+(the boxes traced on the checkpoint-format parameters the reload restores, equal to the bf16 model's); each rank's
+kernel format, and its `kernel_digest`, equal, bitwise, a cold load of that version's whole bf16 checkpoint by the same
+vLLM at that rank. Then what must be refused is refused, naming it, and the previous version is served bitwise.
 """
 
 from __future__ import annotations
