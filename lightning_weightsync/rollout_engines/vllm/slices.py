@@ -30,8 +30,9 @@ How the trace runs, and why this way:
   in float32 (float64 for a dimension of 2^23 elements or more), one per dimension, one parameter at a time.
 - Values are `index + OFFSET`, and the probe starts at -1: a zero a loader writes (the vocab embedding
   zero-fills its padding rows) is out of that range and counts as not read. A loader that does arithmetic on
-  values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter is
-  refused up front, and a value written that is neither a copied index, -1 nor 0 fails the trace.
+  values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter that
+  `checkpoint_params` does not replace (below) is refused up front, and a value written that is neither a
+  copied index, -1 nor 0 fails the trace.
 - A tensor no parameter reads (a tied LM head the model skips) is declared as a box of one element: the
   name still arrives (a box is never empty), the bytes do not. A tensor named as a parameter the model ties
   to another (`tied_aliases`) is that without a trace: vLLM 0.33.0's `load_weights` raises on it alone.
