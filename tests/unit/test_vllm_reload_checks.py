@@ -83,18 +83,24 @@ def test_a_module_left_short_is_named_padding_a_whole_version_leaves_is_not() ->
         load("model.layers.0.mlp.gate_up_proj", 0, 0, pending=False),  # processed this version
         load("lm_head", 0, 64, written=()),  # tied to the embedding: never loaded under its own name
     ]
-    first = incomplete_modules(loads, None, tied=["lm_head.weight"])
-    assert first == ["model.layers.0.mlp.down_proj.weight: not written"]  # no count to go by on a first version
+    # a first version: no count to go by, and a module that got nothing keeps its kernel tensors (maybe never sent)
+    assert incomplete_modules(loads, None, tied=["lm_head.weight"]) == []
     expected = padding_counts([loads[2]])
     assert expected == {"model.embed_tokens": 36}
     assert incomplete_modules(loads, expected, tied=["lm_head.weight"]) == [
         "model.layers.0.self_attn.qkv_proj.weight: 32 of 64 elements written",
-        "model.layers.0.mlp.down_proj.weight: not written",
+        "model.layers.0.mlp.down_proj.weight: not written (the last version wrote it)",
     ]
     assert incomplete_modules([load("model.embed_tokens", 20, 64)], expected) == [
         "model.embed_tokens.weight: 20 of 64 elements written"
     ]
-    assert "lm_head.weight: not written" in incomplete_modules(loads, expected)  # untied, it is unwritten
+    assert "lm_head.weight: not written (the last version wrote it)" in incomplete_modules(loads, expected)  # untied
+    # a module never sent, version after version (the last version left it at 0): not refused
+    never_sent = load("model.layers.0.mlp.down_proj", 0, 16, written=())
+    assert incomplete_modules([never_sent], {"model.layers.0.mlp.down_proj": 0}) == []
+    # a module with two parameters, one written, the other not: refused on a first version too
+    two = load("m", 8, 24, written=("weight",), params={"weight": 8, "bias": 16})
+    assert incomplete_modules([two], None) == ["m.bias: not written"]
 
 
 def test_missing_names_and_refusal_message() -> None:

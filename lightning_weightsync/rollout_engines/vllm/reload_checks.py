@@ -12,11 +12,13 @@ before the ack:
 
 - `missing_names`: every tensor the last version sent arrived again (a trainer sends every tensor every version;
   the vLLM engine never takes deltas) -- names the checkpoint tensor.
-- `incomplete_modules`: no module holding checkpoint-format parameters is left part-loaded or unloaded -- names
-  vLLM's parameter and how many of its elements arrived. A module a whole version also leaves short (vocabulary
-  padding: `VocabParallelEmbedding` zero-fills rows past the vocabulary, which vLLM does not count) is told
-  apart by the count the last accepted version left it at (`expected`); the first version has no such count,
-  so there only a parameter no call wrote at all is refused.
+- `incomplete_modules`: no module holding checkpoint-format parameters is left part-loaded, nor unloaded when the
+  last version wrote it -- names vLLM's parameter and how many of its elements arrived. A module a whole version
+  also leaves short (vocabulary padding: `VocabParallelEmbedding` zero-fills rows past the vocabulary, which vLLM
+  does not count; a MoE layer block FP8 rounds up) is told apart by the count the last accepted version left it at
+  (`expected`); the first version has no such count, so there only a parameter no call wrote, in a module that got
+  some, is refused. A module that gets nothing, version after version (a tensor the trainer never sends, a frozen
+  one it excludes), keeps its kernel tensors whole: it is not refused.
 - `bad_scales`: every scale a module's post-load processing produced this version is finite and non-zero (an
   E8M0 scale byte is not 0xFF, its NaN), and no FP8 weight holds a NaN byte; names the tensor.
 
@@ -86,6 +88,10 @@ def incomplete_modules(
         if not (load.pending and load.params and load.loaded < load.total):
             continue
         if all(f"{load.name}.{name}" in skip for name in load.params):
+            continue
+        if load.loaded == 0:  # nothing arrived: vLLM keeps its kernel tensors whole (a module the trainer never sends)
+            if expected is not None and load.name not in expected:  # ... but the last version wrote it
+                problems.extend(f"{load.name}.{name}: not written (the last version wrote it)" for name in load.params)
             continue
         never = [name for name in load.params if name not in load.written]
         if never:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,8 +168,10 @@ class LightningWeightSyncEngine(
             self._modules = module_table(self._reload, self.model)
         return module_loads(self._modules)
 
-    def _quantized_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return quantized_tensors(self.model)
+    def _quantized_tensors(
+        self, modules: Collection[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return quantized_tensors(self.model, modules)
 
     def _largest_module_bytes(self) -> int:
         if self._largest is None:
@@ -377,12 +379,16 @@ def largest_module_bytes(hooks: ReloadHooks, model: torch.nn.Module) -> int:
     return max(sizes)
 
 
-def quantized_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def quantized_tensors(
+    model: torch.nn.Module, modules: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The scales (tensors named `*scale*`) and FP8 weights of every module a quantization method processes
-    (its `quant_method` is not one of vLLM's `Unquantized*` methods), by qualified name."""
+    (its `quant_method` is not one of vLLM's `Unquantized*` methods), or of `modules` only, by qualified name."""
     scales: dict[str, torch.Tensor] = {}
     weights: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
+        if modules is not None and prefix not in modules:
+            continue
         method = getattr(module, "quant_method", None)
         if method is None or type(method).__name__.startswith("Unquantized"):
             continue

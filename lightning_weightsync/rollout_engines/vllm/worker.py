@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -186,6 +186,9 @@ class WeightSyncEngineBody:
         `INIT_OVERRIDES`: checked before the running receiver is stopped)."""
         overrides = check_init_overrides(list(getattr(init_info, "overrides", []) or []))
         self._stop_receiver()
+        # a new trainer may send another set of tensors: forget the last one's (the next version arrives whole and
+        # is checked as a first version)
+        self._checkpoint, self._padding = {}, None
         self._start_receiver(overrides)
 
     def start_weight_update(self) -> None:
@@ -437,7 +440,10 @@ class WeightSyncEngineBody:
             return
         self._reload_active = False
         self._finish_layerwise_reload()
-        scales, weights = self._quantized_tensors()
+        processed_now = {load.name for load in self._commit_loads}  # what was still waiting when the version committed
+        if not processed_now:
+            return
+        scales, weights = self._quantized_tensors(processed_now)
         broken = bad_scales(scales, weights)
         if not broken:
             return
@@ -554,8 +560,10 @@ class WeightSyncEngineBody:
         """Each module's progress in the engine's reload ([] outside vLLM)."""
         return []
 
-    def _quantized_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The model's scales and FP8 weights, by name (none outside vLLM)."""
+    def _quantized_tensors(
+        self, modules: Collection[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The model's scales and FP8 weights (of `modules` only, if given), by name (none outside vLLM)."""
         return {}, {}
 
     def _largest_module_bytes(self) -> int:
