@@ -51,6 +51,7 @@ OVERLAP_TESTS = "tests/integration/test_overlap.py"
 SHARDED_LAYOUTS = "tests/integration/test_sharded_layouts.py"
 QUANT = ("tests/unit/test_vllm_quantized_real.py",)
 VLLM = "vllm.model_executor.layers.quantization.online"
+RELOAD_CHECKS = f"{PKG}/rollout_engines/vllm/reload_checks.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -704,7 +705,7 @@ PLANTS = [
           "        elif expected is not None and expected.get(load.name) != load.loaded:",
           "        elif expected is not None and load.name not in expected:",
           ("tests/unit/test_vllm_reload_checks.py",)),
-    Plant("vllm quantized: a module the last version wrote left unloaded", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+    Plant("vllm quantized: a module the last version wrote left unloaded", RELOAD_CHECKS,
           "            if expected is not None and load.name not in expected:  # ... but the last version wrote it",
           "            if False:", ("tests/unit/test_vllm_reload_checks.py",)),
     Plant("vllm quantized: NaN FP8 bytes taken", f"{PKG}/rollout_engines/vllm/reload_checks.py",
