@@ -714,8 +714,7 @@ PLANTS = [
           "            elif bool((scale >= E8M0_CEILING).any()):", "            elif False:",
           (*QUANT, "-k", "breaks_a_scale and mxfp8"), VLLM),
     Plant("vllm quantized: scales processed at the finish not checked", f"{PKG}/rollout_engines/vllm/worker.py",
-          "        if not broken:\n            return\n        version = self.version",
-          "        if True:\n            return\n        version = self.version", (*QUANT, "-k", "finish"), VLLM),
+          "        failed = self._failed_workers(not broken)", "        failed = 0", (*QUANT, "-k", "finish"), VLLM),
     Plant("vllm quantized: what the reload buffers not measured", f"{PKG}/rollout_engines/vllm/worker.py",
           "            self._watch.sample(self._module_loads())", "            pass", (*QUANT, "-k", "order"), VLLM),
 ]  # fmt: skip

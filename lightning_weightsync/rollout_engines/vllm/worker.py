@@ -434,26 +434,30 @@ class WeightSyncEngineBody:
     def finish_weight_update(self) -> None:
         """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun. The modules vLLM
         processes only now (one a whole version leaves short, as a MoE layer whose sizes block FP8 rounds up to 128)
-        get their scales checked here, after the ack: a broken one rolls this worker back (`vllm.rollback=host`)
-        and fails the call, naming the tensor."""
+        get their scales checked here, after the ack: the server's workers agree (`_failed_workers`), and a broken
+        scale on any of them rolls every one back (`vllm.rollback=host`) and fails the call, naming the tensor."""
         if not self._reload_active:
             return
         self._reload_active = False
         self._finish_layerwise_reload()
         processed_now = {load.name for load in self._commit_loads}  # what was still waiting when the version committed
-        if not processed_now:
-            return
-        scales, weights = self._quantized_tensors(processed_now)
-        broken = bad_scales(scales, weights)
-        if not broken:
+        broken: list[str] = []
+        if processed_now:
+            scales, weights = self._quantized_tensors(processed_now)
+            broken = bad_scales(scales, weights)
+        # every worker of the server asks, whatever it found (one that found nothing to check too): it is a
+        # collective, and a version one worker undoes is undone on all
+        failed = self._failed_workers(not broken)
+        if not failed:
             return
         version = self.version
         self.version = self._previous_version
         undone = self._undo(version, touched=True, whole=False)
-        self.last_report = {"ok": False, "version": version, "error": refusal(broken, "quantized tensors broken")}
+        found = refusal(broken, f"{len(broken)} quantized tensors broken") if broken else "nothing broken here"
+        self.last_report = {"ok": False, "version": version, "error": found}
         raise SinkError(
-            f"{self.identity}: version {version}: {refusal(broken, f'{len(broken)} quantized tensors broken')} "
-            f"(processed when the update finished, after the version was acknowledged); {undone}"
+            f"{self.identity}: version {version}: {failed} of this server's workers found quantized tensors broken "
+            f"when the update finished (after the version was acknowledged); this worker: {found}; {undone}"
         )
 
     def shutdown(self) -> None:
