@@ -15,6 +15,7 @@ checkout (it refuses to start when a file it plants into has uncommitted changes
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ class Plant:
     old: str  # must occur exactly once
     new: str
     tests: tuple[str, ...]  # pytest node ids or files (-k expressions after "::-k ")
+    requires: str = ""  # a module the tests need (they skip without it): the plant is skipped, not missed
 
 
 MESSAGES = f"{PKG}/protocol/messages.py"
@@ -47,6 +49,9 @@ OVERLAP = f"{PKG}/trainer/overlap.py"
 SEND = f"{PKG}/trainer/send.py"
 OVERLAP_TESTS = "tests/integration/test_overlap.py"
 SHARDED_LAYOUTS = "tests/integration/test_sharded_layouts.py"
+QUANT = ("tests/unit/test_vllm_quantized_real.py",)
+VLLM = "vllm.model_executor.layers.quantization.online"
+RELOAD_CHECKS = f"{PKG}/rollout_engines/vllm/reload_checks.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -502,8 +507,8 @@ PLANTS = [
           "if not linked and since >= self.control.liveness_s:", "if not linked and since >= timeout_s:",
           ("tests/integration/test_steps.py", "-k", "killed_between")),
     Plant("host copy: a refused copy leaves the older one to restore", f"{PKG}/rollout_engines/host_copy.py",
-          "        self.taken = False\n        live = _live_tensors(model)\n",
-          "        live = _live_tensors(model)\n",
+          "        self.taken = False\n        live = live_tensors(model)\n",
+          "        live = live_tensors(model)\n",
           ("tests/unit/test_host_copy.py",)),
     Plant("vllm engine: a worker cut off from the agreement keeps the version", f"{PKG}/rollout_engines/vllm/worker.py",
           "return max(1, int(not ok))", "return int(not ok)",
@@ -746,6 +751,44 @@ PLANTS = [
           "            return\n        self._close_receiver()\n        t = self.config.transport",
           "            return\n        t = self.config.transport",
           ("tests/integration/test_verl.py", "-k", "new_actor_endpoint")),
+    # -- online-quantized vLLM models (FP8, MXFP8): run these with the contract kit's interpreter,
+    #    .venv-vllm-0.34.0/bin/python -m tools.plant_check "vllm quantized" (elsewhere they are skipped, not missed)
+    Plant("vllm quantized: slices traced on the kernel-format parameters", f"{PKG}/rollout_engines/vllm/worker.py",
+          "slices = derive_boxes(self.model, shapes, checkpoint_params=self._checkpoint_params())",
+          "slices = derive_boxes(self.model, shapes)", (*QUANT, "-k", "requantize"), VLLM),
+    Plant("vllm quantized: a part-written module taken", f"{PKG}/rollout_engines/vllm/worker.py",
+          "incomplete = incomplete_modules(self._commit_loads, self._padding, self._aliases)",
+          "incomplete: list[str] = []",
+          (*QUANT, "-k", "missing"), VLLM),
+    Plant("vllm quantized: a tensor the last version sent not missed", f"{PKG}/rollout_engines/vllm/worker.py",
+          "missing = missing_names(self._checkpoint, arrived)", "missing: list[str] = []",
+          (*QUANT, "-k", "missing"), VLLM),
+    Plant("vllm quantized: what a whole version leaves short not learnt", f"{PKG}/rollout_engines/vllm/worker.py",
+          "                    self._padding = padding_counts(self._commit_loads)", "                    pass",
+          (*QUANT, "-k", "missing"), VLLM),
+    Plant("vllm quantized: the check skipped before the ack", f"{PKG}/rollout_engines/worker.py",
+          "            self._check(self.shapes)", "            pass", (*QUANT, "-k", "missing"), VLLM),
+    Plant("vllm quantized: a NaN or infinite scale taken", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+          "        if not bool(torch.isfinite(values).all()):", "        if False:",
+          ("tests/unit/test_vllm_reload_checks.py",)),
+    Plant("vllm quantized: a zero scale taken", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+          "        elif bool((values == 0).any()):", "        elif False:", ("tests/unit/test_vllm_reload_checks.py",)),
+    Plant("vllm quantized: padding taken for a part-written module", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+          "        elif expected is not None and expected.get(load.name) != load.loaded:",
+          "        elif expected is not None and load.name not in expected:",
+          ("tests/unit/test_vllm_reload_checks.py",)),
+    Plant("vllm quantized: a module the last version wrote left unloaded", RELOAD_CHECKS,
+          "            if expected is not None and load.name not in expected:  # ... but the last version wrote it",
+          "            if False:", ("tests/unit/test_vllm_reload_checks.py",)),
+    Plant("vllm quantized: NaN FP8 bytes taken", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+          "        if _fp8_has_nan(weight):", "        if False:", (*QUANT, "-k", "breaks_a_scale and mxfp8"), VLLM),
+    Plant("vllm quantized: an E8M0 scale at its ceiling taken", f"{PKG}/rollout_engines/vllm/reload_checks.py",
+          "            elif bool((scale >= E8M0_CEILING).any()):", "            elif False:",
+          (*QUANT, "-k", "breaks_a_scale and mxfp8"), VLLM),
+    Plant("vllm quantized: scales processed at the finish not checked", f"{PKG}/rollout_engines/vllm/worker.py",
+          "        failed = self._failed_workers(not broken)", "        failed = 0", (*QUANT, "-k", "finish"), VLLM),
+    Plant("vllm quantized: what the reload buffers not measured", f"{PKG}/rollout_engines/vllm/worker.py",
+          "            self._watch.sample(self._module_loads())", "            pass", (*QUANT, "-k", "order"), VLLM),
 ]  # fmt: skip
 
 
@@ -781,7 +824,12 @@ def main(argv: list[str]) -> int:
         print("refusing to plant into files with uncommitted changes:\n  " + "\n  ".join(dirty))
         return 2
     missed = 0
+    skipped = 0
     for plant in chosen:
+        if plant.requires and importlib.util.find_spec(plant.requires.split(".")[0]) is None:
+            skipped += 1
+            print(f"SKIPPED {plant.name:52s} needs {plant.requires} (its tests skip here)", flush=True)
+            continue
         t0 = time.monotonic()
         caught, detail = run(plant)
         missed += not caught
@@ -790,7 +838,7 @@ def main(argv: list[str]) -> int:
     if _dirty({p.path for p in chosen}):
         print("a planted file was not restored: check `git diff`")
         return 1
-    print(f"{len(chosen) - missed} of {len(chosen)} plants caught")
+    print(f"{len(chosen) - skipped - missed} of {len(chosen) - skipped} plants caught ({skipped} skipped)")
     return 1 if missed else 0
 
 

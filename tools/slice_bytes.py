@@ -14,10 +14,13 @@ Three ways to feed a TP worker, for a dense Hugging Face checkpoint (q/k/v and g
   its KV head whole); norms whole. The vocabulary is padded to 64 rows before it is split (vLLM's
   `VocabParallelEmbedding`), so the last rank may read fewer rows: the figure is the largest rank's.
 
-Dense models only: the MoE inventory (Qwen3-30B-A3B) holds transformers 5's fused 3-D expert tensors
-(`mlp.experts.gate_up_proj` [E, 2I, H]), for which no TP box is checked (see docs/backends.md).
+The MoE inventory (Qwen3-30B-A3B) holds transformers 5's fused 3-D expert tensors (`mlp.experts.gate_up_proj`
+[E, 2I, H]); `quantized` counts them as Hugging Face's per-expert checkpoint tensors split 1/TP each (the boxes
+test_vllm_slices_real.py and test_vllm_quantized_real.py check on a tiny Qwen3-MoE); the fused layout itself goes
+whole (docs/backends.md).
 
     python -m tools.slice_bytes              # the Markdown table of docs/backends.md
+    python -m tools.slice_bytes quantized    # the online-quantized models' table (Qwen3-8B, Qwen3-30B-A3B)
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ KV = ("k_proj.weight", "v_proj.weight")  # rows, by KV head
 ROW = ("o_proj.weight", "down_proj.weight")  # split along columns (dim 1)
 VOCAB = ("embed_tokens.weight", "lm_head.weight")  # rows of the padded vocabulary
 FUSED = COLUMN + KV  # vLLM fuses these into qkv_proj / gate_up_proj
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's fused banks [E, 2I, H], [E, H, I]
+ROUTER = ("mlp.gate.weight",)  # replicated
 
 
 def worker_bytes(
@@ -45,6 +50,10 @@ def worker_bytes(
     for name, shape, dtype in tensors:
         numel, size = math.prod(shape), ITEMSIZE[dtype]
         if mode == "today" or len(shape) < 2:
+            total += numel * size
+        elif name.endswith(EXPERTS):  # per-expert checkpoint names: each expert's rows (gate, up) or columns (down)
+            total += numel * size if mode == "m2n" else numel // tp * size
+        elif name.endswith(ROUTER):
             total += numel * size
         elif name.endswith(VOCAB):
             padded = math.ceil(shape[0] / vocab_pad) * vocab_pad
@@ -81,5 +90,26 @@ def table(model: str = "qwen3-8b", kv_heads: int = 8, tps: tuple[int, ...] = (2,
     return "\n".join(lines)
 
 
+def quantized_table(tps: tuple[int, ...] = (2, 4, 8)) -> str:
+    """Online-quantized vLLM models (docs/backends.md): the trainer sends bf16 in checkpoint format, so a worker's
+    boxes are the bf16 model's; vLLM's own `nccl_m2n` sends every tensor whole to every worker of a quantized model
+    (m2n_engine.py, m2n_layout.py). Qwen3-30B-A3B counted with per-expert checkpoint names (`experts.<e>.gate_proj`,
+    as Hugging Face's checkpoints and the contract kit's MoE have them): each expert's slice of the fused bank."""
+    header = "| model | TP | broadcast, or vLLM 0.34 m2n (quantized: whole) | slices (bf16 boxes) |"
+    lines = [header, "|---|---|---|---|"]
+    for model, kv_heads in (("qwen3-8b", 8), ("qwen3-30b-a3b", 4)):
+        spec = json.loads(INVENTORIES.read_text())[model]
+        tensors = [(n, s, d) for n, s, d in spec["tensors"]]
+        whole = worker_bytes(tensors, 1, kv_heads, "today")
+        for tp in tps:
+            got = worker_bytes(tensors, tp, kv_heads, "slices")
+            share = f"{got / 2**30:.2f} GiB ({100 * got / whole:.1f} %)"
+            lines.append(f"| {model} | {tp} | {whole / 2**30:.2f} GiB (100 %) | {share} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(table(sys.argv[1]) if len(sys.argv) > 1 else table())
+    if sys.argv[1:] == ["quantized"]:
+        print(quantized_table())
+    else:
+        print(table(sys.argv[1]) if len(sys.argv) > 1 else table())

@@ -17,7 +17,7 @@ directory holds no base (`trainer.lora_base=rollout_has`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -73,8 +73,11 @@ class EngineVersionSink(VersionSink):
         expected: int | None,
         adapters: AdapterDirectory,
         aliases: Mapping[str, str] | None = None,
+        *,
+        after_load: Callable[[], None] | None = None,
+        check: Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]]], None] | None = None,
     ) -> None:
-        self.model_sink = ModelLoadSink(model, expected, aliases)
+        self.model_sink = ModelLoadSink(model, expected, aliases, after_load=after_load, check=check)
         self.adapters = adapters
         self.adapter: SafetensorsSink | None = None  # the version in flight's writer (adapter versions, rank 0)
         self.is_adapter = False  # the version in flight is a LoRA adapter

@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, once (tied ones under their first name)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -41,7 +41,7 @@ class HostCopy:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.copies: dict[str, torch.Tensor] = {}
-        for name, tensor in _live_tensors(model).items():
+        for name, tensor in live_tensors(model).items():
             pin = tensor.is_cuda and torch.cuda.is_available()
             self.copies[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.copies.values())
@@ -50,7 +50,7 @@ class HostCopy:
     def take(self, model: torch.nn.Module) -> None:
         """Copy the model's tensors now (before the version touches them)."""
         self.taken = False
-        live = _live_tensors(model)
+        live = live_tensors(model)
         if live.keys() != self.copies.keys():
             logger.error(
                 "the model's tensors changed since the engine was built (%d now, %d copied before); no rollback for "
@@ -70,7 +70,7 @@ class HostCopy:
         returns the names that could not be restored ([] when the model is as it was at `take`)."""
         if not self.taken:
             return ["(no copy was taken before this version)"]
-        live = _live_tensors(model)
+        live = live_tensors(model)
         lost = sorted(self.copies.keys() - live.keys())
         with torch.no_grad():
             for name, tensor in live.items():
@@ -89,4 +89,4 @@ def _synchronize(tensors: Iterable[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-__all__ = ["HostCopy"]
+__all__ = ["HostCopy", "live_tensors"]

@@ -186,13 +186,23 @@ class ModelLoadSink(VersionSink):
     `shapes`: every tensor's whole shape and dtype, as the last version sent them (what the boxes are
     derived from)."""
 
-    def __init__(self, model: torch.nn.Module, expected: int | None, aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        expected: int | None,
+        aliases: Mapping[str, str] | None = None,
+        *,
+        after_load: Callable[[], None] | None = None,
+        check: Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]]], None] | None = None,
+    ) -> None:
         self.model = model
         self.expected = expected
         self.touched = False
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._boxes: dict[str, Box] = {}  # the box each boxed tensor of this version arrives as
         self._aliases = tied_aliases(model) if aliases is None else aliases
+        self._after_load = after_load  # the engine watches what its engine buffers
+        self._check = check  # the engine's last word before the ack: raises SinkError to refuse the version
 
     def begin(
         self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None
@@ -219,9 +229,14 @@ class ModelLoadSink(VersionSink):
             self.model.load_weights([(name, tensor)])  # type: ignore[operator]
         except Exception as exc:
             raise SinkError(f"model.load_weights failed on {name!r}: {type(exc).__name__}: {exc}") from exc
+        if self._after_load is not None:
+            self._after_load()
 
     def commit(self, version: int) -> None:
-        """Nothing staged: the tensors are in the model (the engine post-processes when its session ends)."""
+        """Nothing staged: the tensors are in the model (the engine post-processes when its session ends). The
+        engine's `check` (given the tensors that arrived) may still refuse the version: before the ack."""
+        if self._check is not None:
+            self._check(self.shapes)
 
     def abort(self, version: int, reason: str) -> None:
         """The engine repairs the model on its own thread (`_abandon_layerwise_reload`)."""

@@ -183,13 +183,31 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """One digest of a set of weights: each tensor's fingerprint (`held_checksums`, what `transport.verify` checks)
     with its name, dtype and shape, in name order. A trainer takes it over what it sends, a rollout over what it
     generates with; equal digests mean the same weights, bitwise (the GRPO example and the TRL tests compare them)."""
-    tensors = {name: tensor.detach().cpu() for name, tensor in named}
+    return tensors_digest({name: tensor.detach().cpu() for name, tensor in named})
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """`weights_digest` of tensors where they are (a device's fingerprints come back as 8 bytes each): what a vLLM
+    worker reports of its kernel-format tensors (`kernel_digest`)."""
     checksums = held_checksums(tensors)
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}|{checksums[name]}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def worker_kernel_digest(worker: Any) -> dict[str, Any]:
+    """A vLLM worker's digest of every tensor its model serves now (`kernel_digest` of its weight-transfer engine,
+    when that engine is ours): for an online-quantized model the FP8 bytes and scales the reload produced. Compare it
+    with the digest a server cold-started from the same bf16 checkpoint answers, worker by worker (same vLLM, same
+    TP rank). Pass this function to `collective_rpc`, as `worker_weight_report`."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    digest = getattr(engine, "kernel_digest", None)
+    if not callable(digest):
+        return {"error": f"the worker's weight transfer engine ({type(engine).__name__}) is not lightning_weightsync"}
+    answer = digest()
+    return dict(answer) if isinstance(answer, Mapping) else {"error": f"kernel_digest returned {answer!r:.80}"}
 
 
 def worker_weight_report(worker: Any) -> dict[str, Any]:
@@ -230,7 +248,9 @@ __all__ = [
     "VerifyReport",
     "compare_checksums",
     "held_checksums",
+    "tensors_digest",
     "weight_problems",
     "weights_digest",
+    "worker_kernel_digest",
     "worker_weight_report",
 ]

@@ -30,11 +30,19 @@ How the trace runs, and why this way:
   in float32 (float64 for a dimension of 2^23 elements or more), one per dimension, one parameter at a time.
 - Values are `index + OFFSET`, and the probe starts at -1: a zero a loader writes (the vocab embedding
   zero-fills its padding rows) is out of that range and counts as not read. A loader that does arithmetic on
-  values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter is
-  refused up front, and a value written that is neither a copied index, -1 nor 0 fails the trace.
+  values (quantizing, scaling, any other constant) is not followed: a quantized (non-float) parameter that
+  `checkpoint_params` does not replace (below) is refused up front, and a value written that is neither a
+  copied index, -1 nor 0 fails the trace.
 - A tensor no parameter reads (a tied LM head the model skips) is declared as a box of one element: the
   name still arrives (a box is never empty), the bytes do not. A tensor named as a parameter the model ties
   to another (`tied_aliases`) is that without a trace: vLLM 0.33.0's `load_weights` raises on it alone.
+
+A quantized model (vLLM's online quantization: `--quantization fp8_per_block`, `mxfp8`, ...) serves kernel-format
+parameters (FP8 bytes and their scales, possibly transposed or repacked) that no checkpoint tensor maps onto; what
+`load_weights` writes during an update are the checkpoint-format parameters vLLM's layerwise reload puts back
+(bf16, the checkpoint's shapes) before it re-quantizes each module. `checkpoint_params` hands the trace those
+(`weight_transfer.py` reads them from vLLM's reload metadata): a module whose live parameters differ from them (in
+names, shapes or dtypes) is traced on them, so its boxes are the boxes of the bf16 tensors the reload receives.
 
 What a box buys at receive time is only that the elements outside it are never sent: the worker still feeds a
 whole-shaped tensor (the box in place, zeros elsewhere) to `load_weights`, which reads only the box, so the
@@ -49,7 +57,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -60,6 +68,11 @@ logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22
 """Elements of a parameter's probe examined at once (bounds the trace's temporaries)."""
+
+
+CheckpointParams = Callable[[torch.nn.Module], Mapping[str, torch.Tensor] | None]
+"""A module's checkpoint-format parameters (name: a tensor with the parameter's class, shape, dtype and
+attributes, its `weight_loader` the layer's own), or None where it has none recorded."""
 
 
 class _Untraceable(Exception):
@@ -102,14 +115,17 @@ def derive_boxes(
     shapes: Mapping[str, Sequence[int]],
     *,
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
+    checkpoint_params: CheckpointParams | None = None,
 ) -> Slices:
     """The box of each checkpoint tensor (`{name: shape}`, the trainer's names) `model`'s parameters read, by
-    running `model.load_weights` (or `load`) on probes (see the module docstring). The model is unchanged."""
+    running `model.load_weights` (or `load`) on probes (see the module docstring). The model is unchanged.
+    `checkpoint_params(module)`: the parameters `load_weights` writes into that module during an update, where
+    they differ from the ones it serves (a quantized model's; see the module docstring)."""
     # a vLLM model's own method; torch types a Module's attributes as Tensor | Module
     loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] = load if load is not None else model.load_weights  # type: ignore[assignment]
     aliases = tied_aliases(model)
     out = Slices()
-    with _probed(model) as calls:
+    with _probed(model, checkpoint_params) as calls:
         for name, shape in shapes.items():
             shape = tuple(int(s) for s in shape)
             if name in aliases and shape:  # the sink does not load it: one element of it
@@ -172,28 +188,53 @@ def _default_loader() -> Callable[..., Any]:
         return copy
 
 
+def _differs(live: Mapping[str, torch.Tensor | None], loaded: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the parameters a module serves are not the ones `load_weights` writes (names, shapes, dtypes)."""
+    served = {name: (tuple(p.shape), p.dtype) for name, p in live.items() if p is not None}
+    return served != {name: (tuple(p.shape), p.dtype) for name, p in loaded.items()}
+
+
 @contextmanager
-def _probed(model: torch.nn.Module) -> Iterator[_Recorder]:
-    """`model` with every parameter swapped for a probe (the real ones put back on exit)."""
+def _probed(model: torch.nn.Module, checkpoint_params: CheckpointParams | None = None) -> Iterator[_Recorder]:
+    """`model` with every parameter swapped for a probe (the real ones put back on exit); a module whose
+    checkpoint-format parameters (`checkpoint_params`) differ from the ones it serves gets probes of those."""
     recorder = _Recorder()
     fallback = _default_loader()
     probes: dict[int, torch.nn.Parameter] = {}
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    saved: list[tuple[torch.nn.Module, dict[str, torch.nn.Parameter | None]]] = []
     names = {id(p): n for n, p in model.named_parameters()}
+    prefixes = {id(m): n for n, m in model.named_modules()}
     try:
         for module in model.modules():
-            for pname, param in list(module._parameters.items()):
+            params: Mapping[str, torch.Tensor | None] = module._parameters
+            loaded = checkpoint_params(module) if checkpoint_params is not None else None
+            checkpoint = bool(loaded) and _differs(module._parameters, loaded or {})
+            if checkpoint:
+                params = dict(loaded or {})
+            elif not any(p is not None for p in params.values()):
+                continue
+            saved.append((module, dict(module._parameters)))
+            swapped: dict[str, torch.nn.Parameter | None] = {}
+            for pname, param in params.items():
                 if param is None:
+                    swapped[pname] = None
+                    continue
+                qualname = ".".join(filter(None, (prefixes.get(id(module), ""), pname)))
+                if checkpoint:  # vLLM's recorded parameter (a Parameter subclass): a fresh probe per trace
+                    swapped[pname] = _probe(cast(torch.nn.Parameter, param), qualname, recorder, fallback)
                     continue
                 probe = probes.get(id(param))
                 if probe is None:
-                    probe = probes[id(param)] = _probe(param, names.get(id(param), pname), recorder, fallback)
-                module._parameters[pname] = probe
-                swapped.append((module, pname, param))
+                    live = cast(torch.nn.Parameter, param)
+                    probe = probes[id(param)] = _probe(live, names.get(id(param), qualname), recorder, fallback)
+                swapped[pname] = probe
+            module._parameters.clear()
+            module._parameters.update(swapped)
         yield recorder
     finally:
-        for module, pname, param in reversed(swapped):
-            module._parameters[pname] = param
+        for module, parameters in reversed(saved):
+            module._parameters.clear()
+            module._parameters.update(parameters)
 
 
 def _probe(
@@ -314,4 +355,4 @@ def _union(boxes: list[Box], params: list[str]) -> Box | None:
     return outer
 
 
-__all__ = ["Slices", "derive_boxes"]
+__all__ = ["CheckpointParams", "Slices", "derive_boxes"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from ...errors import BackendUnavailable, ConfigError
+from .reload_checks import ModuleLoad
+from .slices import CheckpointParams
 from .worker import InitInfo, UpdateInfo, WeightSyncEngineBody
 
 try:
@@ -80,6 +82,8 @@ class LightningWeightSyncEngine(
         # imported here, not on the first version: a cold import inside receive_weights would delay
         # the worker's Ready past transport.ready_timeout_s
         self._reload = reload_hooks()
+        self._largest: int | None = None
+        self._modules: ModuleTable | None = None
         self._weightsync_setup()
 
     # -- vLLM model hooks ---------------------------------------------------------------------------
@@ -155,6 +159,25 @@ class LightningWeightSyncEngine(
             return 1
         return int(parallel_state.get_tensor_model_parallel_world_size())
 
+    def _checkpoint_params(self) -> CheckpointParams | None:
+        hooks = self._reload
+        return lambda module: checkpoint_params(hooks, module)
+
+    def _module_loads(self) -> list[ModuleLoad]:
+        if self._modules is None:
+            self._modules = module_table(self._reload, self.model)
+        return module_loads(self._modules)
+
+    def _quantized_tensors(
+        self, modules: Collection[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return quantized_tensors(self.model, modules)
+
+    def _largest_module_bytes(self) -> int:
+        if self._largest is None:
+            self._largest = largest_module_bytes(self._reload, self.model)
+        return self._largest
+
     def _after_restore(self) -> None:
         # HostCopy.restore put kernel-format tensors back: re-derive what layers keep outside them (MLA's
         # W_UK_T / W_UV from kv_b_proj), as vLLM's own reload of kernel-format weights ends
@@ -186,6 +209,13 @@ class ReloadHooks:
     finish: Callable[[torch.nn.Module, Any, torch.device], None]
     load_context: Callable[[], AbstractContextManager[Any]]
     after_kernel_format_restore: Callable[[torch.nn.Module, Any], None]
+    layerwise_info: Callable[[torch.nn.Module], Any] | None = None
+    """A module's `LayerReloadingInfo` (reload/layerwise.py `LAYERWISE_INFO`: its checkpoint-format metadata and,
+    while an update runs, what its loaders buffered), or None; None here where this vLLM keeps no such table."""
+    is_deferred_attention: Callable[[torch.nn.Module], bool] = lambda module: False
+    """Attention-like layers, which vLLM processes only when the update finishes, loaded or not."""
+    skip_load_tensors: frozenset[str] = frozenset()
+    """Tensor names vLLM's reload never loads (reload/meta.py `SKIP_LOAD_TENSORS`; `bias` is never on meta)."""
 
 
 def _optional(module: str, name: str) -> Any:
@@ -232,7 +262,145 @@ def reload_hooks() -> ReloadHooks:
                     # vLLM's layer method; torch types a Module's attributes as Tensor | Module
                     layer.process_weights_after_loading(dtype)  # type: ignore[operator]
 
-    return ReloadHooks(begin, finish, no_mtp_check or contextlib.nullcontext, after_restore)
+    layerwise = _optional("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
+    meta = importlib.import_module("vllm.model_executor.model_loader.reload.meta") if layerwise is not None else None
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    return ReloadHooks(
+        begin,
+        finish,
+        no_mtp_check or contextlib.nullcontext,
+        after_restore,
+        layerwise_info=layerwise.get if layerwise is not None else None,
+        is_deferred_attention=is_deferred_attention_layer,
+        skip_load_tensors=frozenset(getattr(meta, "SKIP_LOAD_TENSORS", ())) | {"bias"},
+    )
+
+
+def unwrapped_loader(loader: Any) -> Any:
+    """A parameter's own loader, without vLLM's layerwise wrappers (`online_process_loader`, which buffers into
+    the live module's reload state: the trace must never call it)."""
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+        loader = loader.__wrapped__
+    return loader
+
+
+def checkpoint_params(hooks: ReloadHooks, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """`module`'s checkpoint-format parameters as vLLM's reload restores them (fresh meta tensors of the
+    recorded class, shape, dtype and attributes, each `weight_loader` the layer's own, unwrapped), plus the
+    parameters the reload leaves live (`bias`); None where nothing was recorded (`slices.CheckpointParams`)."""
+    if hooks.layerwise_info is None:
+        return None
+    info = hooks.layerwise_info(module)
+    if info is None:
+        return None
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    recorded, _ = info.restore_metadata
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in recorded.items():
+        tensor = meta.data.to("meta")
+        tensor.__class__ = meta.__class__
+        tensor.__dict__ = meta.__dict__.copy()
+        restore_layer_refs(tensor, module)
+        loader = getattr(tensor, "weight_loader", None)
+        if loader is not None:
+            tensor.weight_loader = unwrapped_loader(loader)
+        out[name] = tensor
+    for name, param in module._parameters.items():
+        if param is not None and name not in out and name in hooks.skip_load_tensors:
+            out[name] = param
+    return out or None
+
+
+ModuleTable = list[tuple[str, Any, dict[str, int]]]
+"""Per module that holds checkpoint-format parameters in vLLM's reload: its name, its `LayerReloadingInfo`, and its
+parameters' element counts; built once (the modules and their reload records live as long as the model)."""
+
+
+def module_table(hooks: ReloadHooks, model: torch.nn.Module) -> ModuleTable:
+    """The modules `module_loads` reads, attention-like layers left out (vLLM processes them when the update
+    finishes, whatever they got) and modules without checkpoint-format parameters (a rotary cache); [] where this
+    vLLM keeps no reload table."""
+    if hooks.layerwise_info is None:
+        return []
+    table: ModuleTable = []
+    for name, module in model.named_modules():
+        info = hooks.layerwise_info(module)
+        if info is None or hooks.is_deferred_attention(module):
+            continue
+        recorded, _ = info.restore_metadata
+        params = {p: t.numel() for p, t in recorded.items() if p not in hooks.skip_load_tensors}
+        if params:
+            table.append((name, info, params))
+    return table
+
+
+def module_loads(table: ModuleTable) -> list[ModuleLoad]:
+    """The modules of `table` still waiting in vLLM's reload (`reload_checks.ModuleLoad`; a module vLLM has
+    processed is no longer pending and is left out). Cheap for the processed ones: it runs after every tensor."""
+    loads: list[ModuleLoad] = []
+    for name, info, params in table:
+        if info.load_numel_total is None:  # processed (or no update running)
+            continue
+        buffered = 0
+        for _, args in info.loaded_weights:
+            for key, value in args.arguments.items():
+                if key != "param" and isinstance(value, torch.Tensor):
+                    buffered += value.numel() * value.element_size()
+        loads.append(
+            ModuleLoad(
+                name=name,
+                params=params,
+                written=frozenset(p for p, _ in info.loaded_weights),
+                loaded=int(info.load_numel),
+                total=int(info.load_numel_total),
+                buffered_bytes=buffered,
+                pending=True,
+            )
+        )
+    return loads
+
+
+def largest_module_bytes(hooks: ReloadHooks, model: torch.nn.Module) -> int:
+    """Bytes of the largest module's checkpoint-format parameters on this worker: the unit of vLLM's reload budget
+    (`WEIGHT_UPDATE_PEAK_LAYER_FACTOR` x it; 0.34.0's `max_layer_reload_bytes` counts buffers too, such as a
+    rotary embedding's cache, which no update loads); 0 where this vLLM keeps no reload table."""
+    if hooks.layerwise_info is None:
+        return 0
+    sizes = [0]
+    for module in model.modules():
+        info = hooks.layerwise_info(module)
+        if info is not None:
+            recorded, _ = info.restore_metadata
+            sizes.append(
+                sum(t.numel() * t.element_size() for n, t in recorded.items() if n not in hooks.skip_load_tensors)
+            )
+    return max(sizes)
+
+
+def quantized_tensors(
+    model: torch.nn.Module, modules: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The scales (tensors named `*scale*`) and FP8 weights of every module a quantization method processes
+    (its `quant_method` is not one of vLLM's `Unquantized*` methods), or of `modules` only, by qualified name."""
+    scales: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if modules is not None and prefix not in modules:
+            continue
+        method = getattr(module, "quant_method", None)
+        if method is None or type(method).__name__.startswith("Unquantized"):
+            continue
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or tensor.is_meta:
+                continue
+            qualified = f"{prefix}.{name}" if prefix else name
+            if "scale" in name:
+                scales[qualified] = tensor
+            elif tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+                weights[qualified] = tensor
+    return scales, weights
 
 
 __all__ = [
@@ -240,5 +408,11 @@ __all__ = [
     "LightningWeightSyncInitInfo",
     "LightningWeightSyncUpdateInfo",
     "ReloadHooks",
+    "checkpoint_params",
+    "largest_module_bytes",
+    "module_loads",
+    "module_table",
+    "quantized_tensors",
     "reload_hooks",
+    "unwrapped_loader",
 ]

@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -45,6 +45,18 @@ from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
 from ..worker import CONFIG_ENV, ModelLoadSink, WorkerReceiver, tied_aliases, worker_identity, worker_rank
 from .config import RollbackMode
+from .reload_checks import (
+    BufferWatch,
+    ModuleLoad,
+    bad_scales,
+    incomplete_modules,
+    missing_names,
+    padding_counts,
+    refusal,
+)
+
+if TYPE_CHECKING:
+    from .slices import CheckpointParams
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +158,12 @@ class WeightSyncEngineBody:
         # declared to the running receiver were derived for
         self._checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._sliced_for: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        # what the reload may leave short after a whole version (vocabulary padding): learnt from the last accepted
+        # version (reload_checks.incomplete_modules); and what vLLM buffered during the version in flight
+        self._padding: dict[str, int] | None = None
+        self._previous_version: int | None = None  # what a rollback at finish goes back to
+        self._commit_loads: list[ModuleLoad] = []
+        self._watch = BufferWatch()
         # trainer.lora=adapter: worker 0 writes each version to vllm.lora_dir (rollout_engines/adapter.py)
         self._adapters = AdapterDirectory(None, LORA_DIR_KNOB, writes=self.rank == 0)
         self._config_path = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
@@ -168,6 +186,9 @@ class WeightSyncEngineBody:
         `INIT_OVERRIDES`: checked before the running receiver is stopped)."""
         overrides = check_init_overrides(list(getattr(init_info, "overrides", []) or []))
         self._stop_receiver()
+        # a new trainer may send another set of tensors: forget the last one's (the next version arrives whole and
+        # is checked as a first version)
+        self._checkpoint, self._padding = {}, None
         self._start_receiver(overrides)
 
     def start_weight_update(self) -> None:
@@ -203,7 +224,12 @@ class WeightSyncEngineBody:
         if worker is None:
             raise SinkError("lightning_weightsync engine has no receiver; set $LIGHTNING_WEIGHTSYNC_CONFIG")
         receiver = worker.receiver
-        sink = EngineVersionSink(self.model, getattr(update_info, "version", None), self._adapters, self._aliases)
+        self._watch = BufferWatch()
+        self._commit_loads = []
+        sink = EngineVersionSink(
+            self.model, getattr(update_info, "version", None), self._adapters, self._aliases,
+            after_load=self._sample_buffers, check=self._check_version,
+        )  # fmt: skip
         wait_s = getattr(update_info, "timeout_s", None)
         failure: BaseException | None = None
         try:
@@ -213,7 +239,11 @@ class WeightSyncEngineBody:
             failure = exc
         failed = self._failed_workers(failure is None)
         if failure is None and not failed:
-            self._checkpoint = dict(sink.model_sink.shapes)
+            self._previous_version = self.version
+            if not sink.is_adapter:
+                self._checkpoint = dict(sink.model_sink.shapes)
+                if self._reload_active:
+                    self._padding = padding_counts(self._commit_loads)
             self._loaded(record)
             return
         version = receiver.version
@@ -232,6 +262,30 @@ class WeightSyncEngineBody:
         logger.error("%s: version %s failed (%s); %s", self.identity, version, explain(failure), undone)
         raise failure
 
+    def _sample_buffers(self) -> None:
+        """After each `load_weights` call of a version: what vLLM's reload holds buffered now."""
+        if self._reload_active:
+            self._watch.sample(self._module_loads())
+
+    def _check_version(self, arrived: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse (SinkError, before the ack) a version that leaves a parameter unwritten or part-written, or whose
+        re-quantization produced a NaN, infinite or zero scale (`reload_checks`); the engine then rolls back."""
+        problems: list[str] = []
+        missing = missing_names(self._checkpoint, arrived)
+        if missing:
+            problems.append(refusal(missing, f"{len(missing)} tensors the last version sent did not arrive"))
+        if self._reload_active:
+            self._commit_loads = self._module_loads()
+            incomplete = incomplete_modules(self._commit_loads, self._padding, self._aliases)
+            if incomplete:
+                problems.append(refusal(incomplete, f"{len(incomplete)} parameters left unwritten or part-written"))
+        scales, weights = self._quantized_tensors()
+        broken = bad_scales(scales, weights)
+        if broken:
+            problems.append(refusal(broken, f"{len(broken)} quantized tensors broken"))
+        if problems:
+            raise SinkError("refused: " + " | ".join(problems))
+
     def _declare_slices(self) -> None:
         """With tensor parallelism and `transport.slices`: once per checkpoint layout (the names and shapes the
         last version sent), derive the box of each tensor this worker's parameters read (`slices.py`, by
@@ -247,7 +301,8 @@ class WeightSyncEngineBody:
         layout = dict(self._checkpoint)
         self._sliced_for = layout
         try:
-            slices = derive_boxes(self.model, {name: shape for name, (shape, _) in layout.items()})
+            shapes = {name: shape for name, (shape, _) in layout.items()}
+            slices = derive_boxes(self.model, shapes, checkpoint_params=self._checkpoint_params())
         except Exception as exc:
             logger.warning("%s: deriving tensor-parallel slices failed (%s); tensors keep coming whole",
                            self.identity, explain(exc))  # fmt: skip
@@ -281,14 +336,31 @@ class WeightSyncEngineBody:
             "num_tensors": record.num_tensors,
             "verified": record.verified,
             "seconds": record.seconds,
+            # what vLLM's layerwise reload held buffered at most (modules at once, bytes of the tensors handed to
+            # their loaders), against its own budget unit: the largest module in checkpoint format
+            "buffered_modules_peak": self._watch.modules_peak,
+            "buffered_bytes_peak": self._watch.bytes_peak,
+            "largest_module_bytes": self._largest_module_bytes(),
         }
+        short = len(self._padding or {})  # modules a whole version leaves short (padding): held until the finish
+        if self._watch.modules_peak > 1 + short:
+            logger.warning(
+                "%s: version %d: vLLM's reload held %d modules buffered at once (%s): the tensors did not arrive in "
+                "parent-module order, so it holds several modules' tensors at once (send each module's tensors back "
+                "to back, as a Hugging Face state dict lists them)", self.identity, record.version,
+                self._watch.modules_peak, ", ".join(self._watch.names_at_peak[:4]),
+            )  # fmt: skip
         logger.info(
-            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs)",
+            "%s: version %d loaded (%d tensors, %.1f MB, %.2fs; vLLM's reload held at most %d modules, %.1f MB, "
+            "against its largest module's %.1f MB)",
             self.identity,
             record.version,
             record.num_tensors,
             record.nbytes / 1e6,
             record.seconds,
+            self._watch.modules_peak,
+            self._watch.bytes_peak / 1e6,
+            self.last_report["largest_module_bytes"] / 1e6,
         )
 
     def _undo(self, version: int | None, *, touched: bool, whole: bool) -> str:
@@ -343,11 +415,50 @@ class WeightSyncEngineBody:
             return {**answer, "verify": None, "tensors": 0, "verified": 0, "complete": False, "checksums": {}}
         return {**report.as_dict(), **answer}
 
+    def kernel_digest(self) -> dict[str, Any]:
+        """`{"identity", "version", "incomplete", "digest"}`: one digest (`versions.verify.tensors_digest`) of every
+        parameter and buffer the model serves now, fingerprinted where they are. For an online-quantized model these
+        are the FP8 bytes and scales the reload produced, which no trainer can compute: compare with what a worker of
+        a server cold-started from the same bf16 checkpoint answers (same vLLM, same TP rank). On request only (it
+        reads every tensor once; `versions.verify.worker_kernel_digest` through `collective_rpc`)."""
+        from ...versions.verify import tensors_digest
+        from ..host_copy import live_tensors
+
+        return {
+            "identity": self.identity,
+            "version": self.version,
+            "incomplete": self.incomplete,
+            "digest": tensors_digest(live_tensors(self.model)),
+        }
+
     def finish_weight_update(self) -> None:
-        """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun."""
-        if self._reload_active:
-            self._reload_active = False
-            self._finish_layerwise_reload()
+        """Finish vLLM's layerwise reload (re-runs `process_weights_after_loading`), if begun. The modules vLLM
+        processes only now (one a whole version leaves short, as a MoE layer whose sizes block FP8 rounds up to 128)
+        get their scales checked here, after the ack: the server's workers agree (`_failed_workers`), and a broken
+        scale on any of them rolls every one back (`vllm.rollback=host`) and fails the call, naming the tensor."""
+        if not self._reload_active:
+            return
+        self._reload_active = False
+        self._finish_layerwise_reload()
+        processed_now = {load.name for load in self._commit_loads}  # what was still waiting when the version committed
+        broken: list[str] = []
+        if processed_now:
+            scales, weights = self._quantized_tensors(processed_now)
+            broken = bad_scales(scales, weights)
+        # every worker of the server asks, whatever it found (one that found nothing to check too): it is a
+        # collective, and a version one worker undoes is undone on all
+        failed = self._failed_workers(not broken)
+        if not failed:
+            return
+        version = self.version
+        self.version = self._previous_version
+        undone = self._undo(version, touched=True, whole=False)
+        found = refusal(broken, f"{len(broken)} quantized tensors broken") if broken else "nothing broken here"
+        self.last_report = {"ok": False, "version": version, "error": found}
+        raise SinkError(
+            f"{self.identity}: version {version}: {failed} of this server's workers found quantized tensors broken "
+            f"when the update finished (after the version was acknowledged); this worker: {found}; {undone}"
+        )
 
     def shutdown(self) -> None:
         """Close the receiver (cancelling a receive in flight); the worker itself lives on."""
@@ -443,6 +554,25 @@ class WeightSyncEngineBody:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         return dist.group.WORLD if dist.get_backend() == "gloo" else None
+
+    def _checkpoint_params(self) -> CheckpointParams | None:
+        """The checkpoint-format parameters the slices are traced on where a module serves others (a quantized
+        model's: `slices.py`); None outside vLLM."""
+        return None
+
+    def _module_loads(self) -> list[ModuleLoad]:
+        """Each module's progress in the engine's reload ([] outside vLLM)."""
+        return []
+
+    def _quantized_tensors(
+        self, modules: Collection[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The model's scales and FP8 weights (of `modules` only, if given), by name (none outside vLLM)."""
+        return {}, {}
+
+    def _largest_module_bytes(self) -> int:
+        """The engine's reload budget unit: its largest module in checkpoint format (0 outside vLLM)."""
+        return 0
 
     def _after_restore(self) -> None:
         """Re-derive what lives outside the model's parameters and buffers after `HostCopy.restore`."""
