@@ -7,9 +7,11 @@ processes on this host), each figure against a baseline measured in the same run
   intercept the bytes' (and the version's) own cost.
 - fixed cost a bucket (tiny): `tiny_tensors` tensors of 3 KiB in 4 KiB buckets (about one a bucket) against
   the same stream in one bucket: the difference a bucket, with next to no bytes to copy.
-- per tensor: the tiny stream in one bucket against a version of one tensor.
-- copy: the engine's GB/s at the largest bucket size, and the bytes' cost from the fit's intercept less a
-  version's own (`total_mb` over intercept minus the one-tensor version), against the same-run baseline:
+- per tensor: the tiny stream in one bucket against a version of one tensor (both sides' work on a tensor,
+  one after the other: in one bucket nothing overlaps).
+- copy: the engine's GB/s at each bucket size, and the bytes' cost from the fit's intercept less a version's
+  own (`total_mb` over intercept minus the one-tensor version: each tensor's own cost is still in it), each
+  against the same-run baseline:
   one memcpy of the same bytes (shm: the engine's floor is two of them, pack and merge, so 0.5 x) or one raw
   gloo broadcast of them (gloo; its own per-broadcast cost is fitted too, from the same bytes broadcast in
   bucket-sized pieces).
@@ -41,13 +43,15 @@ from .throughput import collect_workers, raw_bytes_seconds, raw_group
 
 KiB = 1024
 MiB = 1024 * KiB
-TENSOR_BYTES = 192 * KiB  # 3/4 of the smallest bucket measured: no chunk ever fills a bucket (none goes direct)
+# 3/4 of the smallest bucket measured by default: no chunk ever fills a bucket (so none goes direct), and a
+# tensor's own cost (~20 us) stays small next to its bytes
+TENSOR_BYTES = 768 * KiB
 TINY_TENSOR_BYTES = 3 * KiB
 TINY_BUCKET_MB = 4 / 1024  # 4 KiB: about one tiny tensor a bucket
 ONE_BUCKET_MB = 4.0  # holds the whole tiny stream (up to 1365 tensors of 3 KiB)
 BACKENDS = ("gloo", "shm")
 SIZES: dict[str, dict[str, Any]] = {
-    "small": {"total_mb": 8, "bucket_mbs": (0.25, 1.0, 8.0), "tiny_tensors": 64, "versions": 3},
+    "small": {"total_mb": 8, "bucket_mbs": (1.0, 8.0), "tiny_tensors": 64, "versions": 3},
     "default": {},
 }
 """`lightning-weightsync bench --size`: run() keyword arguments (default: the documented figures)."""
@@ -268,7 +272,7 @@ def run(
     *,
     backends: tuple[str, ...] = BACKENDS,
     total_mb: float = 64,
-    bucket_mbs: tuple[float, ...] = (0.25, 1.0, 4.0, 16.0, 64.0),
+    bucket_mbs: tuple[float, ...] = (1.0, 2.0, 4.0, 16.0, 64.0),
     tiny_tensors: int = 256,
     versions: int = 5,
 ) -> dict[str, Any]:
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--total-mb", type=float, default=64)
-    p.add_argument("--bucket-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0, 16.0, 64.0])
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[1.0, 2.0, 4.0, 16.0, 64.0])
     p.add_argument("--tiny-tensors", type=int, default=256)
     p.add_argument("--versions", type=int, default=5, help="timed versions per case (best of)")
     a = p.parse_args(argv)
