@@ -121,7 +121,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # modules of lightning_weightsync/bench/
-BENCHMARKS = ("chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
+BENCHMARKS = ("bucketcost", "chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
 SINK_HELP = f"""sinks (rollout.sink.type=...; docs/configuration.md has every knob):
   module       (the default) load each version into a torch module built by your function:
                rollout.sink.factory=package.module:function [rollout.sink.options={{...}}]

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-BENCHMARKS = ("chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
+BENCHMARKS = ("bucketcost", "chunking", "delta", "latency", "lora", "nixl", "stall", "throughput")
 BENCH_SIZES = ("small", "default")
 """`--size`: small = every benchmark scaled down to about a minute or less (a smoke run, ratios noisier);
 default = the sizes the documented figures come from."""

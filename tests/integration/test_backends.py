@@ -13,6 +13,7 @@ import torch
 
 from lightning_weightsync import BackendUnavailable, WeightReceiver, WeightSender
 from lightning_weightsync.transport.backends import backend_class, build_backend
+from lightning_weightsync.transport.backends import shared as shared_backends
 from lightning_weightsync.transport.device import resolve_device
 from tests.support.mp import free_port, run_workers
 from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream, with_timeout
@@ -164,6 +165,52 @@ def test_shm_sender_counts_only_this_versions_releases_by_members():
         sender.broadcast(0, 10, 0)  # returns: r0 released bucket 0 of version 5
     finally:
         push.close()
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.skipif(not shared_backends.DATAGRAM_RELEASES, reason="datagram releases are Linux's")
+def test_shm_releases_come_as_datagrams_and_a_bad_one_is_dropped():
+    """On Linux a release is one datagram to the name derived from the plan's release address: the sender's
+    wait takes it (and drops a malformed one) without any ZeroMQ message."""
+    import socket
+
+    from lightning_weightsync import WeightSyncTimeout
+    from lightning_weightsync.protocol.messages import BucketDone, encode
+
+    sender = build_backend("shm", **_kwargs(timeout_s=1.0))
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sender.setup("127.0.0.1", 0)
+        group = _group(sender.join_spec(1), backend="shm", members=("r0",))
+        sender.join(group, 0, 5)
+        name = shared_backends.release_name(group.join.release_addr)
+        client.sendto(b"\x07not a release", name)
+        with pytest.raises(WeightSyncTimeout, match="released by 0 of 1"):
+            sender.broadcast(0, 10, 0)
+        client.sendto(shared_backends.to_datagram(encode(BucketDone("r0", 5, 0))), name)
+        sender.broadcast(0, 10, 0)  # returns: r0's datagram released bucket 0 of version 5
+    finally:
+        client.close()
+        sender.close()
+
+
+def test_shm_releases_go_over_zeromq_where_the_datagram_cannot_reach(monkeypatch):
+    """A sender that bound no datagram socket (another network namespace, another OS) still hears every
+    release: the receiver's datagram is refused and it sends the release over ZeroMQ instead."""
+    sender = build_backend("shm", **_kwargs(timeout_s=2.0))
+    receiver = build_backend("shm", **_kwargs(is_sender=False, identity="r0"))
+    try:
+        monkeypatch.setattr(shared_backends, "DATAGRAM_RELEASES", False)
+        sender.setup("127.0.0.1", 0)  # ZeroMQ only
+        monkeypatch.undo()
+        group = _group(sender.join_spec(1), backend="shm", members=("r0",))
+        sender.join(group, 0, 5)
+        receiver.join(group, 1, 5)
+        for index in range(3):  # the first refused datagram switches the receiver to ZeroMQ for good
+            receiver.release(index % 2, index)
+            sender.broadcast(index % 2, 10, index)
+    finally:
         receiver.close()
         sender.close()
 

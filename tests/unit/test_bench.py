@@ -77,3 +77,40 @@ def test_the_layout_bench_moves_every_entry_both_ways_and_names_the_held_layout(
     assert row["entries"] > row["buckets"] > 1
     assert row["frame_bytes_per_bucket_on"] < 300 < row["frame_bytes_per_bucket_off"]
     assert "receiver" in describe(row)
+
+
+def test_bucketcost_measures_each_backend_against_its_own_runs_baseline() -> None:
+    """The small size end to end (two real processes, gloo and shm; the receiver checks its bytes): every
+    figure is there, and every ratio divides this run's own baseline (shm: one memcpy; gloo: one raw broadcast
+    of the same bytes), never a remembered number. No timing is asserted."""
+    import math
+
+    import pytest
+
+    from lightning_weightsync.bench import bucketcost
+
+    small = bucketcost.SIZES["small"]
+    report = bucketcost.run(json_out=True, **small)
+    measured = report["measured"]
+    assert set(measured["raw_s"]) == {f"{mb:g}" for mb in small["bucket_mbs"]}
+    assert [r["backend"] for r in report["backends"]] == list(bucketcost.BACKENDS)
+    for row in report["backends"]:
+        baseline = (
+            measured["memcpy_s"] if row["backend"] == "shm" else measured["raw_s"][f"{max(small['bucket_mbs']):g}"]
+        )
+        assert row["baseline_s"] == baseline, row["backend"]
+        assert row["direct_buckets"] == 0  # every byte packed and merged: the fit's line is the copy path's
+        for key in ("fixed_us_per_bucket_fit", "fixed_us_per_bucket_tiny", "per_tensor_us", "version_ms"):
+            assert math.isfinite(row[key]), (row["backend"], key)
+        assert row["tiny_buckets"] > small["tiny_tensors"] // 2
+        sizes = row["sizes"]
+        assert [s["bucket_mb"] for s in sizes] == list(small["bucket_mbs"])
+        assert [s["buckets"] for s in sizes] == sorted((s["buckets"] for s in sizes), reverse=True)
+        assert sizes[-1]["buckets"] == 1
+        for s in sizes:
+            assert s["ratio"] == pytest.approx(baseline / s["seconds"])
+        if row["copy_ratio"] is not None:
+            assert row["copy_ratio"] == pytest.approx(baseline / (row["intercept_ms"] - row["version_ms"]) * 1e3)
+        assert row["fixed_vs_baseline_1mib"] == pytest.approx(
+            row["fixed_us_per_bucket_fit"] * 1e-6 * row["baseline_GBps"] * 1e9 / 2**20
+        )

@@ -5,11 +5,22 @@ memory for `shm`, CUDA IPC for `cuda_ipc`), so nothing is copied over a network 
 each receiver reads the slot in place and sends a signed `BucketDone` to the sender's release
 socket (ZeroMQ PUSH -> PULL). The sender's `broadcast()` returns once every receiver released the
 bucket, which is exactly when the slot may be packed again (double buffering as for gloo).
+
+On Linux a release takes a shorter way where it can: one datagram to a Unix socket in the abstract
+namespace, named after the release address (`release_name`), which the sender's wait polls beside the
+ZeroMQ socket. A ZeroMQ message crosses two I/O threads and TCP (a round trip ~90 us on a 2-core
+machine, the datagram's ~9 us), and a release is on every bucket's critical path. The same signed
+frames travel either way; a receiver that cannot reach the name (another network namespace, a full
+queue) sends over ZeroMQ, as everywhere else.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
+import socket
+import sys
 import threading
 import time
 from abc import abstractmethod
@@ -21,6 +32,7 @@ import zmq
 from ...errors import ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ...protocol.joins.shared import SharedJoin
 from ...protocol.messages import (
+    MAC_LEN,
     MAX_FRAME_TO_RECEIVER,
     MAX_FRAME_TO_SENDER,
     BucketDone,
@@ -35,6 +47,28 @@ from .base import NUM_SLOTS, Backend
 
 logger = logging.getLogger(__name__)
 
+DATAGRAM_RELEASES = sys.platform.startswith("linux")  # abstract Unix socket names are Linux's
+
+
+def release_name(release_addr: str) -> bytes:
+    """The abstract Unix socket name a sender bound for the datagram releases of `release_addr`: unique on
+    this host's network namespace while that TCP address is bound, so both sides derive it from the plan."""
+    return b"\0lightning-weightsync/release/" + hashlib.sha256(release_addr.encode()).hexdigest()[:32].encode()
+
+
+def to_datagram(frames: list[bytes]) -> bytes:
+    """A release's frames (`[body]` or `[mac, body]`) as one datagram: a frame count byte, then the frames."""
+    return bytes([len(frames)]) + b"".join(frames)
+
+
+def from_datagram(data: bytes) -> list[bytes]:
+    """The frames of a datagram from `to_datagram` (`decode` authenticates and validates them)."""
+    if data[:1] == b"\x01":
+        return [data[1:]]
+    if data[:1] == b"\x02" and len(data) > 1 + MAC_LEN:
+        return [data[1 : 1 + MAC_LEN], data[1 + MAC_LEN :]]
+    raise ProtocolError(f"malformed release datagram ({len(data)} bytes)")
+
 
 class SharedBucketBackend(Backend):
     join_type = SharedJoin
@@ -43,6 +77,9 @@ class SharedBucketBackend(Backend):
         super().__init__(**kwargs)
         self._ctx: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
+        # the datagram way (module docstring): the sender's bound socket, a receiver's unbound one and the name
+        self._datagram: socket.socket | None = None
+        self._datagram_to: bytes | None = None
         self._release_addr = ""
         self._handles: list[str] = []
         # A sender's release wait still running on an executor thread given up after a failure may
@@ -77,6 +114,8 @@ class SharedBucketBackend(Backend):
                 "set transport.store_port to a free port (0: any) or transport.host to a local address"
             ) from exc
         self._release_addr = f"tcp://{host}:{port}"
+        if DATAGRAM_RELEASES:
+            self._datagram = _bound_datagram(release_name(self._release_addr))
 
     def join_spec(self, generation: int) -> SharedJoin:
         return SharedJoin(list(self._handles), self._release_addr)
@@ -103,6 +142,10 @@ class SharedBucketBackend(Backend):
             self._socket.connect(group.join.release_addr)
         except zmq.ZMQError as exc:
             raise ProtocolError(f"plan release_addr {group.join.release_addr!r} is unusable: {exc}") from exc
+        self._close_datagram()
+        if DATAGRAM_RELEASES:
+            self._datagram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._datagram_to = release_name(group.join.release_addr)
 
     # -- data path --------------------------------------------------------------------------
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
@@ -137,7 +180,7 @@ class SharedBucketBackend(Backend):
             with self._socket_lock:
                 if self._socket is None:
                     raise PeerError(f"{self.name}: closed while waiting for releases of bucket {bucket_index}")
-                frames = self._socket.recv_multipart() if self._socket.poll(int(min(left, 0.5) * 1000)) else None
+                frames = self._next_release(int(min(left, 0.5) * 1000))
             if frames is None:
                 dead = sorted(i for i, pid in members.items() if i not in done and not process_alive(pid))
                 if dead:
@@ -154,10 +197,40 @@ class SharedBucketBackend(Backend):
                 self._released.setdefault((msg.version, msg.bucket_index), set()).add(msg.identity)
         self._released.pop((version, bucket_index), None)
 
+    def _next_release(self, timeout_ms: int) -> list[bytes] | None:
+        """Sender, under the socket lock: the frames of one release from either way, waiting up to `timeout_ms`;
+        None if none came. A datagram that is not one is dropped (and counted) like a bad message."""
+        assert self._socket is not None  # checked by the caller
+        if self._datagram is None:
+            return self._socket.recv_multipart() if self._socket.poll(timeout_ms) else None
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._datagram, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self._datagram.fileno() in ready or self._datagram in ready:
+            try:
+                return from_datagram(self._datagram.recv(MAX_FRAME_TO_SENDER + 1 + MAC_LEN, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                pass
+            except ProtocolError as exc:
+                self._drops.note("a release datagram", exc)
+        if self._socket in ready:
+            return self._socket.recv_multipart()
+        return None
+
     def release(self, slot: int, bucket_index: int) -> None:
-        socket = self._require_socket()
+        socket_ = self._require_socket()
         self.wait_fence(slot)  # our copies out of the slot must be done before the sender reuses it
-        socket.send_multipart(encode(BucketDone(self.identity, self.version, bucket_index), self.auth_key))
+        frames = encode(BucketDone(self.identity, self.version, bucket_index), self.auth_key)
+        if self._datagram is not None and self._datagram_to is not None:
+            try:
+                self._datagram.sendto(to_datagram(frames), socket.MSG_DONTWAIT, self._datagram_to)
+                return
+            except OSError as exc:  # the sender's queue is full: this one over ZeroMQ; unreachable: all of them
+                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    logger.debug("%s: releases go over ZeroMQ (%s)", self.name, exc)
+                    self._datagram_to = None
+        socket_.send_multipart(frames)
 
     def _require_socket(self) -> zmq.Socket[Any]:
         if self._socket is None:
@@ -167,9 +240,27 @@ class SharedBucketBackend(Backend):
     def _drop_group(self) -> None:
         self._released.clear()
 
+    def _close_datagram(self) -> None:
+        if self._datagram is not None:
+            self._datagram.close()
+        self._datagram, self._datagram_to = None, None
+
     def close(self) -> None:
         super().close()
         with self._socket_lock:  # a release wait still polling finishes its poll first (<= 0.5 s)
             if self._socket is not None:
                 self._socket.close(linger=0)
                 self._socket = None
+            self._close_datagram()
+
+
+def _bound_datagram(name: bytes) -> socket.socket | None:
+    """The sender's datagram socket bound to `name`, or None (releases then all come over ZeroMQ)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(name)
+    except OSError as exc:
+        sock.close()
+        logger.debug("shared-slot releases over ZeroMQ only: cannot bind a datagram socket (%s)", exc)
+        return None
+    return sock
