@@ -156,7 +156,7 @@ async def _send(
     to_sender: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """Version 0 forms the group (untimed); then the best of `repeats` versions."""
-    from .. import WeightSender
+    from ..versions.sender import WeightSender
 
     seconds = []
     async with WeightSender(_cfg(backend, 0, bucket_mb)) as sender:
@@ -176,7 +176,7 @@ async def _receive(
     to_sender: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """Into preallocated destinations (the module sink's streaming apply); version 0's bytes are checked."""
-    from .. import WeightReceiver
+    from ..versions.receiver import WeightReceiver
 
     port = _get(to_receiver, "sender port")
     dest = {name: torch.full_like(t, 0x5A5A5A5A) for name, t in stream}
@@ -249,22 +249,29 @@ def _backend_row(backend: str, sender: dict[str, Any], params: dict[str, Any]) -
         "fixed_vs_baseline_1mib": slope / (MiB / base_bps),
         "copy_GBps": total / copy_s / 1e9 if copy_s > 0 else None,
         "copy_ratio": baseline / copy_s if copy_s > 0 else None,
-        "sizes": [
-            {
-                "bucket_mb": mb,
-                "buckets": c["buckets"],
-                "seconds": c["seconds"],
-                "GBps": total / c["seconds"] / 1e9,
-                "ratio": baseline / c["seconds"],
-                "us_per_bucket": c["seconds"] / c["buckets"] * 1e6,
-            }
-            for mb, c in zip(bucket_mbs, by_size, strict=True)
-        ],
+        "sizes": _size_rows(bucket_mbs, by_size, total, baseline),
     }
     if base_slope is not None:
         row["baseline_fixed_us_per_piece"] = base_slope * 1e6
         row["fixed_vs_baseline_piece"] = slope / base_slope if base_slope > 0 else None
     return row
+
+
+def _size_rows(
+    bucket_mbs: Sequence[float], by_size: list[dict[str, Any]], total: int, baseline: float
+) -> list[dict[str, Any]]:
+    """Each bucket size's version: its speed, and that speed against this run's baseline."""
+    return [
+        {
+            "bucket_mb": mb,
+            "buckets": c["buckets"],
+            "seconds": c["seconds"],
+            "GBps": total / c["seconds"] / 1e9,
+            "ratio": baseline / c["seconds"],
+            "us_per_bucket": c["seconds"] / c["buckets"] * 1e6,
+        }
+        for mb, c in zip(bucket_mbs, by_size, strict=True)
+    ]
 
 
 def run(
