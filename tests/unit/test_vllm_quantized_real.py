@@ -59,7 +59,7 @@ from lightning_weightsync.versions.verify import tensors_digest
 from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg
 from tests.unit.test_vllm_slices_engine import _Rank, tp_per_thread
-from tests.unit.test_vllm_slices_real import PATCHED, checkpoint, expected_box
+from tests.unit.test_vllm_slices_real import PATCHED, checkpoint, expected_box, single_rank_group
 
 WORLD = 2
 METHODS = ("fp8_per_block", "mxfp8", "fp8_per_channel")
@@ -176,10 +176,7 @@ class ThreadMax:
 def single_rank_groups() -> Iterator[None]:
     """One rank of expert, data and context parallelism (expert parallelism off), wherever vLLM's MoE layers ask (as
     `test_vllm_slices_real.tp_rank` answers them; the TP getters are the thread's, `tp_per_thread`)."""
-    single = SimpleNamespace(
-        is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0,
-        device_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0),
-    )  # fmt: skip
+    single = single_rank_group()
     with ExitStack() as stack:
         for name in PATCHED:
             module = importlib.import_module(name)

@@ -60,6 +60,14 @@ class NoAttention(torch.nn.Module):
         super().__init__()
 
 
+def single_rank_group() -> SimpleNamespace:
+    """A one-rank process group as vLLM's layers read one (pipeline, expert, data, context parallelism)."""
+    return SimpleNamespace(
+        is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0,
+        device_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0),
+    )  # fmt: skip
+
+
 @contextmanager
 def tp_rank(rank: int, world: int = WORLD) -> Iterator[None]:
     """vLLM's TP getters answer `rank` of `world` wherever the layers read them; one pipeline stage, and one rank
@@ -67,10 +75,7 @@ def tp_rank(rank: int, world: int = WORLD) -> Iterator[None]:
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-    single = SimpleNamespace(
-        is_last_rank=True, is_first_rank=True, world_size=1, rank_in_group=0,
-        device_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0),
-    )  # fmt: skip
+    single = single_rank_group()
     with ExitStack() as stack:
         for name in PATCHED:
             module = importlib.import_module(name)
