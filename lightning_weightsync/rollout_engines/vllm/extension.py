@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client import EXTENSION_CLASS, REPORT_METHOD, worker_weight_report
+from ...versions.verify import worker_weight_report
+from .client import EXTENSION_CLASS, REPORT_METHOD
 
 
 class WeightSyncWorkerExtension:
