@@ -286,7 +286,7 @@ class WeightReceiver(Endpoint):
             layout = self._layout.digest if self._layout is not None else ""
             await self._steps.ready(prepare, generation, layout, boxes)  # 2
             try:
-                plan = await self._steps.wait_plan(prepare, self.timeout_s)  # 3
+                plan = await self._steps.wait_plan(prepare, self.timeout_s, float(t.heartbeat_interval_s))  # 3
             except VersionAborted as exc:
                 logger.info("%s", exc)
                 continue

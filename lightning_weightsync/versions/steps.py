@@ -428,6 +428,7 @@ class ReceiverSteps:
         self.held: int | None = None  # the version the consumer holds whole (the delta base); None: none
         self.keeps = False  # the version in flight's consumer keeps what it receives (`receive_weights(base=)`)
         self.acked = True  # the version in flight got its one ack
+        self._answer: Ready | None = None  # the last Ready sent, sent again when the same Prepare comes again
 
     @property
     def in_flight(self) -> int | None:
@@ -492,17 +493,32 @@ class ReceiverSteps:
         """Answer `prepare`: the group this receiver still holds, the version it can apply a delta to, the
         digest of the bucket layout it holds (protocol/layout.py) and of the boxes it declared (declare.py)."""
         held = -1 if self.held is None else self.held
-        await self.control.send(Ready(self.identity, prepare.version, generation, held, layout, boxes))
+        self._answer = Ready(self.identity, prepare.version, generation, held, layout, boxes)
+        await self.control.send(self._answer)
 
     # 3 ---------------------------------------------------------------------------------------
-    async def wait_plan(self, prepare: Prepare, timeout_s: float) -> Plan:
-        """After answering `Ready`: the plan for that version (or a newer `Prepare` supersedes it)."""
+    async def wait_plan(self, prepare: Prepare, timeout_s: float, heartbeat_interval_s: float) -> Plan:
+        """After answering `Ready`: the plan for that version (or a newer `Prepare` supersedes it).
+
+        A sender that waited longer than its `ready_timeout_s` for our answer has forgotten us and drops the
+        late `Ready` unread, so silence here re-registers every heartbeat (as when idle): the sender then asks
+        again with the same `Prepare`, which gets the same answer, not an abort."""
         deadline = time.monotonic() + timeout_s
         awaited = f"version {prepare.version}: the group plan (transport.timeout_s={timeout_s}s)"
         while True:
-            msg = await self.control.recv_before(deadline, awaited)
+            left = deadline - time.monotonic()
+            msg = await self.control.recv(min(heartbeat_interval_s, left)) if left > 0 else None
+            if msg is None:
+                if time.monotonic() >= deadline:
+                    raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.control.address} in time")
+                await self.register()
+                continue
             if isinstance(msg, Plan) and msg.version == prepare.version and msg.session == prepare.session:
                 return msg
+            if isinstance(msg, Prepare) and (msg.version, msg.session) == (prepare.version, prepare.session):
+                if self._answer is not None:  # asked again after it forgot us: the same answer
+                    await self.control.send(self._answer)
+                continue
             if isinstance(msg, Prepare):
                 self.control.stash(msg)
                 raise VersionAborted(f"version {prepare.version} superseded by {msg.version} before it started")

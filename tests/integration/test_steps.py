@@ -104,6 +104,33 @@ async def test_a_prepare_that_supersedes_a_version_before_its_plan_is_answered(c
         await _close(sender, receiver)
 
 
+async def test_a_receiver_forgotten_for_a_late_ready_comes_back_within_the_same_version(caplog) -> None:
+    """Its `Ready` came after transport.ready_timeout_s (a loaded machine, a receiver still cleaning up a failed
+    version): the sender forgot it and drops the late answer unread. Waiting for the plan, it re-registers each
+    heartbeat, is asked again, answers again, and gets the version, not a timeout with nobody registered."""
+    weights = [("a", _tensor(KIB, 3))]
+    sender, receiver = await _pair(transport__ready_timeout_s=0.3, transport__liveness_s=5)
+    answer = receiver._steps.ready
+    late = [True]
+
+    async def ready_late(*args, **kwargs):
+        if late.pop() if late else False:
+            await asyncio.sleep(1.0)  # past the sender's ready_timeout_s
+        await answer(*args, **kwargs)
+
+    receiver._steps.ready = ready_late
+    try:
+        with caplog.at_level("INFO"):
+            both = asyncio.gather(receive_once(receiver), sender.send_weights(weights, version=1))
+            got, stats = await with_timeout(both)
+        dropped = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert dropped, "the case did not happen: the sender never gave up on the late Ready"
+        assert_bitwise(got, weights)
+        assert stats.receivers == 1 and receiver.last_complete_version == 1
+    finally:
+        await _close(sender, receiver)
+
+
 async def test_bucket_metadata_larger_than_the_plan_s_bucket_is_dropped() -> None:
     weights = [("a", _tensor(KIB, 0)), ("b", _tensor(KIB, 1))]
     sender, receiver = await _pair()
