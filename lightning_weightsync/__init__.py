@@ -1,6 +1,6 @@
 """lightning_weightsync: stream trainer weights to rollout engines, chunked and pickle-free.
 
-Heavy pieces (the engine, integrations) are imported lazily so that `import lightning_weightsync`
+Heavy pieces (the sender and receiver, integrations) are imported lazily so that `import lightning_weightsync`
 stays cheap and optional extras (lightning, accelerate, cupy, torch_npu) are only needed when used.
 """
 

@@ -175,7 +175,7 @@ class RolloutClient:
 
     def weight_reports(self) -> list[dict[str, Any]]:
         """Per worker: which version its model holds and how its tensors matched the trainer's fingerprints
-        (`versions.verify.worker_weight_report`). Raises `CannotAsk` when this rollout cannot say."""
+        (`rollout_engines.vllm.client.worker_weight_report`). Raises `CannotAsk` when this rollout cannot say."""
         raise CannotAsk(f"rollout {self.name}: cannot ask which weights it holds (no weight_reports)")
 
 

@@ -162,7 +162,7 @@ def _engine(role: int, backend: str, port: int, scale: int, bucket_mb: float, ve
                 assert r.version is not None and r.last_stats is not None  # a version was received
                 expected = _stream(scale, r.version)
                 bitwise = all(torch.equal(as_bytes(dest[n]), as_bytes(t)) for n, t in expected)
-                b = r._backend
+                b = r._lane.backend
                 rows.append({"seconds": r.last_stats.seconds, "cpu_s": cpu, "bitwise": bitwise,
                              "direct_buckets": r.last_stats.direct_buckets,
                              "registrations": getattr(b, "registrations", None),

@@ -319,8 +319,8 @@ def auth_token(cfg: DictConfig) -> bytes | None:
 
 
 def transport_token(t: TransportConfig | DictConfig) -> bytes | None:
-    """`auth_token` of the transport section alone (typed or not): what the engine, which holds only its
-    own section, asks."""
+    """`auth_token` of the transport section alone (typed or not): what the sender and the receiver, which
+    hold only their own section, ask."""
     if t.auth_token is not None:
         token, source = str(t.auth_token), "transport.auth_token"
     elif t.auth_token_file:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,8 @@ import torch
 from ..config import FailurePolicy, SenderSettings, UserConfig, load_config, settings
 from ..errors import WeightSyncError
 from ..trainer.gather import drain
+from ..trainer.send import Outbound, SendRoute, send_version
+from ..versions.options import VersionOptions
 from .common import StreamRules, close_both
 
 if TYPE_CHECKING:
@@ -114,10 +116,12 @@ class WeightSyncTransfer:
         version = self.next_version
         self.next_version += 1
         weights = iter(iterator)
+        # TRL yields live parameters (`param.detach()`) or fresh `full_tensor()`s, neither reused for the next one
+        out = Outbound(version, self._rules(weights), VersionOptions(stable_tensors=True), drains=weights)
         try:
-            stats = self._send(version, weights)
+            stats = self._send(out)
         except Exception as exc:
-            drained = drain(weights)  # the rest: TRL's other ranks are in the same gathers
+            drained = out.drained + drain(weights)  # the rest: TRL's other ranks are in the same gathers
             self._failed(version, exc, drained)
             return
         self.last_stats = stats
@@ -140,21 +144,15 @@ class WeightSyncTransfer:
         """The sender's bound control port (useful with `transport.port=0`); None before init / after destroy."""
         return self.sender.port if self.sender is not None else None
 
-    def _send(self, version: int, weights: Iterator[tuple[str, torch.Tensor]]) -> SendStats:
+    def _send(self, out: Outbound) -> SendStats:
         sender = self.sender
         if sender is None:
             raise WeightSyncError("WeightSyncTransfer.send_weights() before init_weight_transfer() or after destroy()")
         if self._pause_error is not None:
             raise self._pause_error
-        # TRL yields live parameters (`param.detach()`) or fresh `full_tensor()`s, neither reused for the next one
-        stream = self._rules(weights)
-
-        def send() -> SendStats:
-            return sender.send_weights(stream, version=version, stable_tensors=True)
-
-        if self.rollouts is not None:
-            return self.rollouts.run_version(version, send, paused=self._paused)
-        return send()
+        stats = send_version(out, SendRoute(0, sender, self.rollouts, paused=self._paused))
+        assert stats is not None  # a route with a sender sends
+        return stats
 
     def _failed(self, version: int, error: Exception, drained: int) -> None:
         self.failures += 1

@@ -43,6 +43,8 @@ from ..errors import ConfigError
 from ..plugins import RolloutClient
 from ..trainer.fleet import RolloutFleet
 from ..trainer.gather import drain
+from ..trainer.send import Outbound, SendRoute, send_version
+from ..versions.options import VersionOptions
 from . import require
 from .common import StreamRules, close_both
 
@@ -165,14 +167,9 @@ class LightningWeightSyncTrainerEngine(_base.TrainerWeightTransferEngine):  # ty
         if sender is None or rollouts is None:
             drain(weights)
             raise ConfigError("LightningWeightSyncTrainerEngine.send_weights() after shutdown()")
-        stream = self._rules(weights)
-        try:
-            rollouts.run_version(
-                version, lambda: sender.send_weights(stream, version=version, stable_tensors=True), paused=True
-            )
-        except Exception:
-            drain(weights)
-            raise
+        # drained whatever fails (`drains`): the gathers, in step with the other ranks
+        out = Outbound(version, self._rules(weights), VersionOptions(stable_tensors=True), drains=weights)
+        send_version(out, SendRoute(0, sender, rollouts, paused=True))  # vLLM's caller paused the engine
 
     def shutdown(self) -> None:
         rollouts, self.rollouts = self.rollouts, None

@@ -8,7 +8,7 @@ from ..errors import ProtocolError
 
 MAX_TEXT_LEN = 4096
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: larger than any real weight, small enough to refuse absurd shapes
-MAX_SLOTS = 8  # bucket slots a plan may hand out (the engine uses 2)
+MAX_SLOTS = 8  # bucket slots a plan may hand out (a lane uses 2)
 MAX_ADDRESS_LEN = 256  # a host name or a tcp:// address
 
 # Upper bounds of the msgpack encoding: a text of n characters is at most 4n bytes of UTF-8 plus a

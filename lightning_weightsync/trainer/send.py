@@ -9,6 +9,7 @@ whatever failed; the others wait for that list and serve exactly those receivers
 
     blocking runner (driver.py):    send_version(...) in the training thread, then the agreement
     background runner (overlap.py): send_version(...) on its thread, from the snapshot; agreed at the next sync
+    integrations (TRL, vLLM's trainer API): send_version(...) on the framework's own gathered stream
 
 A rank without a sender (gather mode, not rank 0) still drains the stream: FSDP's all-gathers are
 collectives, and the sending rank's gather of the rest needs this rank's part.
@@ -41,6 +42,10 @@ class Outbound:
     options: VersionOptions  # tied names, LoRA spec, stable tensors (sharding is added here)
     sharded: bool = False
     replica_drift: int = 0  # sharded mode: tensors whose whole copies differed between ranks (reported by rank 0)
+    # what is exhausted whatever fails (None: `weights`): the framework's own stream under a mapping of it (an
+    # integration's name and dtype rules), so the rest is pulled as it is, not renamed and cast on the way
+    drains: Iterable[Any] | None = None
+    drained: int = 0  # tensors `send_version` drained after a failure (set by it)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class SendRoute:
     sender: BlockingWeightSender | None
     rollouts: RolloutFleet | None = None
     others: tuple[SenderAddress, ...] = ()
+    paused: bool = False  # the caller paused every rollout itself (`RolloutFleet.pause`) and resumes them
 
     @property
     def coordinates(self) -> bool:
@@ -61,7 +67,8 @@ class SendRoute:
 
 def send_version(out: Outbound, route: SendRoute, relay: MembersRelay | None = None) -> SendStats | None:
     """Send this rank's part of `out.version` (None: this rank sends nothing). Raises what the send raised;
-    `out.weights` is exhausted and, in sharded mode on rank 0, the relay told (once) whatever happened."""
+    `out.weights` (or `out.drains`) is exhausted and, in sharded mode on rank 0, the relay told (once) whatever
+    happened."""
     sender = route.sender
     try:
         if sender is None:
@@ -83,11 +90,12 @@ def send_version(out: Outbound, route: SendRoute, relay: MembersRelay | None = N
 
         if route.rollouts is None:
             return send()
-        return route.rollouts.run_version(out.version, send, lora=options.lora)
+        return route.rollouts.run_version(out.version, send, lora=options.lora, paused=route.paused)
     finally:
         if out.sharded and route.coordinates and relay is not None:
             relay.finish()  # the send never reached its receivers: the other ranks hear [] and send nothing
-        drain(out.weights)  # whatever failed: the other ranks' gathers of the rest need this rank's
+        # whatever failed: the other ranks' gathers of the rest need this rank's
+        out.drained = drain(out.weights if out.drains is None else out.drains)
 
 
 __all__ = ["Outbound", "SendRoute", "send_version"]

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..config import DeltaMode
 from ..errors import DeltaError, ProtocolError
+from ..protocol.boxes import is_dtensor
 from ..protocol.chunks import TensorMeta, TensorShard
 from .planner import Outgoing
 
@@ -169,6 +172,45 @@ def apply_delta(
     return target
 
 
+class HeldVersion:
+    """The receiving side: the consumer's tensors of the version it holds (`base(meta)`, valid while `version()`
+    is the one a delta is based on), which a delta payload is applied to."""
+
+    def __init__(self, base: Callable[[TensorMeta], torch.Tensor | None] | None, version: Callable[[], int | None]):
+        self._base = base
+        self.version = version
+
+    def held(self, meta: TensorMeta, based_on: int) -> torch.Tensor:
+        """The consumer's tensor of version `based_on`, which a delta of `meta`'s tensor applies to."""
+        version = self.version()
+        held = self._base(meta) if self._base is not None and version == based_on else None
+        if held is None:
+            raise DeltaError(
+                f"{meta.name!r} arrived as a delta of version {based_on}, but this receiver holds "
+                f"{'no version it can apply one to' if version is None else f'version {version}'}"
+            )
+        return held
+
+    def apply(
+        self,
+        payload: torch.Tensor,
+        delta: tuple[TensorMeta, int],
+        into: Callable[[TensorMeta], torch.Tensor | None] | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The tensor a delta payload rebuilds, in `into(meta)` (the consumer's destination) or a new tensor; the
+        held version stays as it was unless the destination is that tensor itself (streaming in place)."""
+        meta, based_on = delta
+        held = self.held(meta, based_on)
+        target = into(meta) if into is not None else None
+        if is_dtensor(held) or is_dtensor(target):  # it holds a box: a delta rebuilds the whole tensor
+            raise DeltaError(
+                f"{meta.name!r} arrived as a delta, which does not apply into a DTensor's box; transport.slices=true "
+                "(boxes come whole) or transport.delta=off for a tensor-parallel rollout"
+            )
+        return apply_delta(payload, meta, held, target, device)
+
+
 def apply_range_delta(
     payload: torch.Tensor, meta: TensorMeta, start: int, size: int, held: torch.Tensor, target: torch.Tensor
 ) -> None:
@@ -233,6 +275,16 @@ class DeltaBase:
 
     def invalidate(self) -> None:
         self.version = None
+
+    def policy(self, mode: DeltaMode, held: list[int]) -> DeltaPolicy:
+        """This version's: deltas only against the version every receiver says it holds (`held`: each one's
+        `Ready.delta_base`), while the copy of it is whole."""
+        usable = self.version is not None and not self.full_requested and bool(held)
+        usable = usable and all(h == self.version for h in held)
+        self.full_requested = False
+        if usable and mode is DeltaMode.auto and self.prefer_whole():  # measured: deltas lose on this link
+            usable = False
+        return DeltaPolicy(mode is not DeltaMode.off, self.version if usable else None, mode is DeltaMode.always)
 
 
 @dataclass
@@ -317,6 +369,7 @@ __all__ = [
     "DeltaBase",
     "DeltaError",
     "DeltaPolicy",
+    "HeldVersion",
     "VersionDelta",
     "apply_delta",
     "apply_range_delta",

@@ -1,26 +1,24 @@
-"""What `WeightSender` and `WeightReceiver` share: a control plane, a data-plane backend and the
-one executor thread that runs its blocking collectives, and closing them in the right order."""
+"""What `WeightSender` and `WeightReceiver` share: a control plane, the data-plane backends their lanes build,
+and closing them in the right order."""
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ..transport.backends import Backend, build_backend, groups_draining
-from ..transport.executor import SerialExecutor
 
 if TYPE_CHECKING:
     from ..transport.control import ReceiverControl, SenderControl
 
 logger = logging.getLogger(__name__)
+_E = TypeVar("_E", bound="Endpoint")
 
 
 class Endpoint(ABC):
-    _backend: Backend | None
-    _executor: SerialExecutor | None
     _control: SenderControl | ReceiverControl  # each subclass declares its own
     device: torch.device
     timeout_s: float
@@ -44,6 +42,10 @@ class Endpoint(ABC):
     @abstractmethod
     async def start(self) -> None: ...
 
+    @abstractmethod
+    def _close_lanes(self) -> None:
+        """Free the lanes' buckets and groups, then stop their executor threads."""
+
     async def close(self) -> None:
         """Free buckets and the group first, then stop the executor, then the sockets."""
         if groups_draining():
@@ -53,27 +55,10 @@ class Endpoint(ABC):
                 "exits before then is aborted on the way out (exit code 134)",
                 self.timeout_s,
             )
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
+        self._close_lanes()
         await self._control.close()
 
-    def _fail_group(self) -> None:
-        """After a transport failure: forget the group (the next version rebuilds it). A collective
-        may still be stuck on the executor thread until the backend's own timeout, so later
-        versions get a new thread instead of queueing behind it."""
-        if self._backend is not None:
-            self._backend.broken()
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = SerialExecutor(self._executor_name)
-
-    _executor_name = "weightsync"
-
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self: _E) -> _E:
         await self.start()
         return self
 

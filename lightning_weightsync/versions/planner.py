@@ -13,7 +13,7 @@
 
 It is the mirror of the receiver's `BucketPipeline` (versions/pipeline.py), without its waits: a pure object
 (no sockets, no backend, no event loop), so the layout and every rule above are tested on their own
-(tests/unit/test_planner.py), and the sender's `_stream` only executes the steps: copy into the slot,
+(tests/unit/test_planner.py), and a lane's `LaneStream` (lanes.py) only executes the steps: copy into the slot,
 publish the metadata, broadcast, and wait for the other slot before packing into it. Packed buckets take
 the slots in turn (bucket k of the packed ones in slot k % NUM_SLOTS); a Flush names the slot it read.
 

@@ -197,31 +197,6 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def worker_kernel_digest(worker: Any) -> dict[str, Any]:
-    """A vLLM worker's digest of every tensor its model serves now (`kernel_digest` of its weight-transfer engine,
-    when that engine is ours): for an online-quantized model the FP8 bytes and scales the reload produced. Compare it
-    with the digest a server cold-started from the same bf16 checkpoint answers, worker by worker (same vLLM, same
-    TP rank). Pass this function to `collective_rpc`, as `worker_weight_report`."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    digest = getattr(engine, "kernel_digest", None)
-    if not callable(digest):
-        return {"error": f"the worker's weight transfer engine ({type(engine).__name__}) is not lightning_weightsync"}
-    answer = digest()
-    return dict(answer) if isinstance(answer, Mapping) else {"error": f"kernel_digest returned {answer!r:.80}"}
-
-
-def worker_weight_report(worker: Any) -> dict[str, Any]:
-    """A vLLM worker's answer to "which version do you hold, and was it verified" (its weight-transfer
-    engine's `weight_report`, when that engine is ours). Pass this function to `LLM.collective_rpc` /
-    `AsyncLLM.collective_rpc`: one answer per worker. Duck-typed, so the trainer side imports no vLLM."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    report = getattr(engine, "weight_report", None)
-    if not callable(report):
-        return {"error": f"the worker's weight transfer engine ({type(engine).__name__}) is not lightning_weightsync"}
-    answer = report()
-    return dict(answer) if isinstance(answer, Mapping) else {"error": f"weight_report returned {answer!r:.80}"}
-
-
 def weight_problems(
     name: str, version: int, report: Mapping[str, Any], checksums: Mapping[str, str] | None
 ) -> list[str]:
@@ -251,6 +226,4 @@ __all__ = [
     "tensors_digest",
     "weight_problems",
     "weights_digest",
-    "worker_kernel_digest",
-    "worker_weight_report",
 ]

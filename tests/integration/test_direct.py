@@ -170,7 +170,7 @@ async def test_a_list_takes_the_fast_path_without_a_flag_and_a_generator_keeps_t
 
 
 def test_which_iterables_hold_their_tensors() -> None:
-    from lightning_weightsync.versions.sender import holds_its_tensors
+    from lightning_weightsync.versions.source import holds_its_tensors
 
     model = torch.nn.Linear(2, 2)
     items = [("w", torch.zeros(1))]

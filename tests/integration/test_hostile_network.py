@@ -410,10 +410,10 @@ async def test_garbage_on_the_shm_release_socket_costs_one_warning_line(caplog: 
 
     cfg = engine_cfg(free_port(), backend="shm", bucket_size_mb=1 / 128)
     async with WeightSender(cfg) as sender, WeightReceiver(cfg, identity="r0") as receiver:
-        assert sender._backend is not None
+        assert sender._lanes.backend is not None
         ctx = zmq.Context()
         flood = ctx.socket(zmq.PUSH)
-        flood.connect(sender._backend.join_spec(0).release_addr)
+        flood.connect(sender._lanes.backend.join_spec(0).release_addr)
         try:
             for _ in range(2000):
                 flood.send(b"\x93garbage")

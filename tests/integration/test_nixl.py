@@ -51,7 +51,7 @@ def _receiver(port: int, bucket_mb: float, versions: int, stream_kw: dict, into:
                 assert_bitwise(got, stream(receiver.version, **stream_kw))
                 seen.append(receiver.version)
                 direct.append(receiver.last_stats.direct_buckets)
-                backend = receiver._backend
+                backend = receiver._lane.backend
                 regs.append((backend.registrations, backend.registration_hits))
         return {"versions": seen, "direct": direct, "registrations": regs}
 

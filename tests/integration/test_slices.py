@@ -81,7 +81,7 @@ async def _run(
             for version in versions:
                 boxes = declared(version) if callable(declared) else declared
                 got, nbytes, layout = await _receive(receivers[ident], boxes)
-                world = receivers[ident]._backend.world_size  # its lane's group: the sender and the lane's members
+                world = receivers[ident]._lane.backend.world_size  # its lane's group: the sender and the lane's members
                 out.append((receivers[ident].version, got, nbytes, world, layout))
             return out
 

@@ -379,14 +379,14 @@ async def test_a_receiver_that_nacked_then_vanished_ends_the_wait_at_once_named_
     weights = [(f"t{i}", _tensor(2**20, i)) for i in range(48)]  # 48 MiB: more than loopback buffers hold
     sender, receiver = await _pair(transport__timeout_s=60)  # far above LOAD_SLACK_S
 
-    async def die() -> None:  # after its nack went out: no drain, no goodbye
-        if receiver._pipeline is None:  # (asked before each version too: nothing to drain)
+    async def die(acks: object) -> None:  # after its nack went out: no drain, no goodbye
+        if receiver._lane.current is None:  # (asked before each version too: nothing to drain)
             return
-        receiver._pipeline.cancel()
+        receiver._lane.current.cancel()
         receiver._control._sock.close(linger=5000)  # what was sent still leaves (the nack), then the link drops
         receiver._control._sock = None
 
-    receiver._finish_abandoned = die
+    receiver._lane.finish_abandoned = die
 
     def into(meta):
         if meta.name == "t2":
@@ -422,7 +422,7 @@ async def test_a_receiver_that_acked_and_exited_at_once_does_not_fail_the_versio
     weights = [(f"t{i}", _tensor(BUCKET, i)) for i in range(3)]
     sender, receiver = await _pair(transport__timeout_s=60)
     release = threading.Event()  # set from the loop, waited on by the sender's data-plane thread
-    backend = sender._backend
+    backend = sender._lanes.backend
     assert backend is not None
     start_broadcast = backend.start_broadcast
 

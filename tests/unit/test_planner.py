@@ -1,6 +1,6 @@
 """The sender's bucket planner, without sockets, a backend or an event loop.
 
-The plan is executed here the way `WeightSender._stream` executes it: two reused slot buffers, `Pack`
+The plan is executed here the way a lane (`LaneStream`) executes it: two reused slot buffers, `Pack`
 copies a chunk into its slot, `Flush` takes the bucket's bytes out of its slot (or a direct bucket's
 from the caller's tensor) and its entries say where each chunk lies. What comes out is merged with
 `protocol.chunks.merge_weight_chunks`, as a receiver would, and must be bitwise what went in.

@@ -233,7 +233,7 @@ async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torc
         stats = await sender.send_weights(weights(), version=1)  # nobody registered: drained, not checked
         assert stats.receivers == 0 and pulled == ["a", name, "z"]
         pulled.clear()
-        from lightning_weightsync.versions.sender import _Drainable
+        from lightning_weightsync.versions.source import Drainable as _Drainable
 
         source = _Drainable(weights())
         with pytest.raises(ProtocolError, match=match) as info:
@@ -246,7 +246,7 @@ async def test_sender_fails_unsendable_tensor_and_drains(name: str, tensor: torc
 
 
 async def _pull(weights: list[tuple[str, torch.Tensor]]) -> list[str]:
-    from lightning_weightsync.versions.sender import _Drainable
+    from lightning_weightsync.versions.source import Drainable as _Drainable
 
     return [name async for name, _ in _Drainable(weights)]
 

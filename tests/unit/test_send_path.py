@@ -39,6 +39,19 @@ def test_the_trainer_sends_a_version_in_one_place() -> None:
     assert set(callers) == {"trainer/send.py"}, f"send_weights called outside trainer/send.py: {callers}"
 
 
+def test_the_integrations_send_a_version_through_send_version() -> None:
+    """TRL's and vLLM's trainer adapters send through `send_version` (the rollouts' update around the send and
+    the drain written once), never by calling a sender's `send_weights` themselves."""
+    for name in ("trl.py", "vllm_trainer.py"):
+        path = PACKAGE_DIR / "integrations" / name
+        tree = ast.parse(path.read_text(), str(path))
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert not _calls(path, "send_weights"), (
+            f"integrations/{name} calls send_weights: {_calls(path, 'send_weights')}"
+        )
+        assert "send_version" in called, f"integrations/{name} does not send through send_version"
+
+
 def test_the_send_keywords_are_exactly_the_version_options() -> None:
     """The keywords `send_weights` keeps for a caller that sets one option are the fields of `VersionOptions`,
     on both senders: a new option is a field there, not a keyword here."""

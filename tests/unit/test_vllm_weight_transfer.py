@@ -200,14 +200,14 @@ def test_the_slots_are_taken_when_the_engine_is_built_and_used_by_every_version(
     cfg, worker, _, sender = _setup(tmp_path)
     try:
         receiver = worker.weight_transfer_engine._worker_receiver.receiver
-        backend = receiver._backend
+        backend = receiver._lane.backend
         assert backend is not None, "no slots before the first version"
         slots = [b.data_ptr() for b in backend.buckets]
         assert len(slots) == 2 and receiver.preallocated_bytes == 2 * bucket_size_bytes(cfg)
         for v in (1, 2):
             _, errors = _update(worker, sender, v)
             assert not errors
-        assert receiver._backend is backend and [b.data_ptr() for b in backend.buckets] == slots
+        assert receiver._lane.backend is backend and [b.data_ptr() for b in backend.buckets] == slots
     finally:
         worker.weight_transfer_engine.shutdown()
         sender.close()
@@ -229,9 +229,8 @@ class _InProcessLLM:
 def test_the_engine_says_which_version_it_holds_and_rollout_control_checks_it(tmp_path: Path) -> None:
     """Issue 22: through the engine, comparable with vLLM's /weight_checker; `RolloutFleet` asks after a version."""
     from lightning_weightsync.errors import PeerError
-    from lightning_weightsync.rollout_engines.vllm.client import EngineRolloutClient
+    from lightning_weightsync.rollout_engines.vllm.client import EngineRolloutClient, worker_weight_report
     from lightning_weightsync.trainer.fleet import RolloutFleet
-    from lightning_weightsync.versions.verify import worker_weight_report
 
     _, worker, _, sender = _setup(tmp_path)
     client = EngineRolloutClient(_InProcessLLM(worker))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from ...errors import CannotAsk, ConfigError, PeerError
 from ...plugins import RolloutClient
 from ...protocol.lora import adapter_path
 from ...transport.http import JSONEndpoint
-from ...versions.verify import weight_problems, worker_weight_report
+from ...versions.verify import weight_problems
 from .config import PauseMode, VLLMConfig
 
 logger = logging.getLogger(__name__)
@@ -249,6 +250,31 @@ class HTTPRolloutClient(_WorkersHoldIt, _PrefixCacheReset, RolloutClient):
         return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
+def worker_kernel_digest(worker: Any) -> dict[str, Any]:
+    """A vLLM worker's digest of every tensor its model serves now (`kernel_digest` of its weight-transfer engine,
+    when that engine is ours): for an online-quantized model the FP8 bytes and scales the reload produced. Compare it
+    with the digest a server cold-started from the same bf16 checkpoint answers, worker by worker (same vLLM, same
+    TP rank). Pass this function to `collective_rpc`, as `worker_weight_report`."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    digest = getattr(engine, "kernel_digest", None)
+    if not callable(digest):
+        return {"error": f"the worker's weight transfer engine ({type(engine).__name__}) is not lightning_weightsync"}
+    answer = digest()
+    return dict(answer) if isinstance(answer, Mapping) else {"error": f"kernel_digest returned {answer!r:.80}"}
+
+
+def worker_weight_report(worker: Any) -> dict[str, Any]:
+    """A vLLM worker's answer to "which version do you hold, and was it verified" (its weight-transfer
+    engine's `weight_report`, when that engine is ours). Pass this function to `LLM.collective_rpc` /
+    `AsyncLLM.collective_rpc`: one answer per worker. Duck-typed, so the trainer side imports no vLLM."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    report = getattr(engine, "weight_report", None)
+    if not callable(report):
+        return {"error": f"the worker's weight transfer engine ({type(engine).__name__}) is not lightning_weightsync"}
+    answer = report()
+    return dict(answer) if isinstance(answer, Mapping) else {"error": f"weight_report returned {answer!r:.80}"}
+
+
 @dataclass
 class _UpdateRequest:
     """The shape of vLLM's `WeightTransferUpdateRequest` (its one field), used when vLLM's own class
@@ -318,7 +344,7 @@ class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset, RolloutClient):
         return bool(self._call("reset_prefix_cache", reset_running_requests=reset_running_requests))
 
     def weight_reports(self) -> list[dict[str, Any]]:
-        """Every worker's `weight_report` (`versions.verify.worker_weight_report` through `collective_rpc`);
+        """Every worker's `weight_report` (`worker_weight_report` through `collective_rpc`);
         `CannotAsk` for an engine without `collective_rpc` (a stand-in)."""
         if not hasattr(self.llm, "collective_rpc"):
             raise CannotAsk(f"vLLM rollout {self.name}: the engine has no collective_rpc to ask its workers")
@@ -339,4 +365,4 @@ class EngineRolloutClient(_WorkersHoldIt, _PrefixCacheReset, RolloutClient):
         return int(size) if isinstance(size, int) else None
 
 
-__all__ = ["EngineRolloutClient", "HTTPRolloutClient", "clients"]
+__all__ = ["EngineRolloutClient", "HTTPRolloutClient", "clients", "worker_kernel_digest", "worker_weight_report"]

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...versions.verify import worker_weight_report
-from .client import EXTENSION_CLASS, REPORT_METHOD
+from .client import EXTENSION_CLASS, REPORT_METHOD, worker_weight_report
 
 
 class WeightSyncWorkerExtension:

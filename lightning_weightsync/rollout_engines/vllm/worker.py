@@ -420,7 +420,7 @@ class WeightSyncEngineBody:
         parameter and buffer the model serves now, fingerprinted where they are. For an online-quantized model these
         are the FP8 bytes and scales the reload produced, which no trainer can compute: compare with what a worker of
         a server cold-started from the same bf16 checkpoint answers (same vLLM, same TP rank). On request only (it
-        reads every tensor once; `versions.verify.worker_kernel_digest` through `collective_rpc`)."""
+        reads every tensor once; `rollout_engines.vllm.client.worker_kernel_digest` through `collective_rpc`)."""
         from ...versions.verify import tensors_digest
         from ..host_copy import live_tensors
 

@@ -9,7 +9,7 @@ Life cycle, sender (rank 0) and receivers (ranks 1..N) alike:
   receiver reads the bytes through `view(slot, nbytes)` and `release()`s the slot once they were
   copied out. `broken()` marks the group unusable after a failure; `close()` frees everything.
 
-The engine never touches a backend's buffers or private state: everything goes through these methods.
+The sender and receiver never touch a backend's buffers or private state: everything goes through these methods.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class Backend(ABC):
         self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
     ) -> Callable[[], None] | None:
         """`broadcast`, split in two where the backend can: start the transfer and return a function that
-        waits for it (None: already complete). The engine starts the next transfer before waiting for this
+        waits for it (None: already complete). A lane starts the next transfer before waiting for this
         one, so several are in flight. The default runs the blocking `broadcast`."""
         self.broadcast(slot, nbytes, bucket_index, buffer)
         return None

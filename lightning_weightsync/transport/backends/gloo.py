@@ -33,7 +33,7 @@ class GlooBackend(TorchProcessGroupBackend):
     direct_ok = True  # CPU tensors: any contiguous chunk can be sent / received in place
 
     def _new_group(self, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
-        # The engine keeps several broadcasts in flight (`start_broadcast`); gloo runs each on one of its
+        # A lane keeps several broadcasts in flight (`start_broadcast`); gloo runs each on one of its
         # worker threads, each with its own connections. 4 threads instead of gloo's default 2 measured
         # 391-405 ms vs 412-423 ms a version (Qwen3-8B/4, 64 MiB buckets, loopback, 2 cores).
         try:

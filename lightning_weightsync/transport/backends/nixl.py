@@ -313,7 +313,7 @@ class NixlBackend(Backend):
         self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
     ) -> Callable[[], None] | None:
         """Receiver: post the READ and return its wait (which sends the release once the bytes are here), so
-        the engine posts the next bucket's READ while this one moves. Sender: the release wait itself."""
+        the receiver posts the next bucket's READ while this one moves. Sender: the release wait itself."""
         if nbytes == 0:
             return None  # both sides know: nothing is read, nothing released
         if self.is_sender:

@@ -4,7 +4,7 @@ idle), reads and checks what the sender says, and reaches the sender's rendezvou
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges, and in sealed
 mode: the sender session and its sequence); bad messages are counted and dropped, never acted upon.
 A new sender session is adopted only through a message whose seal answers one of our recent `Register`s
-(`Seal.answers`); what a message means for a version is the engine's business (`versions/steps.py`).
+(`Seal.answers`); what a message means for a version is the versions layer's business (`versions/steps.py`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ReceiverControl:
         self.replayed_messages = 0
         self.bucket_size: int | None = None
         self.refused: str | None = None  # the sender's reason, while it refuses our registration
-        self.ends_join: tuple[type[Message], ...] = ()  # kinds that end a rendezvous wait (set by the engine)
+        self.ends_join: tuple[type[Message], ...] = ()  # kinds that end a rendezvous wait (set by the version's steps)
         self.sender_session: str | None = None  # the session whose messages we accept (sealed mode)
         self._sender_seq = -1
         self._seq = 0
@@ -171,7 +171,7 @@ class ReceiverControl:
             self._ctx = None
 
     async def register(self, last_version: int = -1) -> None:
-        """Announce this receiver (`last_version`: the last version it received whole, as the engine says)."""
+        """Announce this receiver (`last_version`: the last version it received whole, as the version's steps say)."""
         nonce = secrets.token_hex(8)
         self._nonces[nonce] = self._nonce_count
         self._nonce_count += 1
@@ -274,7 +274,7 @@ class ReceiverControl:
     # -- the data-plane rendezvous, through the sender ----------------------------------------------
     async def store_call(self, op: str, key: str, value: bytes, timeout_s: float) -> StoreReply:
         """One request to the sender's rendezvous store; other messages that arrive meanwhile are
-        kept for later, except those of the kinds in `ends_join` (the engine's: the sender gave up the group),
+        kept for later, except those of the kinds in `ends_join` (the version steps': the sender gave up the group),
         which end the wait with `VersionAborted`."""
         self._request_id += 1
         request_id = self._request_id

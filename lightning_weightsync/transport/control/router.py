@@ -10,7 +10,7 @@ excess, counted.
 Why a lock and not a thread that also sends: a ZeroMQ socket may be used by one thread at a time, with a
 full memory barrier between (a mutex gives it). Handing every send to the thread cost a thread hop per
 message, ~180 us against ~10 us for a send in place (measured: 2000 sends through `SenderControl`), and the
-engine sends one message per bucket or direct tensor: 12-18 % of a CPU loopback version's throughput. So
+sender sends one message per bucket or direct tensor: 12-18 % of a CPU loopback version's throughput. So
 the caller sends in place, under the lock, NOBLOCK; the thread never blocks while it holds the lock: it
 waits on the socket's file descriptor (`ZMQ_FD`, a plain fd: no socket call) outside it, then reads what is
 there under it. `ZMQ_FD` is edge-triggered and any socket call may consume its edge, so whoever holds the

@@ -17,7 +17,7 @@ per identity and `REFUSE_EVERY_S`; the rest are dropped and counted (`throttled_
 
 Every received frame goes through `unseal` / `decode` (signature, schema, ranges); bad messages are
 counted and dropped, never acted upon, and logged at most once per `DROP_LOG_INTERVAL_S` with a count.
-What a message means for a version of weights is the engine's business (`versions/steps.py`).
+What a message means for a version of weights is the versions layer's business (`versions/steps.py`).
 
 Reading never waits for the trainer: a thread of its own reads the ROUTER (`router.py`), whatever
 arrives, at once, and keeps it in per-connection queues with a budget (`inbox.py`: 256 messages and 1 MiB a
@@ -469,7 +469,7 @@ class SenderControl:
             return False, True
         if identity in self.peers:
             self.peers[identity].last_seen = time.monotonic()
-        if isinstance(msg, BucketDone):  # where the receiver is (the engine names laggards from it)
+        if isinstance(msg, BucketDone):  # where the receiver is (the version's steps name laggards from it)
             self.progress[identity] = msg
             return False, True
         if isinstance(msg, Boxes):  # a page of the boxes it holds (protocol/declare.py), read at its next Ready
