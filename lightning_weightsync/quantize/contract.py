@@ -85,12 +85,13 @@ class QuantRule:
         if not (isinstance(block, tuple) and len(block) == 2 and all(type(b) is int for b in block)):
             raise QuantizeError(f"{self.pattern}: block must be two ints, got {str(block)[:40]}")
         if not all(0 < b <= MAX_BLOCK for b in block) or (known.fixed_block and block != known.default_block):
-            raise QuantizeError(f"{self.pattern}: block {block} is not one {self.scheme} takes "
-                                f"({known.default_block if known.fixed_block else f'1 to {MAX_BLOCK} each'})")  # fmt: skip
+            takes = known.default_block if known.fixed_block else f"1 to {MAX_BLOCK} each"
+            raise QuantizeError(f"{self.pattern}: block {block} is not one {self.scheme} takes ({takes})")
         produced = (str(known.element_dtype).removeprefix("torch."), str(known.scale_dtype).removeprefix("torch."))
         if (self.element_dtype, self.scale_dtype) != produced:
+            asked = f"{self.element_dtype!s:.40} with {self.scale_dtype!s:.40}"
             raise QuantizeError(f"{self.pattern}: {self.scheme} produces {produced[0]} with {produced[1]} scales, "
-                                f"the contract asks {self.element_dtype!s:.40} with {self.scale_dtype!s:.40}")  # fmt: skip
+                                f"the contract asks {asked}")  # fmt: skip
         if not isinstance(self.scale_suffix, str) or not _SUFFIX.fullmatch(self.scale_suffix):
             raise QuantizeError(f"{self.pattern}: scale_suffix {str(self.scale_suffix)[:80]!r} is not one name "
                                 "component (letters, digits, _; up to 64)")  # fmt: skip

@@ -62,9 +62,11 @@ def _tiles(count: int, per_tile: int) -> list[tuple[int, int]]:
 
 
 def _refuse_nonfinite(name: str, tile: torch.Tensor, origin: tuple[int, ...], scheme: str) -> None:
+    """Raise for the first NaN / inf of a 2-D `tile` whose element [0, 0] is `origin` of the weight (a 3-D
+    weight's origin leads with the expert)."""
     bad = (~torch.isfinite(tile)).nonzero()[0].tolist()
-    where = [o + b for o, b in zip(origin, bad, strict=True)]
-    value = tile[tuple(bad)].item()
+    where = [*origin[:-2], origin[-2] + bad[0], origin[-1] + bad[1]]
+    value = tile[bad[0], bad[1]].item()
     raise QuantizeError(
         f"{name}: element {where} is {value} (the weight holds a NaN or an infinity); it cannot be quantized to "
         f"{scheme}, and it was not sent (nor its bf16 bytes in its place): fix the trainer's weights, or have the "
@@ -163,9 +165,9 @@ def _mxfp8_tile(
     blocked = tile.to(torch.float32).reshape(r1 - r0, c1 - c0, MXFP8_BLOCK)
     amax = blocked.abs().amax(dim=-1)
     if not bool(torch.isfinite(amax).all()):
-        r, c = (~torch.isfinite(tile)).nonzero()[0].tolist()
-        origin = _unflatten(r0 + r, shape[:-1]) + (c0 * MXFP8_BLOCK + c,)
-        _refuse_nonfinite(name, tile[r : r + 1, c : c + 1], origin, "mxfp8")
+        r = int((~torch.isfinite(tile)).any(dim=1).nonzero()[0])
+        origin = (*_unflatten(r0 + r, shape[:-1]), c0 * MXFP8_BLOCK)
+        _refuse_nonfinite(name, tile[r : r + 1], origin, "mxfp8")
     amax = amax.clamp(min=torch.finfo(torch.float32).tiny)
     biased = (torch.ceil(torch.log2(amax / FP8_MAX)) + E8M0_BIAS).clamp(0, 254)
     scale[r0:r1, c0:c1] = biased.to(torch.uint8)
