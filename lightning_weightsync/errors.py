@@ -57,6 +57,12 @@ class DeltaError(WeightSyncError):
     version fails, the held one stays, and the sender's next sync to this receiver is whole."""
 
 
+class QuantizeError(WeightSyncError, ValueError):
+    """A weight cannot be quantized to the rollout's contract (a NaN or inf in it, a shape or dtype the scheme
+    does not take, a name the contract does not cover), or a contract is malformed; never answered by sending
+    the bf16 tensor instead."""
+
+
 class BackendUnavailable(WeightSyncError, ImportError):
     """An optional dependency (of a backend, an integration such as Lightning, or vLLM) or the hardware is
     missing; names the extra to install."""

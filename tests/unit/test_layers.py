@@ -1,6 +1,6 @@
 """The package tree is the architecture: an import only ever points down the layers.
 
-    errors, choice <- registry <- plugins <- protocol <- transport | config <- versions <- trainer | rollout
+    errors, choice <- registry | quantize <- plugins <- protocol <- transport | config <- versions <- trainer | rollout
         <- rollout_engines <- demo | integrations <- bench <- cli, __init__
 
 `registry` is the one plug-in seam (name -> module path, imported when used); `plugins` holds every table built
@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "choice": 0,  # the base of every config choice
     "registry": 1,  # the plug-in seam every table is built with
+    "quantize": 1,  # trainer-side quantizers and the rollout's quantization contract: torch and errors only
     "plugins": 2,  # every plug-in table, and the RolloutClient base
     "protocol": 3,
     "transport": 4,

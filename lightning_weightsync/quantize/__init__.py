@@ -1,0 +1,18 @@
+"""Trainer-side quantization to the contract a rollout declares (block FP8, MXFP8), bitwise what vLLM's own
+quantizers compute; torch and the errors module only, so any layer above may use it."""
+
+from .contract import QuantContract, QuantRule
+from .schemes import SCHEMES, Scheme, quantize_fp8_block, quantize_mxfp8
+from .stream import QuantizedStream, QuantStats, quantize_stream
+
+__all__ = [
+    "SCHEMES",
+    "QuantContract",
+    "QuantRule",
+    "QuantStats",
+    "QuantizedStream",
+    "Scheme",
+    "quantize_fp8_block",
+    "quantize_mxfp8",
+    "quantize_stream",
+]

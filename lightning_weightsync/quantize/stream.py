@@ -1,0 +1,90 @@
+"""A trainer's (name, tensor) stream turned into what the rollout's contract says its model loads.
+
+One tensor at a time, in the order given (a rollout's reload buffers a module until its last tensor arrives, so
+the order the trainer sends is kept): a quantized name yields its FP8 weight and then its scale tensor, a kept
+name yields the tensor itself, untouched. What is held at once is one weight's FP8 bytes and scales plus the
+quantizer's tiles (`schemes.py`), never the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuantizeError
+from .contract import QuantContract
+from .schemes import DEFAULT_MAX_TEMP_ELEMS, SCHEMES
+
+
+@dataclass
+class QuantStats:
+    """Counts of one pass over a stream: tensors and bytes that came in, and what went out for them."""
+
+    quantized: int = 0  # tensors quantized (each yields a weight and a scale)
+    kept: int = 0  # tensors passed through
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Bytes out per byte in (block FP8 of bf16: just over 0.5)."""
+        return self.bytes_out / self.bytes_in if self.bytes_in else 1.0
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class QuantizedStream(Iterator[tuple[str, torch.Tensor]]):
+    """The iterator `quantize_stream` returns; `stats` grows as it is consumed."""
+
+    def __init__(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], contract: QuantContract, max_temp_elems: int
+    ) -> None:
+        self.stats = QuantStats()
+        self._items = self._run(iter(named_tensors), contract, max_temp_elems)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
+
+    def _run(
+        self, items: Iterator[tuple[str, torch.Tensor]], contract: QuantContract, max_temp_elems: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        scale_names: set[str] = set()
+        seen: set[str] = set()
+        for name, tensor in items:
+            if name in scale_names or name in seen:
+                raise QuantizeError(f"{name}: sent twice, or also the name of a scale tensor the contract makes")
+            seen.add(name)
+            rule = contract.rule_for(name)
+            self.stats.bytes_in += _nbytes(tensor)
+            if rule is None:
+                self.stats.kept += 1
+                self.stats.bytes_out += _nbytes(tensor)
+                yield name, tensor
+                continue
+            scale_name = rule.scale_name(name)
+            if scale_name in seen:
+                raise QuantizeError(f"{name}: its scale's name {scale_name} is a tensor the trainer sent too")
+            scale_names.add(scale_name)
+            weight, scale = SCHEMES[rule.scheme].quantize(name, tensor.detach(), rule.block, max_temp_elems)
+            self.stats.quantized += 1
+            self.stats.bytes_out += _nbytes(weight) + _nbytes(scale)
+            yield name, weight
+            yield scale_name, scale
+
+
+def quantize_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    contract: QuantContract,
+    *,
+    max_temp_elems: int = DEFAULT_MAX_TEMP_ELEMS,
+) -> QuantizedStream:
+    """`named_tensors` as the rollout's `contract` says its model loads them (lazily: nothing is quantized
+    before it is asked for). Raises `QuantizeError`, naming the tensor, for a name the contract does not cover,
+    a weight its scheme cannot take, or a NaN / inf in a weight to quantize; never sends bf16 in FP8's place."""
+    if max_temp_elems < 1:
+        raise QuantizeError(f"max_temp_elems must be positive, got {max_temp_elems}")
+    return QuantizedStream(named_tensors, contract, max_temp_elems)

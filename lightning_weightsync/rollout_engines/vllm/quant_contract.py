@@ -1,0 +1,143 @@
+"""The quantization contract a vLLM rollout declares, learnt from its own loaded model.
+
+A model loaded from a serialized block-FP8 checkpoint (`Fp8Config` with `weight_block_size`, as DeepSeek-V3 and
+Qwen3-FP8 ship) loads, for every Linear and MoE expert its config quantizes, FP8 bytes and a float32
+`weight_scale_inv`; every other tensor (embeddings, norms, the layers its `ignored_layers` names) as the
+checkpoint holds it. What is quantized is read off the model, module by module, from the quant method vLLM gave
+each (`Fp8LinearMethod` / `Fp8MoEMethod` with a block size, or an unquantized method), never from a table of
+architectures; the checkpoint names come from vLLM's own maps (`packed_modules_mapping` for fused Linears, the
+experts' `get_expert_mapping`), as vLLM itself maps `ignored_layers` onto them.
+
+Refused, by module and method rather than guessed: per-tensor FP8 checkpoints (one scale per tensor, from the
+amax of the whole fused, unsharded weight), UE8M0 scales (kernel-repacked), any other quantization method. A
+model that is not quantized (or quantized online by the engine from bf16) declares that everything is kept.
+vLLM is imported only inside `learn_quant_contract`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ...errors import QuantizeError
+from ...quantize import QuantContract, QuantRule
+
+_DIGITS = re.compile(r"^\d+$")
+
+
+def _refuse(prefix: str, why: str) -> QuantizeError:
+    return QuantizeError(f"{prefix}: {why}; trainer-side quantization cannot produce what this model loads "
+                         "(serve a block-FP8 checkpoint, or have the engine quantize bf16 online)")  # fmt: skip
+
+
+def _linear_rule(prefix: str, method: Any) -> QuantRule | None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    if isinstance(method, UnquantizedLinearMethod):
+        return None
+    if type(method) is not Fp8LinearMethod:
+        raise _refuse(prefix, f"quant method {type(method).__name__} is not one the contract knows")
+    if not method.block_quant:
+        raise _refuse(prefix, "a per-tensor FP8 checkpoint (weight_scale from the whole fused weight's amax)")
+    if method.is_scale_e8m0:
+        raise _refuse(prefix, "block FP8 with UE8M0 scales")
+    return QuantRule("_", block=tuple(method.weight_block_size))  # type: ignore[arg-type]
+
+
+def _moe_rule(prefix: str, method: Any) -> QuantRule | None:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if isinstance(method, UnquantizedFusedMoEMethod):
+        return None
+    if type(method) is not Fp8MoEMethod:
+        raise _refuse(prefix, f"MoE quant method {type(method).__name__} is not one the contract knows")
+    if not method.block_quant:
+        raise _refuse(prefix, "a per-tensor FP8 MoE checkpoint")
+    return QuantRule("_", block=tuple(method.weight_block_size))  # type: ignore[arg-type]
+
+
+def _expert_names(layer: Any) -> list[str]:
+    """The checkpoint names of a MoE layer's expert weights (`...mlp.experts.3.gate_proj.weight`), by vLLM's own
+    mapping (the one its loader matches them with)."""
+    parent = layer.layer_name.rpartition("experts")[0]
+    return sorted({f"{parent}{weight_name}weight" for _, weight_name, _, _ in layer.get_expert_mapping()})
+
+
+def _module_outcomes(model: torch.nn.Module) -> dict[str, QuantRule | None]:
+    """Every checkpoint tensor name the model loads: the rule it is quantized by, or None (kept)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, QuantRule | None] = {}
+    handled: set[str] = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, RoutedExperts):
+            rule = _moe_rule(prefix, method)
+            out.update({name: rule for name in _expert_names(module)})
+        elif isinstance(module, LinearBase):
+            rule = _linear_rule(prefix, method)
+            parent, _, leaf = prefix.rpartition(".")
+            for shard in packed.get(leaf, [leaf]):
+                out[f"{parent}.{shard}.weight" if parent else f"{shard}.weight"] = rule
+                if getattr(module, "bias", None) is not None:
+                    out[f"{parent}.{shard}.bias" if parent else f"{shard}.bias"] = None
+        elif isinstance(module, VocabParallelEmbedding):
+            if not isinstance(method, UnquantizedEmbeddingMethod):
+                raise _refuse(prefix, f"embedding quant method {type(method).__name__} is not one the contract knows")
+            out[f"{prefix}.weight"] = None
+        else:
+            continue
+        handled.add(prefix)
+    for prefix, module in model.named_modules():
+        if prefix in handled or any(prefix.startswith(f"{h}.") for h in handled):
+            continue
+        for name, _ in module.named_parameters(recurse=False):
+            out[f"{prefix}.{name}" if prefix else name] = None
+    return out
+
+
+def _compress(outcomes: dict[str, QuantRule | None]) -> dict[str, QuantRule | None]:
+    """Names to patterns: a digit component (layer, expert) becomes `*` wherever every name it would merge
+    agrees on the outcome; tried from the last such position to the first, so "experts of a layer agree, layers
+    do not" (the first dense layers of a MoE) still merges the experts."""
+    current = dict(outcomes)
+    width = max((len(n.split(".")) for n in current), default=0)
+    for position in reversed(range(width)):
+        groups: dict[str, list[str]] = defaultdict(list)
+        for name in current:
+            parts = name.split(".")
+            if position < len(parts) and _DIGITS.match(parts[position]):
+                groups[".".join([*parts[:position], "*", *parts[position + 1 :]])].append(name)
+        for pattern, names in groups.items():
+            if len({_rule_key(current[n]) for n in names}) == 1 and pattern not in current:
+                rule = current[names[0]]
+                for n in names:
+                    del current[n]
+                current[pattern] = rule
+    return current
+
+
+def _rule_key(rule: QuantRule | None) -> tuple[Any, ...] | None:
+    return None if rule is None else (rule.scheme, rule.block, rule.scale_suffix)
+
+
+def learn_quant_contract(model: torch.nn.Module) -> QuantContract:
+    """What `model` (a vLLM model, built by vLLM with its quant config) loads, as a `QuantContract` over its
+    checkpoint names; `QuantizeError` naming the module for a configuration the library cannot produce."""
+    patterns = _compress(_module_outcomes(model))
+    rules = tuple(
+        QuantRule(pattern, block=rule.block) for pattern, rule in sorted(patterns.items()) if rule is not None
+    )
+    keep = tuple(pattern for pattern, rule in sorted(patterns.items()) if rule is None)
+    return QuantContract(rules=rules, keep=keep)
