@@ -115,6 +115,18 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     delta_base: int = -1  # the version this receiver holds whole and can apply a delta to (-1: none)
     layout: str = ""  # the digest of the bucket layout this receiver holds (protocol/layout.py; "": none)
     boxes: str = ""  # the digest of the boxes it declared (protocol/declare.py; "": it takes whole tensors)
+    contract: str = ""  # the digest of the quantization contract it declared (`Contract`; "": none)
+
+
+class Contract(msgspec.Struct, tag="contract", frozen=True):
+    """Receiver -> sender, before a `Ready` that names `digest`: what its model loads quantized and how
+    (lightning_weightsync/quantize/contract.py), as that contract's canonical JSON, at most `CONTRACT_BYTES`.
+    It is patterns, not names (a few KiB for a large MoE), so it goes whole with every version's Ready and the
+    sender never serves a version without it."""
+
+    identity: str
+    digest: str  # `contract_digest(body)`: the sender checks it, so a Ready cannot name another body
+    body: bytes
 
 
 class BoxEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -191,6 +203,7 @@ class Plan(msgspec.Struct, tag="plan", frozen=True):
     senders: list[SenderAddress] = []
     boxes: str = ""  # the digest of the declaration this sender serves the receiver by ("": whole tensors)
     boxes_refused: str = ""  # why the receiver's declaration was refused (it gets whole tensors meanwhile)
+    contract: str = ""  # the digest of the quantization contract this version is sent by ("": as the trainer holds)
 
     @property
     def session(self) -> str:
@@ -314,7 +327,8 @@ class StoreReply(msgspec.Struct, tag="store_reply", frozen=True):
 
 
 Message = Union[  # noqa: UP007
-    Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye, Refuse, StoreRequest, StoreReply, Boxes
+    Register, Prepare, Ready, Plan, BucketMeta, BucketDone, Ack, Abort, Bye, Refuse, StoreRequest, StoreReply, Boxes,
+    Contract,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -467,8 +481,22 @@ def _validate_control(msg: Message) -> None:
             raise ProtocolError(f"Ready delta_base={msg.delta_base} is below -1")
         check_layout_digest(msg.layout)
         check_layout_digest(msg.boxes)
+        check_layout_digest(msg.contract)
     elif isinstance(msg, Boxes):
         validate_boxes(msg)
+    elif isinstance(msg, Contract):
+        if len(msg.body) > CONTRACT_BYTES:
+            raise ProtocolError(f"a Contract of {len(msg.body)} bytes (limit {CONTRACT_BYTES})")
+        if not msg.digest or msg.digest != contract_digest(msg.body):
+            raise ProtocolError("a Contract whose digest is not its body's")
+
+
+CONTRACT_BYTES = 48 * 1024  # a contract's canonical JSON at most (under the frame limit to the sender)
+
+
+def contract_digest(body: bytes) -> str:
+    """The digest a `Ready` names a contract by (the form of a layout digest: `check_layout_digest`)."""
+    return hashlib.blake2b(body, digest_size=LAYOUT_DIGEST_LEN // 2).hexdigest()
 
 
 MAX_BOX_PAGES = 1024  # pages of one declaration (a page holds hundreds of tensors)
@@ -545,6 +573,7 @@ def validate(msg: Message, *, bucket_size: int | None = None) -> None:
         if not (0 <= msg.rank < msg.group.world_size):
             raise ProtocolError(f"rank {msg.rank} not in world of size {msg.group.world_size}")
         validate_senders(msg.senders)
+        check_layout_digest(msg.contract)
     elif isinstance(msg, BucketMeta):
         validate_bucket(msg, bucket_size)
     elif isinstance(msg, BucketDone):
@@ -767,7 +796,7 @@ def _to_receiver_bytes() -> int:
     members = 5 + MAX_MEMBERS * (5 + _text_bytes(MAX_IDENTITY_LEN) + _INT_BYTES)
     senders = 5 + MAX_SENDERS * (5 + _text_bytes(256) + _INT_BYTES)
     plan = 2 * _INT_BYTES + _text_bytes(MAX_TEXT_LEN) + _text_bytes(64) + 2 * _INT_BYTES + members + max(joins)
-    plan += senders + _text_bytes(LAYOUT_DIGEST_LEN) + _text_bytes(MAX_TEXT_LEN)
+    plan += senders + 2 * _text_bytes(LAYOUT_DIGEST_LEN) + _text_bytes(MAX_TEXT_LEN)
     text = _text_bytes(MAX_IDENTITY_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(MAX_TEXT_LEN) + _text_bytes(256)
     store = 2 * _INT_BYTES + MAX_STORE_VALUE_LEN + 5
     return max(bucket, plan + _STRUCT_BYTES, text, store) + _STRUCT_BYTES
@@ -781,7 +810,9 @@ def _to_sender_bytes() -> int:
     store += MAX_STORE_VALUE_LEN + 5
     ready = _text_bytes(MAX_IDENTITY_LEN) + 3 * _INT_BYTES + 2 * _text_bytes(LAYOUT_DIGEST_LEN)
     boxes = BOXES_PAGE_BYTES  # packed to it by its sender (protocol/declare.py); the frame limit holds the rest
-    return max(register, ack, store, ready, boxes) + _STRUCT_BYTES
+    ready += _text_bytes(LAYOUT_DIGEST_LEN)  # its contract's digest
+    contract = _text_bytes(MAX_IDENTITY_LEN) + _text_bytes(LAYOUT_DIGEST_LEN) + CONTRACT_BYTES + 5
+    return max(register, ack, store, ready, boxes, contract) + _STRUCT_BYTES
 
 
 _SEAL_BYTES = 5 + _text_bytes(MAX_TEXT_LEN) + 2 * _text_bytes(256) + _INT_BYTES + 1

@@ -3,7 +3,7 @@ quantizers compute; torch and the errors module only, so any layer above may use
 
 from .contract import QuantContract, QuantRule
 from .schemes import SCHEMES, Scheme, quantize_fp8_block, quantize_mxfp8
-from .stream import QuantizedStream, QuantStats, quantize_stream
+from .stream import QuantizedStream, Quantizer, QuantStats, quantize_stream
 
 __all__ = [
     "SCHEMES",
@@ -11,6 +11,7 @@ __all__ = [
     "QuantRule",
     "QuantStats",
     "QuantizedStream",
+    "Quantizer",
     "Scheme",
     "quantize_fp8_block",
     "quantize_mxfp8",

@@ -37,43 +37,50 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class Quantizer:
+    """One tensor at a time (what an async sender pulls): a quantized name gives its weight and then its scale,
+    a kept name itself; the names already seen are remembered so that a scale's name cannot collide."""
+
+    def __init__(self, contract: QuantContract, max_temp_elems: int = DEFAULT_MAX_TEMP_ELEMS) -> None:
+        if max_temp_elems < 1:
+            raise QuantizeError(f"max_temp_elems must be positive, got {max_temp_elems}")
+        self.contract, self.max_temp_elems = contract, max_temp_elems
+        self.stats = QuantStats()
+        self._seen: set[str] = set()
+        self._scale_names: set[str] = set()
+
+    def one(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if name in self._scale_names or name in self._seen:
+            raise QuantizeError(f"{name}: sent twice, or also the name of a scale tensor the contract makes")
+        self._seen.add(name)
+        rule = self.contract.rule_for(name)
+        self.stats.bytes_in += _nbytes(tensor)
+        if rule is None:
+            self.stats.kept += 1
+            self.stats.bytes_out += _nbytes(tensor)
+            return [(name, tensor)]
+        scale_name = rule.scale_name(name)
+        if scale_name in self._seen:
+            raise QuantizeError(f"{name}: its scale's name {scale_name} is a tensor the trainer sent too")
+        self._scale_names.add(scale_name)
+        weight, scale = SCHEMES[rule.scheme].quantize(name, tensor.detach(), rule.block, self.max_temp_elems)
+        self.stats.quantized += 1
+        self.stats.bytes_out += _nbytes(weight) + _nbytes(scale)
+        return [(name, weight), (scale_name, scale)]
+
+
 class QuantizedStream(Iterator[tuple[str, torch.Tensor]]):
     """The iterator `quantize_stream` returns; `stats` grows as it is consumed."""
 
     def __init__(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], contract: QuantContract, max_temp_elems: int
     ) -> None:
-        self.stats = QuantStats()
-        self._items = self._run(iter(named_tensors), contract, max_temp_elems)
+        self._quantizer = Quantizer(contract, max_temp_elems)
+        self.stats = self._quantizer.stats
+        self._items = (item for name, tensor in named_tensors for item in self._quantizer.one(name, tensor))
 
     def __next__(self) -> tuple[str, torch.Tensor]:
         return next(self._items)
-
-    def _run(
-        self, items: Iterator[tuple[str, torch.Tensor]], contract: QuantContract, max_temp_elems: int
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        scale_names: set[str] = set()
-        seen: set[str] = set()
-        for name, tensor in items:
-            if name in scale_names or name in seen:
-                raise QuantizeError(f"{name}: sent twice, or also the name of a scale tensor the contract makes")
-            seen.add(name)
-            rule = contract.rule_for(name)
-            self.stats.bytes_in += _nbytes(tensor)
-            if rule is None:
-                self.stats.kept += 1
-                self.stats.bytes_out += _nbytes(tensor)
-                yield name, tensor
-                continue
-            scale_name = rule.scale_name(name)
-            if scale_name in seen:
-                raise QuantizeError(f"{name}: its scale's name {scale_name} is a tensor the trainer sent too")
-            scale_names.add(scale_name)
-            weight, scale = SCHEMES[rule.scheme].quantize(name, tensor.detach(), rule.block, max_temp_elems)
-            self.stats.quantized += 1
-            self.stats.bytes_out += _nbytes(weight) + _nbytes(scale)
-            yield name, weight
-            yield scale_name, scale
 
 
 def quantize_stream(
@@ -85,6 +92,4 @@ def quantize_stream(
     """`named_tensors` as the rollout's `contract` says its model loads them (lazily: nothing is quantized
     before it is asked for). Raises `QuantizeError`, naming the tensor, for a name the contract does not cover,
     a weight its scheme cannot take, or a NaN / inf in a weight to quantize; never sends bf16 in FP8's place."""
-    if max_temp_elems < 1:
-        raise QuantizeError(f"max_temp_elems must be positive, got {max_temp_elems}")
     return QuantizedStream(named_tensors, contract, max_temp_elems)

@@ -45,6 +45,7 @@ from .delta import DeltaBase, VersionDelta
 from .endpoint import Endpoint
 from .lanes import LaneVersion
 from .options import ResolvedOptions, Sharding, TellOnce, VersionOptions
+from .quantized import QuantizedSource, version_contract
 from .sender_lanes import SenderLanes
 from .source import Drainable, check_call
 from .stats import SendStats, human_bytes
@@ -225,6 +226,7 @@ class WeightSender(Endpoint):
                 logger.info("version %d: no receivers registered; nothing sent", version)
                 await source.drain()
                 return None
+            self._quantize(source, version, peers)  # to the contract the receivers declared, if they did
             generation = self._lanes.generation
             lanes = await self._lanes.of_version(version, peers)  # who holds what: a lane per declaration
             await self._join(version, lanes, options.others)  # 3: Plan, and each lane's data-plane group
@@ -236,6 +238,9 @@ class WeightSender(Endpoint):
             sent = Sent(VersionDelta(self._delta_base, policy), fingerprints, formed, options.sharded)
             # 4: bucket metadata, each ahead of its bytes, on every lane
             await self._lanes.stream(source, lanes, stats, options, (sent.fingerprints, sent.delta))
+            if source.quantized is not None:
+                stats.quantized_tensors = source.quantized.stats.quantized
+                stats.unquantized_bytes = source.quantized.stats.bytes_in
             sent.acks = await self._steps.collect_acks(version, peers)  # 5: Ack
         except BaseException as exc:
             tell([])
@@ -245,6 +250,18 @@ class WeightSender(Endpoint):
             await source.drain()
             raise
         return sent
+
+    def _quantize(self, source: Drainable, version: int, peers: list[Peer]) -> None:
+        """The contract every receiver of the version declared (versions/quantized.py) set on `source`, and named in
+        the plans; receivers that disagree, or a contract that does not decode, refuse the version here (a local
+        failure: nothing was sent, the groups are kept)."""
+        try:
+            digest, contract = version_contract(version, peers, self._steps.readies, self._control.contracts)
+        except WeightSyncError:
+            source.failed = True
+            raise
+        source.quantized = QuantizedSource(contract) if contract is not None else None
+        self._steps.contract = digest
 
     async def _join(self, version: int, lanes: list[LaneVersion], others: list[SenderAddress] | None = None) -> None:
         """Step 3: each receiver told its rank in its lane's group (Plan, listing `others`, the other senders of a

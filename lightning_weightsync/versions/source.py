@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 
 import torch
 
-from ..errors import ProtocolError, WeightSyncError
+from ..errors import ProtocolError, QuantizeError, WeightSyncError
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import check_tensor
+from .quantized import QuantizedSource
 
 _HOLDING_TYPES: tuple[type, ...] = (list, tuple, type({}.items()), type({}.values()))
 _HELD: tuple[Iterable[object], ...] = ([], (), {}.items(), {}.values())
@@ -46,14 +47,18 @@ class Drainable:
         self.weights = weights  # the caller's own object (`holds_its_tensors` reads what it is)
         self._it: AsyncIterator[tuple[str, torch.Tensor | TensorShard]] = aiter_any(weights)
         self.exhausted = False
-        self.failed = False  # the caller's iterable raised (a local failure: the group is fine)
+        self.failed = False  # the caller's iterable raised, or a tensor was refused: a local failure, the group is fine
         self.check = True  # validate each tensor with the receivers' rules (off while draining)
         self.names: set[str] = set()  # sent in this version: a second one would fail every receiver's merge
+        self.quantized: QuantizedSource | None = None  # the receivers' contract (versions/quantized.py), if any
+        self._pending: list[tuple[str, torch.Tensor | TensorShard]] = []  # a weight's scale, after the weight
 
     def __aiter__(self) -> Drainable:
         return self
 
     async def __anext__(self) -> tuple[str, torch.Tensor | TensorShard]:
+        if self._pending:
+            return self._pending.pop(0)
         try:
             item = await self._it.__anext__()
         except StopAsyncIteration:
@@ -62,13 +67,25 @@ class Drainable:
         except BaseException:
             self.exhausted = self.failed = True
             raise
-        if self.check:
-            try:
-                _check_outgoing(item, self.names)
-            except WeightSyncError:
-                self.failed = True  # a local failure: the group is fine, the rest is drained
-                raise
-        return item
+        if not self.check:
+            return item
+        try:
+            if self.quantized is not None:
+                _check_outgoing(item, set())  # a (name, tensor) pair the receivers' rules allow, before quantizing
+                name, tensor = item
+                if isinstance(tensor, TensorShard):
+                    raise QuantizeError(f"{name}: a shard cannot be quantized to the rollout's contract yet; "
+                                        "quantized versions are sent with trainer.send_mode=gather")  # fmt: skip
+                self._pending = list(await self.quantized.one(name, tensor))
+            else:
+                self._pending = [item]
+            for out in self._pending:
+                _check_outgoing(out, self.names)
+        except (WeightSyncError, TypeError):
+            self.failed = True  # a local failure: the group is fine, the rest is drained
+            self._pending = []
+            raise
+        return self._pending.pop(0)
 
     async def drain(self) -> None:
         self.check = False

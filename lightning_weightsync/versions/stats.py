@@ -49,6 +49,8 @@ class SendStats(_Stats):
     checksums: dict[str, str] = field(default_factory=dict)  # {name: fingerprint hex} sent (transport.verify)
     delta_tensors: int = 0  # tensors sent as a delta of the version every receiver held (transport.delta)
     replica_drift: int = 0  # sharded mode: tensors every trainer rank holds whole whose copies differed (rank 0's sent)
+    quantized_tensors: int = 0  # weights quantized to the receivers' contract (versions/quantized.py)
+    unquantized_bytes: int = 0  # what the tensors the caller yielded held, as the trainer holds them
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -58,6 +60,7 @@ class SendStats(_Stats):
             "failed_receivers": len(self.failed),
             "delta_tensors": self.delta_tensors,
             "replica_drift": self.replica_drift,
+            "quantized_tensors": self.quantized_tensors,
         }
 
 

@@ -88,6 +88,7 @@ class SenderSteps:
         self.early: dict[str, Ack] = {}  # its acks that came before step 5 (a receiver that failed or stopped)
         # its members' Ready: the group each still holds (`generation`), the version each can apply a delta to
         self.readies: dict[str, Ready] = {}
+        self.contract = ""  # the digest of the quantization contract the version is sent by (versions/quantized.py)
         self.served: dict[str, int] = {}  # receivers of the last version that gathered enough -> that version
         self.missing_since: float | None = None  # too few receivers since then (see the class docstring)
         self.missing_why = ""
@@ -259,7 +260,8 @@ class SenderSteps:
         refused = refused or {}
         for rank, peer in enumerate(peers, start=1):
             why = refused.get(peer.identity, "")[:1000]
-            await self.control.send(peer.identity, Plan(version, rank, group, others or [], boxes, why))
+            plan = Plan(version, rank, group, others or [], boxes, why, contract=self.contract)
+            await self.control.send(peer.identity, plan)
 
     async def while_connected(self, work: asyncio.Future[T], timeout_s: float, what: str) -> T:
         """`work` (the group's join, or a broadcast, on the data-plane thread: it completes only with
@@ -489,11 +491,13 @@ class ReceiverSteps:
             else:
                 logger.debug("ignoring %s while idle", type(msg).__name__)
 
-    async def ready(self, prepare: Prepare, generation: int, layout: str = "", boxes: str = "") -> None:
+    async def ready(
+        self, prepare: Prepare, generation: int, layout: str = "", boxes: str = "", contract: str = ""
+    ) -> None:
         """Answer `prepare`: the group this receiver still holds, the version it can apply a delta to, the
         digest of the bucket layout it holds (protocol/layout.py) and of the boxes it declared (declare.py)."""
         held = -1 if self.held is None else self.held
-        self._answer = Ready(self.identity, prepare.version, generation, held, layout, boxes)
+        self._answer = Ready(self.identity, prepare.version, generation, held, layout, boxes, contract)
         await self.control.send(self._answer)
 
     # 3 ---------------------------------------------------------------------------------------

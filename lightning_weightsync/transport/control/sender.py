@@ -53,6 +53,7 @@ from ...protocol.messages import (
     Boxes,
     BucketDone,
     Bye,
+    Contract,
     Message,
     Refuse,
     Register,
@@ -143,6 +144,7 @@ class SenderControl:
         self.throttled_registrations = 0  # ... of which dropped unanswered (REFUSE_EVERY_S)
         self.progress: dict[str, BucketDone] = {}  # identity -> its latest progress report
         self.declarations = Declarations()  # the boxes each receiver declared, page by page
+        self.contracts: dict[str, Contract] = {}  # the quantization contract each registered receiver declared last
         self._routes: dict[bytes, str] = {}  # connection -> the identity it registered
         self._former: dict[str, bytes] = {}  # identity -> its last connection (an Abort may still reach it)
         # (identity, receiver instance) -> the last seq accepted: a Register that is refused records nothing,
@@ -464,6 +466,7 @@ class SenderControl:
         if isinstance(msg, Bye):
             self._byes += 1  # its disconnection is a clean one (`poll_connections`)
             self._routes.pop(route, None)
+            self.contracts.pop(identity, None)
             if self.peers.pop(identity, None) is not None:
                 logger.info("receiver %s left", identity)
             return False, True
@@ -474,6 +477,10 @@ class SenderControl:
             return False, True
         if isinstance(msg, Boxes):  # a page of the boxes it holds (protocol/declare.py), read at its next Ready
             self.declarations.add(identity, msg)
+            return False, True
+        if isinstance(msg, Contract):  # what its model loads quantized, read at its next Ready
+            if identity in self.peers:
+                self.contracts[identity] = msg
             return False, True
         if isinstance(msg, StoreRequest):
             try:
@@ -544,6 +551,7 @@ class SenderControl:
     def forget(self, identity: str) -> None:
         """Drop a receiver from the registry (it re-registers if it is alive)."""
         peer = self.peers.pop(identity, None)
+        self.contracts.pop(identity, None)
         if peer is not None:
             self._routes.pop(peer.route, None)
 
