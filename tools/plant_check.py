@@ -52,6 +52,11 @@ SHARDED_LAYOUTS = "tests/integration/test_sharded_layouts.py"
 QUANT = ("tests/unit/test_vllm_quantized_real.py",)
 VLLM = "vllm.model_executor.layers.quantization.online"
 RELOAD_CHECKS = f"{PKG}/rollout_engines/vllm/reload_checks.py"
+QUANTIZE_SCHEMES = f"{PKG}/quantize/schemes.py"
+QUANTIZE_CONTRACT = f"{PKG}/quantize/contract.py"
+QUANTIZE_UNIT = "tests/unit/test_quantize.py"
+QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
+QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -805,6 +810,45 @@ PLANTS = [
           "        failed = self._failed_workers(not broken)", "        failed = 0", (*QUANT, "-k", "finish"), VLLM),
     Plant("vllm quantized: what the reload buffers not measured", f"{PKG}/rollout_engines/vllm/worker.py",
           "            self._watch.sample(self._module_loads())", "            pass", (*QUANT, "-k", "order"), VLLM),
+    # -- trainer-side quantization (quantize/) and the contract a vLLM rollout declares; the "vllm quant contract"
+    #    plants need the contract kit's interpreter, as the "vllm quantized" ones
+    Plant("quantize: block FP8's amax floor dropped", QUANTIZE_SCHEMES,
+          "    sf = amax.clamp(AMAX_FLOOR) / FP8_MAX", "    sf = amax / FP8_MAX", (QUANTIZE_UNIT, "-k", "zero_block")),
+    Plant("quantize: a NaN or inf in a block-FP8 weight quantized", QUANTIZE_SCHEMES,
+          '        _refuse_nonfinite(name, tile, origin, "fp8_block")', "        pass",
+          (QUANTIZE_UNIT, "-k", "nan_or_inf")),
+    Plant("quantize: a NaN or inf in an MXFP8 weight quantized", QUANTIZE_SCHEMES,
+          '        _refuse_nonfinite(name, tile[r : r + 1], origin, "mxfp8")', "        pass",
+          (QUANTIZE_UNIT, "-k", "nan_or_inf")),
+    Plant("quantize: block FP8 tiles whole rows of blocks, whatever their size", QUANTIZE_SCHEMES,
+          "    cols_per = max(1, min(cols_b, max_temp_elems // (bm * bn)))", "    cols_per = cols_b",
+          (QUANTIZE_UNIT, "-k", "temporaries")),
+    Plant("quantize: MXFP8's exponent rounded, not ceiled", QUANTIZE_SCHEMES,
+          "torch.ceil(torch.log2(amax / FP8_MAX))", "torch.round(torch.log2(amax / FP8_MAX))",
+          (QUANTIZE_UNIT, "-k", "mxfp8_shapes")),
+    Plant("quantize: a name two patterns claim taken", QUANTIZE_CONTRACT,
+          "        if len({id(rule) for _, rule in hits}) > 1:", "        if False:",
+          (QUANTIZE_UNIT, "-k", "refuses_the_rest")),
+    Plant("quantize: a wire rule's extra key taken", QUANTIZE_CONTRACT,
+          "    if not isinstance(data, dict) or set(data) != _RULE_KEYS:",
+          "    if not isinstance(data, dict) or not set(data) >= _RULE_KEYS:", (QUANTIZE_UNIT, "-k", "hostile")),
+    Plant("quantize: wire rules that are no list taken", QUANTIZE_CONTRACT,
+          "    if not isinstance(rules, list) or not isinstance(keep, list):", "    if False:",
+          (QUANTIZE_UNIT, "-k", "hostile")),
+    Plant("quantize: block FP8 divides by the scale (not vLLM's reciprocal multiply)", QUANTIZE_SCHEMES,
+          "    scaled = (view * (1.0 / sf)).to(FP8_DTYPE)", "    scaled = (view / sf).to(FP8_DTYPE)",
+          (QUANT_CONTRACT_KIT, "-k", "equal_vllms"), VLLM),
+    Plant("vllm quant contract: the experts declared bf16", QUANT_CONTRACT_LEARN,
+          "            out.update({name: rule for name in _expert_names(module)})",
+          "            out.update({name: None for name in _expert_names(module)})",
+          (QUANT_CONTRACT_KIT, "-k", "contract_learnt"), VLLM),
+    Plant("vllm quant contract: a fused Linear's shards not named", QUANT_CONTRACT_LEARN,
+          "            for shard in packed.get(leaf, [leaf]):", "            for shard in [leaf]:",
+          (QUANT_CONTRACT_KIT, "-k", "contract_learnt"), VLLM),
+    Plant("vllm quant contract: a per-tensor FP8 layer declared block FP8", QUANT_CONTRACT_LEARN,
+          "    if not method.block_quant:\n        raise _refuse(prefix, \"a per-tensor FP8 checkpoint",
+          "    if False:\n        raise _refuse(prefix, \"a per-tensor FP8 checkpoint",
+          (QUANT_CONTRACT_KIT, "-k", "per_tensor"), VLLM),
 ]  # fmt: skip
 
 

@@ -45,7 +45,7 @@ def _linear_rule(prefix: str, method: Any) -> QuantRule | None:
         raise _refuse(prefix, "a per-tensor FP8 checkpoint (weight_scale from the whole fused weight's amax)")
     if method.is_scale_e8m0:
         raise _refuse(prefix, "block FP8 with UE8M0 scales")
-    return QuantRule("_", block=tuple(method.weight_block_size))  # type: ignore[arg-type]
+    return QuantRule("_", block=tuple(method.weight_block_size))
 
 
 def _moe_rule(prefix: str, method: Any) -> QuantRule | None:
@@ -58,7 +58,7 @@ def _moe_rule(prefix: str, method: Any) -> QuantRule | None:
         raise _refuse(prefix, f"MoE quant method {type(method).__name__} is not one the contract knows")
     if not method.block_quant:
         raise _refuse(prefix, "a per-tensor FP8 MoE checkpoint")
-    return QuantRule("_", block=tuple(method.weight_block_size))  # type: ignore[arg-type]
+    return QuantRule("_", block=tuple(method.weight_block_size))
 
 
 def _expert_names(layer: Any) -> list[str]:
