@@ -501,7 +501,7 @@ class ReceiverSteps:
         await self.control.send(self._answer)
 
     # 3 ---------------------------------------------------------------------------------------
-    async def wait_plan(self, prepare: Prepare, timeout_s: float, heartbeat_interval_s: float) -> Plan:
+    async def wait_plan(self, prepare: Prepare, timeout_s: float, heartbeat_interval_s: float = 2.0) -> Plan:
         """After answering `Ready`: the plan for that version (or a newer `Prepare` supersedes it).
 
         A sender that waited longer than its `ready_timeout_s` for our answer has forgotten us and drops the

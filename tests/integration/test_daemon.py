@@ -426,7 +426,9 @@ async def test_a_token_mismatch_is_named_on_both_sides_within_seconds(
     async with running(daemon), sender_on(port, transport__auth_token=trainer_token, transport__timeout_s=6) as sender:
         send = asyncio.ensure_future(sender.send_weights(version_weights(0).items(), version=0))
         try:
-            await until(lambda: said("WARNING", "refused a control connection from 127.0.0.1"), timeout_s=10)
+            # the peer's address where the kernel still tells it: on a loopback shared by a busy test run, another
+            # test's closed connections can make it ambiguous, and the line says so rather than guess
+            await until(lambda: said("WARNING", "refused a control connection from "), timeout_s=10)
             await until(
                 lambda: said("ERROR", f"control handshake refused from the trainer at tcp://127.0.0.1:{port}"), 10
             )
@@ -434,11 +436,12 @@ async def test_a_token_mismatch_is_named_on_both_sides_within_seconds(
             with pytest.raises(WeightSyncError) as failed:
                 await asyncio.wait_for(send, 30)
     trainer_side = said("WARNING", "refused a control connection")[0]
+    assert any(f"from {who}" in trainer_side for who in ("127.0.0.1", "an address it could not read")), trainer_side
     assert any(words in trainer_side for words in trainer_says), trainer_side
     assert "set the same transport.auth_token" in trainer_side, trainer_side
     rollout_side = said("ERROR", "control handshake refused")[0]
     assert any(words in rollout_side for words in rollout_says), rollout_side
     assert "set the same transport.auth_token" in rollout_side, rollout_side
     message = str(failed.value)
-    assert "handshakes refused from 127.0.0.1" in message and "set the same transport.auth_token" in message, message
+    assert "handshakes refused from " in message and "set the same transport.auth_token" in message, message
     assert "start a rollout daemon" not in message, message

@@ -52,6 +52,7 @@ from lightning_weightsync.protocol.messages import (
     BucketDone,
     BucketMeta,
     Bye,
+    Contract,
     DecoderBug,
     Entry,
     GroupSpec,
@@ -67,6 +68,7 @@ from lightning_weightsync.protocol.messages import (
     SenderAddress,
     StoreReply,
     StoreRequest,
+    contract_digest,
     decode,
     encode,
     seal,
@@ -123,6 +125,7 @@ MESSAGES = [
     StoreReply(7, False),
     Ready("rollout-1", 4, 2, 3, "ab" * 16, "cd" * 16),
     Boxes("rollout-1", "cd" * 16, 0, 2, [BoxEntry("layers.0.up.weight", [64, 0], [64, 128])]),
+    Contract("rollout-1", contract_digest(b'{"format":1}'), b'{"format":1}'),
     BucketMeta(3, 1, False, 100, [Entry("w", [4, 8], "float32", 0, 64, 0, [2, 0, 2, 8])]),
 ]
 
@@ -250,6 +253,9 @@ BAD = [
     ("box-and-delta", _box_delta(), "a box and a delta"),
     ("ready-boxes-digest", Ready("r", 1, boxes="not-hex"), "digest"),
     ("boxes-no-digest", Boxes("r", "", 0, 1, []), "without a digest"),
+    ("contract-other-digest", Contract("r", contract_digest(b"{}"), b"[]"), "digest is not its body's"),
+    ("contract-too-large", Contract("r", "ab" * 16, b" " * (48 * 1024 + 1)), "49153 bytes"),
+    ("ready-contract-not-hex", Ready("r", 1, contract="zz" * 16), "digest"),
     ("boxes-page-past-end", Boxes("r", "ab" * 16, 1, 1, []), "page 1 of 1"),
     ("boxes-too-many-pages", Boxes("r", "ab" * 16, 0, 1025, []), "of 1025"),
     ("boxes-name-empty", Boxes("r", "ab" * 16, 0, 1, [BoxEntry("", [0], [1])]), "name of length 0"),

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ...errors import BackendUnavailable, ConfigError
+from ...quantize import QuantContract
 from .reload_checks import ModuleLoad
 from .slices import CheckpointParams
 from .worker import InitInfo, UpdateInfo, WeightSyncEngineBody
@@ -158,6 +159,15 @@ class LightningWeightSyncEngine(
         if parallel_state._TP is None:  # not in a vLLM worker (vLLM's own tests build engines bare)
             return 1
         return int(parallel_state.get_tensor_model_parallel_world_size())
+
+    def _quant_contract(self) -> QuantContract | None:
+        quant = getattr(self.vllm_config, "quant_config", None)
+        if quant is None or not getattr(quant, "is_checkpoint_fp8_serialized", False):
+            return None  # bf16, or quantized online by vLLM from bf16: it takes tensors as the trainer holds them
+        from .quant_contract import learn_quant_contract
+
+        contract = learn_quant_contract(self.model)
+        return contract if contract.rules else None
 
     def _checkpoint_params(self) -> CheckpointParams | None:
         hooks = self._reload

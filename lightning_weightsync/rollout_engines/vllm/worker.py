@@ -40,6 +40,7 @@ import torch
 
 from ...errors import ConfigError, SinkError, explain
 from ...protocol.dtypes import itemsize
+from ...quantize import QuantContract
 from ...rollout.observability import VersionRecord
 from ..adapter import AdapterDirectory, EngineVersionSink
 from ..host_copy import HostCopy
@@ -489,6 +490,12 @@ class WeightSyncEngineBody:
         )
         # its slots before vLLM sizes its KV cache
         worker = self._worker_receiver = WorkerReceiver(ReceiverSettings.of(config), device)
+        contract = self._quant_contract()  # a model this library cannot feed refuses here, at start-up
+        worker.receiver.declare_contract(contract)  # before the receiver's first Ready (it reads it there)
+        if contract is not None:
+            logger.info("lightning_weightsync engine: worker %d declares its model's quantization contract %s (%d "
+                        "rules, %d kept patterns): the trainer sends it FP8 bytes and scales", self.rank,
+                        contract.digest()[:12], len(contract.rules), len(contract.keep))  # fmt: skip
         self._adapters = AdapterDirectory(config.vllm.lora_dir, LORA_DIR_KNOB, writes=self.rank == 0)
         if config.vllm.rollback is RollbackMode.host and self._host_copy is None:
             self._host_copy = HostCopy(self.model)  # taken now, before the first version, never during one
@@ -554,6 +561,12 @@ class WeightSyncEngineBody:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         return dist.group.WORLD if dist.get_backend() == "gloo" else None
+
+    def _quant_contract(self) -> QuantContract | None:
+        """What the model loads quantized (a serialized FP8 checkpoint's model: `quant_contract.py`), for the trainer
+        to quantize to; None where the model takes tensors as the trainer holds them (bf16, or the engine quantizes
+        online). None outside vLLM."""
+        return None
 
     def _checkpoint_params(self) -> CheckpointParams | None:
         """The checkpoint-format parameters the slices are traced on where a module serves others (a quantized
