@@ -16,7 +16,8 @@ How the trace runs, and why this way:
 - Against the worker's own model instance, never its values: every parameter is swapped, for the trace only,
   for a *probe* of the same class and attributes (`output_dim`, `packed_dim`, `tp_rank`, its `weight_loader`:
   the loader is the real layer's bound method, reading the layer's `tp_rank`, `output_sizes`, KV-head
-  replicas...; a parameter whose `weight_loader` is a read-only property, SGLang's, gets it under `_weight_loader`). A probe's data is a 4-byte stride-0 stand-in of the parameter's shape until its loader is
+  replicas...; a parameter whose `weight_loader` is a read-only property, SGLang's, gets it under
+  `_weight_loader`). A probe's data is a 4-byte stride-0 stand-in of the parameter's shape until its loader is
   called; then the loader writes into a fresh CPU tensor, which is read and dropped. So nothing of the model is
   written (a loader writes the `param` it is handed, which is the probe), the real parameters are put back
   whatever happens, and the trace takes no GPU memory. A second model built at a tiny config would not do:
@@ -24,8 +25,9 @@ How the trace runs, and why this way:
   register its attention layers twice with the engine.
 - The whole `load_weights` runs, name mapping included (`q_proj` -> `qkv_proj` shard "q", prefixes, a tied
   LM head the model skips), exactly as a version's tensors go through it.
-- Values, not ops (the probe is float32 whatever the tensor's dtype: an FP8 weight and its float32 block scales are
-  traced as any other tensor, since a loader that only copies, narrows and views does the same to any dtype): each tensor is loaded once per dimension `k`, as a stride-0 view of `arange(shape[k])`
+- Values, not ops (the probe is float32 whatever the tensor's dtype: an FP8 weight and its float32 block scales
+  are traced as any other tensor, since a loader that only copies, narrows and views does the same to any dtype):
+  each tensor is loaded once per dimension `k`, as a stride-0 view of `arange(shape[k])`
   (offset, see below) broadcast along the other dims. What a parameter holds afterwards says, for each element
   it copied, that element's coordinate `k` in the tensor, however the loader cut, viewed or permuted it
   (narrow, chunk, slicing, a transpose, a permutation of heads): no op needs to be understood. The set of

@@ -39,9 +39,7 @@ import torch
 
 from tests.support.checkpoints import per_expert
 
-QUANTIZED = tuple(
-    f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-)
+QUANTIZED = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 """The checkpoint tensors a block-FP8 checkpoint holds as FP8 (+ `<name>_scale_inv`): every linear layer's weight but
 the MoE router's (SGLang builds `mlp.gate` unquantized), the embedding, the LM head and the norms."""
 

@@ -20,18 +20,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.support import sglang_layers
-
-WHY = sglang_layers.blocker()
-if WHY is not None:
-    pytest.skip(f"SGLang's model layers do not import here: {WHY}", allow_module_level=True)
-
 from lightning_weightsync.protocol.chunks import as_bytes
 from lightning_weightsync.rollout_engines.sglang import api, loader
 from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from lightning_weightsync.versions.sender import BlockingWeightSender
+from tests.support import sglang_layers
 from tests.support.mp import free_port
 from tests.support.transfer import engine_cfg
+
+WHY = sglang_layers.blocker()
+if WHY is not None:
+    pytest.skip(f"SGLang's model layers do not import here: {WHY}", allow_module_level=True)
 
 VERSIONS = (1, 2, 3)
 

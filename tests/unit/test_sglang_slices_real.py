@@ -14,16 +14,15 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_weightsync.protocol.boxes import Box
+from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
+from lightning_weightsync.rollout_engines.sglang.slices import derive_boxes
+from lightning_weightsync.rollout_engines.worker import ModelLoadSink
 from tests.support import sglang_layers
 
 WHY = sglang_layers.blocker()
 if WHY is not None:
     pytest.skip(f"SGLang's model layers do not import here: {WHY}", allow_module_level=True)
-
-from lightning_weightsync.protocol.boxes import Box
-from lightning_weightsync.protocol.chunks import TensorMeta, as_bytes
-from lightning_weightsync.rollout_engines.sglang.slices import derive_boxes
-from lightning_weightsync.rollout_engines.worker import ModelLoadSink
 
 WORLD = 2
 BLOCK = 128
@@ -61,14 +60,15 @@ def test_each_sglang_rank_derives_its_boxes_and_loads_bitwise_what_whole_tensors
     shapes = {name: tuple(t.shape) for name, t in state.items()}
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     if fp8:
-        assert sum(n.endswith("_scale_inv") for n in state) == sum(t.dtype == torch.float8_e4m3fn for t in state.values())
+        fp8_weights = sum(t.dtype == torch.float8_e4m3fn for t in state.values())
+        assert fp8_weights and sum(n.endswith("_scale_inv") for n in state) == fp8_weights
     for rank in range(WORLD):
         probe = sglang_layers.build(arch, hf, fp8=fp8, rank=rank, tp_size=WORLD)
         probe.load_weights(list(state.items()))  # type: ignore[operator]
         before = {n: t.clone() for n, t in probe.state_dict().items()}
         slices = derive_boxes(probe, shapes)
         after = probe.state_dict()
-        assert all(torch.equal(as_bytes(after[n]), as_bytes(t)) for n, t in before.items()), "the trace changed the model"
+        assert all(torch.equal(as_bytes(after[n]), as_bytes(t)) for n, t in before.items()), "the trace wrote the model"
 
         # (a) the boxes, against the test's table: every FP8 weight and its scale sliced
         for name, shape in shapes.items():

@@ -17,7 +17,7 @@ def default_loader() -> Callable[..., Any]:
     try:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        return default_weight_loader  # type: ignore[no-any-return]
+        return default_weight_loader
     except ImportError:
         return copy_loader
 
