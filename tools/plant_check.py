@@ -57,6 +57,7 @@ QUANTIZE_CONTRACT = f"{PKG}/quantize/contract.py"
 QUANTIZE_UNIT = "tests/unit/test_quantize.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
+SGLANG = "sglang"  # run with the kit's interpreter: .venv-sglang/bin/python -m tools.plant_check sglang
 
 PLANTS = [
     # -- the wire: each validator check removed in turn; only the fuzz tests run
@@ -698,7 +699,7 @@ PLANTS = [
           "        if False:  # it holds a box",
           ("tests/integration/test_tensor_parallel_rollout.py", "-k", "delta_into")),
     # -- issue 46: slices inside vLLM workers
-    Plant("vllm slices: a strided read taken as its bounding box", f"{PKG}/rollout_engines/vllm/slices.py",
+    Plant("vllm slices: a strided read taken as its bounding box", f"{PKG}/rollout_engines/slices.py",
           "    if count < box.numel:\n        raise _Untraceable(", "    if False:\n        raise _Untraceable(",
           ("tests/unit/test_vllm_slices.py",)),
     Plant("engine sink: a box loaded without its whole shape around it", f"{PKG}/rollout_engines/worker.py",
@@ -781,6 +782,17 @@ PLANTS = [
           "            return\n        self._close_receiver()\n        t = self.config.transport",
           "            return\n        t = self.config.transport",
           ("tests/integration/test_verl.py", "-k", "new_actor_endpoint")),
+    # -- SGLang's real layers (block-FP8, TP slices): .venv-sglang/bin/python -m tools.plant_check sglang
+    Plant("sglang slices: a read-only weight_loader property taken as settable", f"{PKG}/rollout_engines/slices.py",
+          "    if isinstance(declared, property) and declared.fset is None:", "    if False:",
+          ("tests/unit/test_sglang_slices_real.py",), SGLANG),
+    Plant("sglang slices: the engine's default loader not the fallback", f"{PKG}/rollout_engines/slices.py",
+          "    original = getattr(param, \"weight_loader\", None) or fallback",
+          "    original = getattr(param, \"weight_loader\", None) or (lambda p, t: None)",
+          ("tests/unit/test_sglang_slices_real.py", "-k", "bf16"), SGLANG),
+    Plant("sglang fp8: block scales dropped by the engine sink", f"{PKG}/rollout_engines/worker.py",
+          "        if name in self._aliases:\n", "        if name in self._aliases or name.endswith(\"_scale_inv\"):\n",
+          ("tests/unit/test_sglang_fp8_real.py",), SGLANG),
     # -- online-quantized vLLM models (FP8, MXFP8): run these with the contract kit's interpreter,
     #    .venv-vllm-0.34.0/bin/python -m tools.plant_check "vllm quantized" (elsewhere they are skipped, not missed)
     Plant("vllm quantized: slices traced on the kernel-format parameters", f"{PKG}/rollout_engines/vllm/worker.py",

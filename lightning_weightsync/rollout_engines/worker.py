@@ -172,7 +172,7 @@ class ModelLoadSink(VersionSink):
     stale or foreign sender) and drained.
 
     A tensor that arrives as a box (a worker that declared the box its parameters read:
-    `vllm/slices.py`) is put back into a tensor of the whole shape, zeros outside the box, before
+    `rollout_engines/slices.py`) is put back into a tensor of the whole shape, zeros outside the box, before
     `load_weights`, which reads only the box: the model is what it would be from the whole tensor, bitwise.
     Memory: one whole tensor at a time, as for a whole version, plus its box while it is copied in (the
     receiver's bucket-bounded buffers are unchanged).

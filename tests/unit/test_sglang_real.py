@@ -15,11 +15,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import platform
-import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -36,6 +33,7 @@ from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support.mp import free_port
 from tests.support.sglang_api import extract
+from tests.support.sglang_layers import install_triton_stub
 from tests.support.transfer import engine_cfg
 from tests.unit.test_vllm_weight_transfer import Flaky, _version
 
@@ -44,20 +42,7 @@ ROOT = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])  #
 
 
 def _sglang() -> None:
-    """Install SGLang's own Triton stub (its `install_platform_stubs` acts only on Apple Silicon)."""
-    if "sglang_platform_stubs" in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location("sglang_platform_stubs", ROOT / "_platform_stubs.py")
-    assert spec is not None and spec.loader is not None
-    stubs: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = stubs
-    spec.loader.exec_module(stubs)
-    real = (sys.platform, platform.machine, torch.backends.mps.is_available)
-    sys.platform, platform.machine, torch.backends.mps.is_available = "darwin", lambda: "arm64", lambda: True  # type: ignore[assignment]
-    try:
-        stubs.install_platform_stubs()
-    finally:
-        sys.platform, platform.machine, torch.backends.mps.is_available = real  # type: ignore[assignment]
+    install_triton_stub()
 
 
 def test_snapshot_matches_the_installed_sglang_source() -> None:

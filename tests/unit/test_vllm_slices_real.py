@@ -38,6 +38,7 @@ from lightning_weightsync.protocol.boxes import Box
 from lightning_weightsync.protocol.chunks import TensorMeta
 from lightning_weightsync.rollout_engines.vllm.slices import derive_boxes
 from lightning_weightsync.rollout_engines.worker import ModelLoadSink
+from tests.support.checkpoints import per_expert
 
 WORLD = 2
 PATCHED = (
@@ -157,25 +158,6 @@ def checkpoint(arch: str, hf: Any) -> dict[str, torch.Tensor]:
     model = AutoModelForCausalLM.from_config(hf)
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     return per_expert(state) if arch == "qwen3_moe" else state
-
-
-def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Transformers 5 holds a Qwen3-MoE layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate's rows
-    first; `mlp.experts.down_proj` [E, H, I]); Hugging Face's Qwen3-MoE checkpoints (and a trainer saving them)
-    name each expert's `gate_proj` [I, H], `up_proj` [I, H], `down_proj` [H, I]: those, split from the fused."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            half = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{name.removesuffix('gate_up_proj')}{e}.gate_proj.weight"] = tensor[e, :half].clone()
-                out[f"{name.removesuffix('gate_up_proj')}{e}.up_proj.weight"] = tensor[e, half:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(tensor.shape[0]):
-                out[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out[name] = tensor
-    return out
 
 
 def expected_box(name: str, shape: tuple[int, ...], hf: Any, rank: int) -> Box | None:
