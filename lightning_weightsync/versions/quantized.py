@@ -24,9 +24,9 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ProtocolError, QuantizeError
-from ..protocol.messages import CONTRACT_BYTES, Contract, Ready, contract_digest
+from ..protocol.messages import CONTRACT_BYTES, Contract, Plan, Ready, contract_digest
 from ..quantize import QuantContract, Quantizer, QuantStats
-from ..transport.control import Peer
+from ..transport.control import Peer, ReceiverControl
 
 
 class DeclaredContract:
@@ -45,6 +45,32 @@ class DeclaredContract:
 
     def message(self, identity: str) -> Contract:
         return Contract(identity, self.digest, self.body)
+
+
+class ContractDeclaration:
+    """A receiver's side: the contract it declared (or none), sent whole before every Ready, checked in the plan."""
+
+    def __init__(self) -> None:
+        self.declared: DeclaredContract | None = None
+
+    def declare(self, contract: QuantContract | None) -> None:
+        self.declared = DeclaredContract(contract) if contract is not None else None
+
+    async def send(self, control: ReceiverControl, identity: str) -> str:
+        """Before a Ready: the contract's `Contract` message (so no version is sent without it); its digest."""
+        if self.declared is None:
+            return ""
+        await control.send(self.declared.message(identity))
+        return self.declared.digest
+
+    def check(self, plan: Plan, address: str) -> None:
+        """A plan sent by another contract than the one declared would put bytes of the wrong format into the model."""
+        declared = self.declared.digest if self.declared is not None else ""
+        if plan.contract != declared:
+            raise ProtocolError(
+                f"version {plan.version}: the sender at {address} sends it by quantization contract "
+                f"{plan.contract or 'none'}, this receiver declared {declared or 'none'}; nothing of it is applied"
+            )
 
 
 def version_contract(
@@ -79,6 +105,15 @@ def version_contract(
     return digest, QuantContract.from_wire(wire)
 
 
+def version_quantizer(
+    version: int, peers: list[Peer], readies: Mapping[str, Ready], contracts: dict[str, Contract]
+) -> tuple[str, QuantizedSource | None]:
+    """The digest the plans name and the quantizer of the contract every receiver of `version` declared, or ("",
+    None); receivers that disagree, or a contract that does not decode, raise (nothing was sent yet)."""
+    digest, contract = version_contract(version, peers, readies, contracts)
+    return digest, QuantizedSource(contract) if contract is not None else None
+
+
 class QuantizedSource:
     """The caller's tensors as the contract says the rollout loads them, one at a time, each quantized off the
     event loop (block FP8 of a large weight takes CPU seconds; the control plane keeps being served)."""
@@ -94,4 +129,4 @@ class QuantizedSource:
         return await asyncio.to_thread(self._quantizer.one, name, tensor)
 
 
-__all__ = ["DeclaredContract", "QuantizedSource", "version_contract"]
+__all__ = ["ContractDeclaration", "DeclaredContract", "QuantizedSource", "version_contract", "version_quantizer"]

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..config import ReceiverSettings, UserConfig, VerifyMode, transport_token
-from ..errors import ProtocolError, VersionAborted, WeightSyncError
+from ..errors import VersionAborted, WeightSyncError
 from ..protocol.boxes import Box
 from ..protocol.declare import Declaration
 from ..protocol.layout import LayoutRecorder
@@ -33,7 +33,7 @@ from .arrivals import Arrivals
 from .delta import HeldVersion
 from .endpoint import Endpoint
 from .pipeline import BucketPipeline, Destinations, FingerprintNotes, Into
-from .quantized import DeclaredContract
+from .quantized import ContractDeclaration
 from .receiver_lane import Acks, ReceiverLane
 from .sharded import OtherSenders
 from .stats import ReceiveStats
@@ -85,7 +85,7 @@ class WeightReceiver(Endpoint):
         self._acks = Acks(self._steps, self._others)
         self.verify = VerifyMode(t.verify)
         self.last_verify: VerifyReport | None = None  # what was checked of the last complete version
-        self._contract: DeclaredContract | None = None  # the quantization contract declared (`declare_contract`)
+        self._contract = ContractDeclaration()  # the quantization contract declared (`declare_contract`)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -192,23 +192,7 @@ class WeightReceiver(Endpoint):
         """What this receiver's model loads quantized, and how (quantize/contract.py; a vLLM worker learns it from
         its model): the sender quantizes every version to it (versions/quantized.py). None: tensors as the trainer
         holds them. Raises `QuantizeError` for a contract too large to send (name tensors by patterns)."""
-        self._contract = DeclaredContract(contract) if contract is not None else None
-
-    async def _send_contract(self) -> str:
-        """Before every Ready: the declared contract, whole (a few KiB), so no version is sent without it."""
-        if self._contract is None:
-            return ""
-        await self._control.send(self._contract.message(self.identity))
-        return self._contract.digest
-
-    def _check_contract(self, plan: Plan) -> None:
-        """A plan sent by another contract than the one declared would put bytes of the wrong format into the model."""
-        declared = self._contract.digest if self._contract is not None else ""
-        if plan.contract != declared:
-            raise ProtocolError(
-                f"version {plan.version}: the sender at {self.address} sends it by quantization contract "
-                f"{plan.contract or 'none'}, this receiver declared {declared or 'none'}; nothing of it is applied"
-            )
+        self._contract.declare(contract)
 
     def give_up_group(self) -> None:
         """Another part of the version failed: leave the group now, so its sender's broadcast ends at once."""
@@ -241,7 +225,7 @@ class WeightReceiver(Endpoint):
             prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
             boxes = await self._lane.send_boxes(prepare)
             layout = self._lane.layout.digest if self._lane.layout is not None else ""
-            contract = await self._send_contract()
+            contract = await self._contract.send(self._control, self.identity)
             await self._steps.ready(prepare, self._lane.generation, layout, boxes, contract)  # 2
             try:
                 plan = await self._steps.wait_plan(prepare, self.timeout_s, float(t.heartbeat_interval_s))  # 3
@@ -250,7 +234,7 @@ class WeightReceiver(Endpoint):
                 continue
             break
         self._lane.note_boxes(plan)
-        self._check_contract(plan)
+        self._contract.check(plan, self.address)
         self._steps.begin(plan)  # this version gets exactly one ack from here on; the failures below send theirs
         await self._lane.join(plan, self.timeout_s, self._acks)  # 3: its group
         return plan

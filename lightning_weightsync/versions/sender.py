@@ -45,7 +45,7 @@ from .delta import DeltaBase, VersionDelta
 from .endpoint import Endpoint
 from .lanes import LaneVersion
 from .options import ResolvedOptions, Sharding, TellOnce, VersionOptions
-from .quantized import QuantizedSource, version_contract
+from .quantized import version_quantizer
 from .sender_lanes import SenderLanes
 from .source import Drainable, check_call
 from .stats import SendStats, human_bytes
@@ -226,7 +226,13 @@ class WeightSender(Endpoint):
                 logger.info("version %d: no receivers registered; nothing sent", version)
                 await source.drain()
                 return None
-            self._quantize(source, version, peers)  # to the contract the receivers declared, if they did
+            try:  # to the contract the receivers declared, if they did; refused: a local failure, nothing sent
+                self._steps.contract, source.quantized = version_quantizer(
+                    version, peers, self._steps.readies, self._control.contracts
+                )
+            except WeightSyncError:
+                source.failed = True
+                raise
             generation = self._lanes.generation
             lanes = await self._lanes.of_version(version, peers)  # who holds what: a lane per declaration
             await self._join(version, lanes, options.others)  # 3: Plan, and each lane's data-plane group
@@ -250,18 +256,6 @@ class WeightSender(Endpoint):
             await source.drain()
             raise
         return sent
-
-    def _quantize(self, source: Drainable, version: int, peers: list[Peer]) -> None:
-        """The contract every receiver of the version declared (versions/quantized.py) set on `source`, and named in
-        the plans; receivers that disagree, or a contract that does not decode, refuse the version here (a local
-        failure: nothing was sent, the groups are kept)."""
-        try:
-            digest, contract = version_contract(version, peers, self._steps.readies, self._control.contracts)
-        except WeightSyncError:
-            source.failed = True
-            raise
-        source.quantized = QuantizedSource(contract) if contract is not None else None
-        self._steps.contract = digest
 
     async def _join(self, version: int, lanes: list[LaneVersion], others: list[SenderAddress] | None = None) -> None:
         """Step 3: each receiver told its rank in its lane's group (Plan, listing `others`, the other senders of a

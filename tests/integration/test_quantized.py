@@ -104,7 +104,7 @@ async def test_a_contract_naming_a_scheme_the_library_does_not_make_is_refused_n
     receiver = await _receiver(sender.port, "odd", CONTRACT)
     wire = CONTRACT.to_wire()
     wire["rules"][0]["scheme"] = "fp4_magic"  # what a newer or foreign rollout might ask for
-    declared = receiver._contract
+    declared = receiver._contract.declared
     assert declared is not None
     declared.body = json.dumps(wire, sort_keys=True, separators=(",", ":")).encode()
     declared.digest = contract_digest(declared.body)
