@@ -133,7 +133,7 @@ class RolloutClient:
         raise NotImplementedError
 
     def start_update(self) -> None:
-        """Open the engine's weight-update session."""
+        """Open the engine's weight-update window."""
         raise NotImplementedError
 
     def update(self, version: int, receive_timeout_s: float | None) -> None:

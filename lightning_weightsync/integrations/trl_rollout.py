@@ -49,7 +49,7 @@ POLL_S = 0.02  # how long the worker waits for a new version between two groups 
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
+class RolloutJob:
     """What the rollout process does; picklable (it crosses the spawn)."""
 
     config: Any  # the typed WeightSyncConfig
@@ -104,7 +104,7 @@ class CpuRolloutWorker:
             )
         require("trl.experimental.async_grpo", "trl", "CpuRolloutWorker")
         typed = settings(config)
-        self.plan = RolloutPlan(
+        self.plan = RolloutJob(
             config=typed,
             model_dir=str(model_dir),
             prompts=tuple(tuple(int(t) for t in p) for p in prompts),
@@ -192,7 +192,7 @@ class CpuRolloutWorker:
 
 
 def _rollout_process(
-    plan: RolloutPlan, buffer: Any, events: Any, generate: Event, stop: Event, last_sample: Any
+    plan: RolloutJob, buffer: Any, events: Any, generate: Event, stop: Event, last_sample: Any
 ) -> None:
     torch.set_num_threads(plan.threads)
     buffer.cancel_join_thread()  # at stop, samples the trainer never took must not hold the exit
@@ -203,7 +203,7 @@ def _rollout_process(
         raise
 
 
-async def _rollout_loop(plan: RolloutPlan, buffer: Any, events: Any, generate: Event, stop: Event, last: Any) -> None:
+async def _rollout_loop(plan: RolloutJob, buffer: Any, events: Any, generate: Event, stop: Event, last: Any) -> None:
     from ..versions.receiver import WeightReceiver
     from ..versions.verify import weights_digest
 
@@ -264,7 +264,7 @@ async def _receive(receiver: Any, shadow: dict[str, torch.Tensor], wait_s: float
 
 @torch.no_grad()
 def _sample(
-    model: Any, prompt: torch.Tensor, plan: RolloutPlan, generator: torch.Generator
+    model: Any, prompt: torch.Tensor, plan: RolloutJob, generator: torch.Generator
 ) -> tuple[list[int], list[float]]:
     """Sample one completion after `prompt` (1-D): its token ids and the log-probability each was sampled with."""
     seq, tokens, logprobs = prompt.unsqueeze(0), [], []
@@ -280,7 +280,7 @@ def _sample(
     return tokens, logprobs
 
 
-def _group(model: Any, plan: RolloutPlan, version: int, index: int) -> list[Any]:
+def _group(model: Any, plan: RolloutJob, version: int, index: int) -> list[Any]:
     """One prompt's `num_generations` completions, scored, as TRL `RolloutSample`s."""
     import numpy as np
 
@@ -309,4 +309,4 @@ def _group(model: Any, plan: RolloutPlan, version: int, index: int) -> list[Any]
     return samples
 
 
-__all__ = ["CpuRolloutWorker", "Reward", "RolloutPlan"]
+__all__ = ["CpuRolloutWorker", "Reward", "RolloutJob"]

@@ -1,10 +1,10 @@
 """The trainer drives each version through its rollout engines: pause, start, update, finish, resume.
 
 A rollout engine (vLLM, SGLang: `ROLLOUT_ENGINES` in `plugins.py`) is a server whose workers receive our versions
-themselves. The sending rank wraps every send in the rollouts' update session, on every rollout at once:
+themselves. The sending rank wraps every send in the rollouts' update window, on every rollout at once:
 
     every rollout:  pause()                                     (generation stops stepping)
-                    start_update()                              (the engine's update session opens)
+                    start_update()                              (the engine's update window opens)
                     update(v)       <- in a thread each, since it returns only when the workers
                                        received the version, i.e. after...
     this process:   sender.send_weights(...)                    <- ...our broadcast, run meanwhile
@@ -54,7 +54,7 @@ class RolloutTimings:
 
 
 class RolloutFleet:
-    """Runs one version's update session on every rollout around the trainer's send.
+    """Runs one version's update window on every rollout around the trainer's send.
 
     Args:
         clients: the rollouts, of any engines (`<engine>.urls` through the registry, or in-process

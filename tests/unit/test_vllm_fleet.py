@@ -206,7 +206,7 @@ def test_an_unreachable_rollout_means_nothing_is_sent_and_the_others_resume(serv
 
 
 def test_a_rollout_whose_start_failed_leaves_the_others_finished_and_resumed(servers) -> None:
-    """Issue 25 item 8: when one rollout could not start its update session, the sessions the others had
+    """Issue 25 item 8: when one rollout could not start its update window, the sessions the others had
     opened were never closed (a planted bug passed the suite); vLLM then refuses their next start."""
     good, bad = servers(), servers(fail="/start_weight_update")
     ctl = control(good, bad)

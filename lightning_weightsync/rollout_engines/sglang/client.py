@@ -1,4 +1,4 @@
-"""The trainer side of SGLang rollouts: each version's update session over SGLang's HTTP routes.
+"""The trainer side of SGLang rollouts: each version's update window over SGLang's HTTP routes.
 
 Per version (`trainer/fleet.py` runs each step on every rollout at once):
 
@@ -203,7 +203,7 @@ class SGLangClient(RolloutClient):
         try:
             self.http.request(api.END, {})
         except Exception as exc:  # the update's own error is the one to report
-            logger.warning("SGLang rollout %s: closing the update session after a failed update: %s", self.url, exc)
+            logger.warning("SGLang rollout %s: closing the update window after a failed update: %s", self.url, exc)
 
 
 __all__ = ["SGLangClient", "clients"]

@@ -1,4 +1,4 @@
-"""The trainer side of vLLM rollouts: each version's update session over vLLM's own API.
+"""The trainer side of vLLM rollouts: each version's update window over vLLM's own API.
 
 vLLM loads new weights through its weight-transfer API (vllm/entrypoints/rl/online/api_router.py for
 `vllm serve`, `LLM` / `AsyncLLM` methods in process). Each server's workers run our engine
