@@ -89,3 +89,17 @@ def test_closed_by_us_names_the_peer_of_a_connection_this_host_closed() -> None:
     while f"127.0.0.1:{client_port}" not in closed_by_us(port):
         assert time.monotonic() < deadline, "no TIME_WAIT entry for the closed connection"
         time.sleep(0.01)
+
+
+async def test_close_returns_when_the_handshake_watch_outlives_its_stop_wait() -> None:
+    """On a machine starved of CPU the watch thread may not end within its stop wait; it still owns the monitor
+    socket, so the context cannot be terminated (libzmq's term would wait for that socket forever): close leaves
+    the context to the process and returns, instead of hanging the trainer's shutdown."""
+    sender = await started_sender(None)
+    watch = sender._handshakes
+    assert watch is not None
+    watch.stop = lambda: False  # as if the join timed out
+    try:
+        await asyncio.wait_for(sender.close(), 10)
+    finally:
+        watch._stop.set()

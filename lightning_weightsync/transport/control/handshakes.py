@@ -39,6 +39,7 @@ HANDSHAKE_FAILED = (
 FIX = "set the same transport.auth_token (or transport.auth_token_file) on the trainer and every rollout"
 MAX_REFUSED_PEERS = 64  # addresses remembered for the trainer's give-up message
 WATCH_POLL_MS = 100  # how often the watch thread looks for `stop`
+STOP_WAIT_S = 5.0  # how long `stop` waits for it: a poll interval, unless the machine is starved of CPU
 UNREAD = "an address that closed before it could be read"
 UNREAD_BEFORE_SAYING = 3  # refusals from unread addresses in a row before the log says so without one
 CLOSES_BEFORE_HANDSHAKE = 2  # connections the sender closed mid-handshake before the receiver names the token
@@ -151,7 +152,7 @@ class HandshakeWatch:
     def stop(self) -> bool:
         """Stop the thread; True when it ended (then the monitor socket may be closed by the caller)."""
         self._stop.set()
-        self._thread.join(timeout=5 * WATCH_POLL_MS / 1000)
+        self._thread.join(timeout=STOP_WAIT_S)
         return not self._thread.is_alive()
 
     def refused_summary(self) -> str | None:

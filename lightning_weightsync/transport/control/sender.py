@@ -295,9 +295,9 @@ class SenderControl:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        if self._sync_ctx is not None:
-            self._sync_ctx.term()
-            self._sync_ctx = None
+        ctx, self._sync_ctx = self._sync_ctx, None
+        if ctx is not None and watch_ended:  # term() would wait forever for a monitor socket a live thread owns
+            ctx.term()
 
     # -- transport ----------------------------------------------------------------------------
     def _frames(self, msg: Message, answers: str = "") -> list[bytes]:
