@@ -134,7 +134,9 @@ def serialized_fp8_moe() -> Iterator[None]:
     from vllm.model_executor.layers.quantization import fp8
 
     with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(fp8, "select_fp8_moe_backend", lambda **kw: (Fp8MoeBackend.TRITON, object)))
+        stack.enter_context(
+            mock.patch.object(fp8, "select_fp8_moe_backend", lambda **kw: (Fp8MoeBackend.TRITON, object))
+        )
         if hasattr(fp8, "make_fp8_moe_kernel"):
             stack.enter_context(mock.patch.object(fp8, "make_fp8_moe_kernel", lambda **kw: mock.Mock()))
         yield
@@ -227,7 +229,9 @@ class Fp8Servers:
             receiver = engine._worker_receiver.receiver
             declare = receiver.declare_boxes
             receiver.declare_boxes = lambda boxes, declare=declare, seen=self.boxes[-1]: (  # what it declared
-                seen.update(boxes or {}), declare(boxes))
+                seen.update(boxes or {}),
+                declare(boxes),
+            )
             stack.callback(engine.shutdown)
         self.local.rank = 0
         self.sender = BlockingWeightSender(self.cfg)
@@ -325,10 +329,11 @@ def test_a_bf16_trainer_feeds_serialized_fp8_workers_bitwise_as_a_cold_load_of_t
                 assert f"{expert}_scale_inv" not in servers.boxes[1]  # both ranks read its one block row: whole
             k_scale = "model.layers.0.self_attn.k_proj.weight_scale_inv"
             assert servers.boxes[1][k_scale] == Box((1, 0), (1, 2))  # block-aligned: the box of its scales
-            for rank, engine in enumerate(servers.engines):
-                boxes = servers.boxes[rank]
-                print(f"{arch} TP {world} rank {rank} boxes of layer 0: "
-                      f"{ {n.removeprefix('model.layers.0.'): (b.offsets, b.sizes) for n, b in boxes.items() if 'layers.0.' in n} }")  # fmt: skip
+            for rank, boxes in enumerate(servers.boxes):
+                layer0 = {
+                    n.removeprefix("model.layers.0."): (b.offsets, b.sizes) for n, b in boxes.items() if ".0." in n
+                }
+                print(f"{arch} TP {world} rank {rank} boxes of layer 0: {layer0}")
 
 
 def test_a_nan_weight_fails_the_version_naming_it_the_workers_keep_the_last_and_the_next_one_lands(
