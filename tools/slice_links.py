@@ -267,10 +267,10 @@ def quantized_targets(mode: str, mesh: Any, mb: float, tensor_mb: float,
             items = list(quantize_stream(items, contract))
         wanted[version] = {name: local(name, tensor) for name, tensor in items}
     params: dict[str, Any] = {}
+    weights = model_shapes(mb, tensor_mb, itemsize_of(mode))
     for name, tensor in wanted[1].items():
-        full = stream(1, mb, tensor_mb, mode).get(name)
-        shape = tuple(full.shape) if full is not None else _scale_shape(name, mb, tensor_mb)
-        unit = size * (BLOCK if full is not None and contract is not None else 1)  # whole blocks a rank
+        shape = weights[name] if name in weights else _scale_shape(name, mb, tensor_mb)
+        unit = size * (BLOCK if name in weights and contract is not None else 1)  # whole blocks a rank
         if shape[shard_dim(name)] % unit:
             raise ValueError(f"{name} {shape}: dim {shard_dim(name)} is not {size} TP ranks' whole blocks of "
                              f"{BLOCK}; change --tensor-mb")  # fmt: skip
