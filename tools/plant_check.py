@@ -57,6 +57,7 @@ QUANTIZE_CONTRACT = f"{PKG}/quantize/contract.py"
 QUANTIZE_UNIT = "tests/unit/test_quantize.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
+FP8_E2E = "tests/unit/test_vllm_serialized_fp8_real.py"
 SGLANG = "sglang"  # run with the kit's interpreter: .venv-sglang/bin/python -m tools.plant_check sglang
 
 PLANTS = [
@@ -870,6 +871,27 @@ PLANTS = [
           "    if not method.block_quant:\n        raise _refuse(prefix, \"a per-tensor FP8 checkpoint",
           "    if False:\n        raise _refuse(prefix, \"a per-tensor FP8 checkpoint",
           (QUANT_CONTRACT_KIT, "-k", "per_tensor"), VLLM),
+    # -- a bf16 trainer into serialized block-FP8 vLLM workers, end to end (the contract kit's interpreter, as above)
+    Plant("vllm fp8: a serialized FP8 worker declares no contract", f"{PKG}/rollout_engines/vllm/weight_transfer.py",
+          "        return contract if contract.rules else None", "        return None",
+          (FP8_E2E, "-k", "1-qwen3]"), VLLM),
+    Plant("vllm fp8: the scales' boxes not declared (sent whole)", f"{PKG}/rollout_engines/vllm/worker.py",
+          "            worker.receiver.declare_boxes(slices.boxes)",
+          "            worker.receiver.declare_boxes({n: b for n, b in slices.boxes.items() if 'scale' not in n})",
+          (FP8_E2E, "-k", "2-qwen3]"), VLLM),
+    Plant("vllm fp8: a scale's box one block row off", f"{PKG}/rollout_engines/vllm/worker.py",
+          "            worker.receiver.declare_boxes(slices.boxes)",
+          "            worker.receiver.declare_boxes({n: type(b)(((b.offsets[0] + 1) % 2, *b.offsets[1:]), b.sizes) "
+          "if n.endswith('k_proj.weight_scale_inv') else b for n, b in slices.boxes.items()})",
+          (FP8_E2E, "-k", "2-qwen3]"), VLLM),
+    Plant("slices: an FP8 parameter not traced (its weight goes whole)", f"{PKG}/rollout_engines/slices.py",
+          "    shape, floating = tuple(param.shape), param.dtype.is_floating_point\n",
+          "    shape, floating = tuple(param.shape), param.dtype.is_floating_point and param.dtype.itemsize > 1\n",
+          (FP8_E2E, "-k", "2-qwen3_moe]"), VLLM),
+    Plant("vllm fp8: a version the sender aborted left in the model", f"{PKG}/rollout_engines/vllm/worker.py",
+          "        undone = self._undo(version, touched=sink.touched or failure is None, whole=failure is None)",
+          "        undone = self._undo(version, touched=failure is None, whole=failure is None)",
+          (FP8_E2E, "-k", "nan"), VLLM),
 ]  # fmt: skip
 
 
