@@ -171,7 +171,13 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build(
-    arch: str, hf: Any, *, fp8: bool, rank: int = 0, tp_size: int = 1, scale_fmt: str | None = None,
+    arch: str,
+    hf: Any,
+    *,
+    fp8: bool,
+    rank: int = 0,
+    tp_size: int = 1,
+    scale_fmt: str | None = None,
     weight_block_size: list[int] | None = None,
 ) -> torch.nn.Module:
     """SGLang's own model class for `arch` at TP rank `rank` of `tp_size`, bf16, block-FP8 with `fp8` (its checkpoint's

@@ -106,7 +106,7 @@ def test_sglangs_per_block_cast_is_fp8_block_ue8m0_and_differs_from_fp8_block_on
     q_plain, s_plain = quantize_fp8_block("w", x)
     assert same_bytes(s_sg, ceil_to_ue8m0(s_plain)), "SGLang's scale is not ours rounded up to a power of two"
     exact = s_plain == s_sg  # blocks whose amax / 448 is a power of two already: the same bytes
-    for (i, j) in exact.nonzero().tolist():
+    for i, j in exact.nonzero().tolist():
         block = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
         assert same_bytes(q_plain[block], q_sg[block])
 
@@ -195,7 +195,9 @@ def test_bf16_sent_quantized_to_the_declared_contract_equals_sglangs_cold_fp8_lo
             stats = sender.send_weights(list(weights.items()), version=version)
             thread.join(60)
             assert not thread.is_alive() and stats.receivers == 1
-            assert loader._rank is not None and loader._rank.version == version, loader._rank and loader._rank.last_report
+            assert loader._rank is not None and loader._rank.version == version, (
+                loader._rank and loader._rank.last_report
+            )
 
             cold = sglang_layers.build(arch, hf, fp8=True, scale_fmt=scale_fmt)
             cold.load_weights(list(fp8_checkpoint(arch, hf, scale_fmt, version).items()))  # type: ignore[operator]
@@ -273,7 +275,9 @@ def test_each_tp_rank_declares_its_boxes_and_gets_only_its_box_of_the_fp8_weight
 
     def ranks() -> None:
         try:
-            outcome["ranks"] = run_workers(_tp2_rank, [(r, arch, scale_fmt, str(path)) for r in range(2)], timeout_s=300)
+            outcome["ranks"] = run_workers(
+                _tp2_rank, [(r, arch, scale_fmt, str(path)) for r in range(2)], timeout_s=300
+            )
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -303,6 +307,6 @@ def test_each_tp_rank_declares_its_boxes_and_gets_only_its_box_of_the_fp8_weight
         assert first == report["whole"], "the first version comes whole (no boxes are known before it)"
         assert later == [report["boxes"]] * len(later), "a rank received more (or less) than its boxes"
         assert report["boxes"] < report["whole"] and report["scale_boxes"] < report["scales"]
-        print(f"\n{arch} scale_fmt={scale_fmt} TP rank {rank} of 2: {later[0]} bytes a version after declaring its boxes "
+        print(f"\n{arch} scale_fmt={scale_fmt} TP rank {rank} of 2: {later[0]} bytes a version after its boxes "
               f"(FP8 whole: {report['whole']}, bf16: {sent[-1]}; its scales {report['scale_boxes']} of "
               f"{report['scales']})")  # fmt: skip

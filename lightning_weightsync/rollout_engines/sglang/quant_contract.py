@@ -82,11 +82,11 @@ def expert_mapping(model: torch.nn.Module) -> list[tuple[str, str, int, str]]:
         recorded.extend(mapping)
         return mapping
 
-    FusedMoE.make_expert_params_mapping = staticmethod(record)  # type: ignore[assignment,method-assign]
+    FusedMoE.make_expert_params_mapping = staticmethod(record)
     try:
         model.load_weights(iter(()))  # type: ignore[operator]  # an SGLang model's own method
     finally:
-        FusedMoE.make_expert_params_mapping = original  # type: ignore[method-assign]
+        FusedMoE.make_expert_params_mapping = original
     return recorded
 
 
