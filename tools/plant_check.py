@@ -58,6 +58,9 @@ QUANTIZE_UNIT = "tests/unit/test_quantize.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
 FP8_E2E = "tests/unit/test_vllm_serialized_fp8_real.py"
+SGLANG_LEARN = f"{PKG}/rollout_engines/sglang/quant_contract.py"
+SGLANG_LOADER = f"{PKG}/rollout_engines/sglang/loader.py"
+SGLANG_QUANT_KIT = "tests/unit/test_sglang_quant_contract_real.py"
 SGLANG = "sglang"  # run with the kit's interpreter: .venv-sglang/bin/python -m tools.plant_check sglang
 
 PLANTS = [
@@ -837,7 +840,7 @@ PLANTS = [
     Plant("quantize: block FP8's amax floor dropped", QUANTIZE_SCHEMES,
           "    sf = amax.clamp(AMAX_FLOOR) / FP8_MAX", "    sf = amax / FP8_MAX", (QUANTIZE_UNIT, "-k", "zero_block")),
     Plant("quantize: a NaN or inf in a block-FP8 weight quantized", QUANTIZE_SCHEMES,
-          '        _refuse_nonfinite(name, tile, origin, "fp8_block")', "        pass",
+          '        _refuse_nonfinite(name, tile, origin, "fp8_block_ue8m0" if ue8m0 else "fp8_block")', "        pass",
           (QUANTIZE_UNIT, "-k", "nan_or_inf")),
     Plant("quantize: a NaN or inf in an MXFP8 weight quantized", QUANTIZE_SCHEMES,
           '        _refuse_nonfinite(name, tile[r : r + 1], origin, "mxfp8")', "        pass",
@@ -892,6 +895,31 @@ PLANTS = [
           "        undone = self._undo(version, touched=sink.touched or failure is None, whole=failure is None)",
           "        undone = self._undo(version, touched=failure is None, whole=failure is None)",
           (FP8_E2E, "-k", "nan"), VLLM),
+    # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
+    Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
+          "    if ue8m0:\n        sf = ceil_to_ue8m0(sf)\n", "", (SGLANG_QUANT_KIT, "-k", "sglangs_per_block_cast"),
+          SGLANG),
+    Plant("sglang quant contract: a ue8m0 checkpoint declared plain block FP8", SGLANG_LEARN,
+          'SCHEME_OF_SCALE_FMT = {None: "fp8_block", "ue8m0": "fp8_block_ue8m0"}',
+          'SCHEME_OF_SCALE_FMT = {None: "fp8_block", "ue8m0": "fp8_block"}',
+          (SGLANG_QUANT_KIT, "-k", "contract_learnt"), SGLANG),
+    Plant("sglang quant contract: the experts declared bf16", SGLANG_LEARN,
+          'out.update({f"{parent}{weight_name}weight": rule for _, weight_name, _, _ in mapping})',
+          'out.update({f"{parent}{weight_name}weight": None for _, weight_name, _, _ in mapping})',
+          (SGLANG_QUANT_KIT, "-k", "contract_learnt and moe"), SGLANG),
+    Plant("sglang quant contract: a fused Linear's shards not named", SGLANG_LEARN,
+          "            for shard in _fused_shards(model, prefix, module):",
+          '            for shard in [prefix.rpartition(".")[2]]:', (SGLANG_QUANT_KIT, "-k", "contract_learnt"), SGLANG),
+    Plant("sglang quant contract: a per-tensor FP8 layer declared block FP8", SGLANG_LEARN,
+          "    if not method.block_quant:", "    if False:", (SGLANG_QUANT_KIT, "-k", "refused"), SGLANG),
+    Plant("sglang loader: the contract not declared", SGLANG_LOADER,
+          "        self.receiver.declare_contract(contract)  #", "        pass  #",
+          (SGLANG_QUANT_KIT, "-k", "bf16_sent and qwen3-None"), SGLANG),
+    Plant("sglang loader: no boxes declared at TP 2", SGLANG_LOADER,
+          "        self.declare_slices(model)\n", "", (SGLANG_QUANT_KIT, "-k", "tp_rank and qwen3-ue8m0"), SGLANG),
+    Plant("sglang loader: the TP rank and size not SGLang's", SGLANG_LOADER,
+          "        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())",
+          "        return worker_rank(), 1", (SGLANG_QUANT_KIT, "-k", "tp_rank and qwen3-ue8m0"), SGLANG),
 ]  # fmt: skip
 
 

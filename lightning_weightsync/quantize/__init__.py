@@ -1,8 +1,8 @@
-"""Trainer-side quantization to the contract a rollout declares (block FP8, MXFP8), bitwise what vLLM's own
+"""Trainer-side quantization to the contract a rollout declares (block FP8, MXFP8), bitwise what the engines' own
 quantizers compute; torch and the errors module only, so any layer above may use it."""
 
 from .contract import QuantContract, QuantRule
-from .schemes import SCHEMES, Scheme, quantize_fp8_block, quantize_mxfp8
+from .schemes import SCHEMES, Scheme, quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8
 from .stream import QuantizedStream, Quantizer, QuantStats, quantize_stream
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Quantizer",
     "Scheme",
     "quantize_fp8_block",
+    "quantize_fp8_block_ue8m0",
     "quantize_mxfp8",
     "quantize_stream",
 ]

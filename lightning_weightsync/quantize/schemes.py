@@ -1,4 +1,4 @@
-"""The quantizers a rollout's contract can ask of the trainer, each bitwise what vLLM computes for it.
+"""The quantizers a rollout's contract can ask of the trainer, each bitwise what the engine's own code computes.
 
 A rollout that loaded a serialized FP8 checkpoint reads FP8 bytes and scales through `load_weights`; an engine
 that quantized a bf16 checkpoint itself (cold start) and one fed by the trainer must serve the same bytes, so
@@ -7,6 +7,11 @@ each scheme here repeats vLLM's own pure-torch function op for op (vLLM is no de
 - `fp8_block`: vLLM's `per_block_cast_to_fp8` (`vllm/utils/deep_gemm.py`): a block of `block` elements (128 x
   128 by default) zero-padded at the edges, `amax` clamped to 1e-4, `sf = amax / 448`, `q = x * (1 / sf)` cast
   to float8_e4m3fn, and `sf` itself is the checkpoint's `weight_scale_inv` (float32, one per block).
+- `fp8_block_ue8m0`: the same with each scale rounded up to a power of two (DeepGEMM's `ceil_to_ue8m0` on the
+  bits of `amax / 448`): SGLang's `per_block_cast_to_fp8` (`srt/layers/quantization/fp8_utils.py`, "COPIED FROM
+  DeepGEMM"), what a checkpoint whose quantization config says `scale_fmt: ue8m0` (DeepSeek-V3.1) holds and SGLang
+  re-lays out as lossless. It differs from `fp8_block` in that one step only: where `amax / 448` is a power of two
+  both give the same bytes, elsewhere the scale is up to 2x larger and the FP8 elements follow it.
 - `mxfp8`: vLLM's `_mxfp8_e4m3_quantize_torch` (`.../quantization/utils/mxfp8_utils.py`): 32 elements along the
   last dimension share an E8M0 exponent (uint8, biased by 127) that fits the block's amax under 448.
 
@@ -87,7 +92,29 @@ def quantize_fp8_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight of `x`'s shape, float32 `weight_scale_inv` [ceil(n / bn), ceil(k / bk)]) as vLLM's
     `per_block_cast_to_fp8(x, block, use_ue8m0=False)`; per expert for a 3-D bank."""
-    _check_input(name, x, "fp8_block")
+    return _fp8_block(name, x, block, max_temp_elems, ue8m0=False)
+
+
+def quantize_fp8_block_ue8m0(
+    name: str, x: torch.Tensor, block: tuple[int, int] = (128, 128), max_temp_elems: int = DEFAULT_MAX_TEMP_ELEMS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `quantize_fp8_block` with power-of-two scales: SGLang's `per_block_cast_to_fp8(x)` (128 x 128)."""
+    return _fp8_block(name, x, block, max_temp_elems, ue8m0=True)
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """Each positive float32 rounded up to a power of two, on its bits (DeepGEMM's and SGLang's `ceil_to_ue8m0`:
+    not `2 ** ceil(log2 x)`, whose float log2 rounds values just above a power of two down onto it)."""
+    bits = x.abs().float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+
+
+def _fp8_block(
+    name: str, x: torch.Tensor, block: tuple[int, int], max_temp_elems: int, *, ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scheme = "fp8_block_ue8m0" if ue8m0 else "fp8_block"
+    _check_input(name, x, scheme)
     bm, bn = block
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(FP8_BLOCK.scale_shape(tuple(x.shape), block), dtype=torch.float32, device=x.device)
@@ -99,7 +126,7 @@ def quantize_fp8_block(
         for r0, r1 in _tiles(rows_b, rows_per):
             for c0, c1 in _tiles(cols_b, cols_per):
                 origin = (e,) * (x.dim() == 3) + (r0 * bm, c0 * bn)
-                _fp8_block_tile(name, xe, qe, se, (r0, r1, c0, c1), block, origin)
+                _fp8_block_tile(name, xe, qe, se, (r0, r1, c0, c1), block, origin, ue8m0)
     return q, scale
 
 
@@ -111,8 +138,10 @@ def _fp8_block_tile(
     span: tuple[int, int, int, int],
     block: tuple[int, int],
     origin: tuple[int, ...],
+    ue8m0: bool,
 ) -> None:
-    """Blocks rows r0..r1, columns c0..c1 of one 2-D weight: vLLM's ops on the zero-padded tile."""
+    """Blocks rows r0..r1, columns c0..c1 of one 2-D weight: vLLM's (SGLang's, `ue8m0`) ops on the zero-padded
+    tile."""
     (r0, r1, c0, c1), (bm, bn) = span, block
     tile = x[r0 * bm : r1 * bm, c0 * bn : c1 * bn]
     rows, cols = tile.shape
@@ -121,8 +150,10 @@ def _fp8_block_tile(
     view = padded.view(-1, bm, c1 - c0, bn)
     amax = view.abs().float().amax(dim=(1, 3), keepdim=True)
     if not bool(torch.isfinite(amax).all()):
-        _refuse_nonfinite(name, tile, origin, "fp8_block")
+        _refuse_nonfinite(name, tile, origin, "fp8_block_ue8m0" if ue8m0 else "fp8_block")
     sf = amax.clamp(AMAX_FLOOR) / FP8_MAX
+    if ue8m0:
+        sf = ceil_to_ue8m0(sf)
     scaled = (view * (1.0 / sf)).to(FP8_DTYPE)
     q[r0 * bm : r1 * bm, c0 * bn : c1 * bn] = scaled.view_as(padded)[:rows, :cols]
     scale[r0:r1, c0:c1] = sf.view(r1 - r0, c1 - c0)
@@ -184,5 +215,6 @@ def _unflatten(row: int, dims: tuple[int, ...]) -> tuple[int, ...]:
 
 
 FP8_BLOCK = Scheme("fp8_block", FP8_DTYPE, torch.float32, (128, 128), False, quantize_fp8_block)
+FP8_BLOCK_UE8M0 = Scheme("fp8_block_ue8m0", FP8_DTYPE, torch.float32, (128, 128), False, quantize_fp8_block_ue8m0)
 MXFP8 = Scheme("mxfp8", FP8_DTYPE, torch.uint8, (1, MXFP8_BLOCK), True, quantize_mxfp8)
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, MXFP8)}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, FP8_BLOCK_UE8M0, MXFP8)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import platform
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from unittest import mock
 
 import torch
 
+from lightning_weightsync.protocol.boxes import Box
 from tests.support.checkpoints import per_expert
 
 QUANTIZED = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
@@ -168,8 +170,18 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def build(arch: str, hf: Any, *, fp8: bool, rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
-    """SGLang's own model class for `arch` at TP rank `rank` of `tp_size`, bf16, block-FP8 with `fp8`."""
+def build(
+    arch: str,
+    hf: Any,
+    *,
+    fp8: bool,
+    rank: int = 0,
+    tp_size: int = 1,
+    scale_fmt: str | None = None,
+    weight_block_size: list[int] | None = None,
+) -> torch.nn.Module:
+    """SGLang's own model class for `arch` at TP rank `rank` of `tp_size`, bf16, block-FP8 with `fp8` (its checkpoint's
+    `scale_fmt`, e.g. "ue8m0"; `weight_block_size` [128, 128] unless given)."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.layers.rotary_embedding import base as rotary
 
@@ -177,19 +189,18 @@ def build(arch: str, hf: Any, *, fp8: bool, rank: int = 0, tp_size: int = 1) -> 
         "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
         "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     }[arch]
-    quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
+    quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                      weight_block_size=weight_block_size or [128, 128], scale_fmt=scale_fmt)  # fmt: skip
     publish_tp(rank, tp_size)
     with default_dtype(torch.bfloat16), mock.patch.object(rotary, "_is_cpu", True):
         model: torch.nn.Module = getattr(importlib.import_module(module), name)(hf, quant_config=quant if fp8 else None)
     return model
 
 
-def checkpoint(arch: str, hf: Any, *, fp8: bool, seed: int) -> dict[str, torch.Tensor]:
-    """The trainer's tensors (Hugging Face names, each MoE expert its own), bf16, random per `seed`; with `fp8` each
-    linear layer's weight as SGLang's `per_block_cast_to_fp8` makes it: float8_e4m3fn + `<name>_scale_inv` float32
-    (one scale a 128x128 block), from the weight times 4**seed, so that each version's scales differ too (SGLang's
-    scales are powers of two: weights of one init scale would share them across versions)."""
-    from sglang.srt.layers.quantization.fp8_utils import per_block_cast_to_fp8
+def trainer_weights(arch: str, hf: Any, *, seed: int) -> dict[str, torch.Tensor]:
+    """The trainer's bf16 tensors (Hugging Face names, each MoE expert its own), random per `seed`, every weight a
+    block-FP8 checkpoint quantizes (`QUANTIZED`) times 4**seed, so that each version's scales differ too (scales
+    that are powers of two, SGLang's, would be shared across versions by weights of one init scale)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -198,12 +209,52 @@ def checkpoint(arch: str, hf: Any, *, fp8: bool, seed: int) -> dict[str, torch.T
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     if arch == "qwen3_moe":
         state = per_expert(state)
-    if not fp8:
-        return state
+    return {name: t * 4.0**seed if name.endswith(QUANTIZED) else t for name, t in state.items()}
+
+
+def quantized(state: dict[str, torch.Tensor], cast: Any) -> dict[str, torch.Tensor]:
+    """`state` as a block-FP8 checkpoint holds it: each `QUANTIZED` weight `cast(weight)` -> float8_e4m3fn +
+    `<name>_scale_inv` float32, in the order given."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name.endswith(QUANTIZED):
-            out[name], out[f"{name}_scale_inv"] = per_block_cast_to_fp8(tensor * 4.0**seed)
+            out[name], out[f"{name}_scale_inv"] = cast(tensor)
         else:
             out[name] = tensor
     return out
+
+
+def checkpoint(arch: str, hf: Any, *, fp8: bool, seed: int) -> dict[str, torch.Tensor]:
+    """The trainer's tensors, bf16 and unscaled; with `fp8` `trainer_weights` as SGLang's `per_block_cast_to_fp8`
+    makes a block-FP8 checkpoint of them (one power-of-two scale a 128x128 block)."""
+    from sglang.srt.layers.quantization.fp8_utils import per_block_cast_to_fp8
+
+    if not fp8:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        with default_dtype(torch.bfloat16):
+            model = AutoModelForCausalLM.from_config(hf)
+        state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        return per_expert(state) if arch == "qwen3_moe" else state
+    return quantized(trainer_weights(arch, hf, seed=seed), per_block_cast_to_fp8)
+
+
+def tp2_box(name: str, shape: tuple[int, ...], hf: Any, rank: int) -> Box | None:
+    """The tests' oracle of what TP rank `rank` of 2 reads of a checkpoint tensor (a table; the library learns it from
+    SGLang's loaders). A block scale (`<weight>_scale_inv`, one a 128x128 block) is cut where its weight is: the sizes
+    here split into whole blocks."""
+    world = 2
+    half = lambda n: (rank * n // world, n // world)  # noqa: E731
+    weight = name.removesuffix("_scale_inv")
+    if weight.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        start, size = half(shape[0])  # column-parallel (KV heads 2 = TP: one each), an expert's TP slice too
+        return Box((start, 0), (size, shape[1]))
+    if weight.endswith(("o_proj.weight", "down_proj.weight")):
+        start, size = half(shape[1])
+        return Box((0, start), (shape[0], size))
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        per_rank = math.ceil(hf.vocab_size / 64) * 64 // world  # SGLang pads the vocab to 64 rows
+        start = rank * per_rank
+        return Box((start, 0), (min(hf.vocab_size, start + per_rank) - start, shape[1]))
+    return None  # norms, the MoE router `mlp.gate.weight`: replicated

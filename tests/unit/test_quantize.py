@@ -14,7 +14,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_weightsync.errors import ProtocolError, QuantizeError
-from lightning_weightsync.quantize import QuantContract, QuantRule, quantize_fp8_block, quantize_mxfp8, quantize_stream
+from lightning_weightsync.quantize import (
+    QuantContract,
+    QuantRule,
+    quantize_fp8_block,
+    quantize_fp8_block_ue8m0,
+    quantize_mxfp8,
+    quantize_stream,
+)
 from lightning_weightsync.quantize.contract import MAX_PATTERNS
 
 SHAPES = [(128, 128), (300, 200), (1, 1), (257, 1000), (129, 127)]
@@ -87,12 +94,12 @@ def test_mxfp8_refuses_a_last_dimension_not_divisible_by_32() -> None:
         quantize_mxfp8("layers.0.w", weight((64, 48)))
 
 
-@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_mxfp8])
+@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8])
 def test_tiling_and_reruns_change_no_byte(quantize: Any) -> None:
     x = weight((300, 416), seed=3)
     x[200:, :100] = 0
     x[7, 9] = -300.0
-    block = (128, 128) if quantize is quantize_fp8_block else (1, 32)
+    block = (1, 32) if quantize is quantize_mxfp8 else (128, 128)
     want = quantize("w", x, block, 1 << 22)
     for tile in (1, 32, 128 * 128, 128 * 128 * 2 + 5, 1 << 30):
         got = quantize("w", x, block, tile)
@@ -100,7 +107,7 @@ def test_tiling_and_reruns_change_no_byte(quantize: Any) -> None:
         assert torch.equal(got[1], want[1]), tile
 
 
-@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_mxfp8])
+@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8])
 def test_a_3d_expert_bank_is_each_expert_quantized_alone(quantize: Any) -> None:
     bank = torch.stack([weight((200, 160), seed=e, std=0.01 * (e + 1)) for e in range(3)])
     q, scale = quantize("experts.w13", bank)
@@ -109,7 +116,7 @@ def test_a_3d_expert_bank_is_each_expert_quantized_alone(quantize: Any) -> None:
         assert torch.equal(q[e].view(torch.uint8), qe.view(torch.uint8)) and torch.equal(scale[e], se)
 
 
-@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_mxfp8])
+@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("shape", [(300, 160), (2, 300, 160)])
 def test_nan_or_inf_is_refused_naming_the_tensor_and_the_element(
@@ -145,7 +152,7 @@ class LargestTemporary(TorchDispatchMode):
         return max(n for ptr, n in self.storages.items() if ptr not in own)
 
 
-@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_mxfp8])
+@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8])
 def test_temporaries_stay_a_tile_whatever_the_weight_s_size(quantize: Any) -> None:
     tile = 128 * 128 * 2
     for rows in (512, 2048):

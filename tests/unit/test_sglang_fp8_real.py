@@ -5,6 +5,10 @@ delivered by a real sender through the loader SGLang resolves (`dynamic_import(a
 `update_weights_from_tensor` does), and after each version every parameter equal, bitwise, to what SGLang's own
 `load_weights` makes of the same tensors in a model loaded cold.
 
+The loader would declare the model's quantization contract (and the trainer would then quantize bf16 to it:
+`test_sglang_quant_contract_real.py`); here it is made to declare none, so that the FP8 bytes and scales the test
+sends reach `load_weights` as sent: what this holds is SGLang's FP8 load path behind our loader and sink.
+
 What stands in for what the CPU kit lacks (Triton, torchvision, the rotary kernel, process groups) is said in
 `tests/support/sglang_layers.py`; none of it holds or loads a weight. Post-load processing
 (`process_weights_after_loading`) is not run on either side: on CPU its block-FP8 branch asks for AMX
@@ -21,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_weightsync.protocol.chunks import as_bytes
-from lightning_weightsync.rollout_engines.sglang import api, loader
+from lightning_weightsync.rollout_engines.sglang import api, loader, quant_contract
 from lightning_weightsync.rollout_engines.worker import CONFIG_ENV
 from lightning_weightsync.versions.sender import BlockingWeightSender
 from tests.support import sglang_layers
@@ -54,6 +58,7 @@ def test_fp8_versions_through_our_loader_equal_sglangs_own_cold_load(
     path = tmp_path / "sync.yaml"
     path.write_text(OmegaConf.to_yaml(cfg))
     monkeypatch.setenv(CONFIG_ENV, str(path))
+    monkeypatch.setattr(quant_contract, "declared_contract", lambda model: None)  # FP8 sent as is (docstring)
     served = sglang_layers.build(arch, hf, fp8=True)
     fp8 = {n: p for n, p in served.named_parameters() if p.dtype == torch.float8_e4m3fn}
     scales = [n for n in served.state_dict() if n.endswith("weight_scale_inv")]

@@ -8,7 +8,6 @@ model's (printed: `pytest -s`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -35,21 +34,9 @@ CASES = {
 
 
 def expected_box(name: str, shape: tuple[int, ...], hf: Any, rank: int) -> Box | None:
-    """The test's oracle (a table; the library learns it from SGLang's loaders): TP rank `rank` of 2. A block scale
-    (`<weight>_scale_inv`, one a 128x128 block) is cut where its weight is: the sizes here split into whole blocks."""
-    half = lambda n: (rank * n // WORLD, n // WORLD)  # noqa: E731
-    weight = name.removesuffix("_scale_inv")
-    if weight.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
-        start, size = half(shape[0])  # column-parallel (KV heads 2 = TP: one each), an expert's TP slice too
-        return Box((start, 0), (size, shape[1]))
-    if weight.endswith(("o_proj.weight", "down_proj.weight")):
-        start, size = half(shape[1])
-        return Box((0, start), (shape[0], size))
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        per_rank = math.ceil(hf.vocab_size / 64) * 64 // WORLD  # SGLang pads the vocab to 64 rows
-        start = rank * per_rank
-        return Box((start, 0), (min(hf.vocab_size, start + per_rank) - start, shape[1]))
-    return None  # norms, the MoE router `mlp.gate.weight`: replicated
+    """The test's oracle (`sglang_layers.tp2_box`, a table; the library learns it from SGLang's loaders)."""
+    assert WORLD == 2
+    return sglang_layers.tp2_box(name, shape, hf, rank)
 
 
 @pytest.mark.parametrize("case", list(CASES))

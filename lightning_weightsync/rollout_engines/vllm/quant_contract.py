@@ -16,21 +16,13 @@ vLLM is imported only inside `learn_quant_contract`.
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from typing import Any
 
 import torch
 
-from ...errors import QuantizeError
 from ...quantize import QuantContract, QuantRule
-
-_DIGITS = re.compile(r"^\d+$")
-
-
-def _refuse(prefix: str, why: str) -> QuantizeError:
-    return QuantizeError(f"{prefix}: {why}; trainer-side quantization cannot produce what this model loads "
-                         "(serve a block-FP8 checkpoint, or have the engine quantize bf16 online)")  # fmt: skip
+from ..quant_contract import contract_of, keep_the_rest
+from ..quant_contract import refuse as _refuse
 
 
 def _linear_rule(prefix: str, method: Any) -> QuantRule | None:
@@ -99,45 +91,11 @@ def _module_outcomes(model: torch.nn.Module) -> dict[str, QuantRule | None]:
         else:
             continue
         handled.add(prefix)
-    for prefix, module in model.named_modules():
-        if prefix in handled or any(prefix.startswith(f"{h}.") for h in handled):
-            continue
-        for name, _ in module.named_parameters(recurse=False):
-            out[f"{prefix}.{name}" if prefix else name] = None
+    keep_the_rest(model, handled, out)
     return out
-
-
-def _compress(outcomes: dict[str, QuantRule | None]) -> dict[str, QuantRule | None]:
-    """Names to patterns: a digit component (layer, expert) becomes `*` wherever every name it would merge
-    agrees on the outcome; tried from the last such position to the first, so "experts of a layer agree, layers
-    do not" (the first dense layers of a MoE) still merges the experts."""
-    current = dict(outcomes)
-    width = max((len(n.split(".")) for n in current), default=0)
-    for position in reversed(range(width)):
-        groups: dict[str, list[str]] = defaultdict(list)
-        for name in current:
-            parts = name.split(".")
-            if position < len(parts) and _DIGITS.match(parts[position]):
-                groups[".".join([*parts[:position], "*", *parts[position + 1 :]])].append(name)
-        for pattern, names in groups.items():
-            if len({_rule_key(current[n]) for n in names}) == 1 and pattern not in current:
-                rule = current[names[0]]
-                for n in names:
-                    del current[n]
-                current[pattern] = rule
-    return current
-
-
-def _rule_key(rule: QuantRule | None) -> tuple[Any, ...] | None:
-    return None if rule is None else (rule.scheme, rule.block, rule.scale_suffix)
 
 
 def learn_quant_contract(model: torch.nn.Module) -> QuantContract:
     """What `model` (a vLLM model, built by vLLM with its quant config) loads, as a `QuantContract` over its
     checkpoint names; `QuantizeError` naming the module for a configuration the library cannot produce."""
-    patterns = _compress(_module_outcomes(model))
-    rules = tuple(
-        QuantRule(pattern, block=rule.block) for pattern, rule in sorted(patterns.items()) if rule is not None
-    )
-    keep = tuple(pattern for pattern, rule in sorted(patterns.items()) if rule is None)
-    return QuantContract(rules=rules, keep=keep)
+    return contract_of(_module_outcomes(model))
