@@ -188,6 +188,11 @@ class WeightReceiver(Endpoint):
         at = replace(own, transport=replace(own.transport, host=host, port=port))
         return WeightReceiver(at, identity=self.identity)
 
+    @property
+    def declared_contract(self) -> QuantContract | None:
+        """The quantization contract this receiver declared (`declare_contract`), or None."""
+        return self._contract.declared.contract if self._contract.declared is not None else None
+
     def declare_contract(self, contract: QuantContract | None) -> None:
         """What this receiver's model loads quantized, and how (quantize/contract.py; a vLLM worker learns it from
         its model): the sender quantizes every version to it (versions/quantized.py). None: tensors as the trainer

@@ -302,7 +302,8 @@ def test_a_bf16_trainer_feeds_serialized_fp8_workers_bitwise_as_a_cold_load_of_t
         bf16 = nbytes(checkpoints[0].items())
         fp8 = nbytes(vllm_fp8_checkpoint(checkpoints[0]))
         for engine in servers.engines:  # each declared its contract on its own, learnt from its model
-            contract = engine._worker_receiver.receiver._contract.contract
+            contract = engine._worker_receiver.receiver.declared_contract
+            assert contract is not None
             assert all((contract.rule_for(n) is not None) == is_fp8_in_checkpoint(n) for n in checkpoints[0])
         for v, state in enumerate(checkpoints, start=1):
             expected = servers.cold(state)
