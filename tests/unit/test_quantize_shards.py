@@ -3,20 +3,21 @@ wherever the shard holds whole blocks, and refused, naming the cut and the knobs
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from lightning_weightsync.errors import QuantizeError
-from lightning_weightsync.quantize import SCHEMES, QuantContract, QuantRule, Quantizer, quantize_shard, shard_blocks
+from lightning_weightsync.quantize import SCHEMES, QuantContract, Quantizer, QuantRule, quantize_shard, shard_blocks
 
 MAX_TEMP = 1 << 22
 
 
 def _weight(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen) * 4  # rows of unlike scale
+    x = torch.randn(shape, generator=gen) * torch.rand((*shape[:-1], 1), generator=gen) * 4  # rows of unlike scale
     return x.to(torch.bfloat16)
 
 
@@ -44,7 +45,7 @@ def _assembled(name: str, x: torch.Tensor, rule: QuantRule, cuts: list[int]) -> 
     scale = torch.zeros(int(torch.Size(scale_shape).numel()) * scheme.scale_dtype.itemsize, dtype=torch.uint8)
     claimed_w, claimed_s = torch.zeros_like(weight, dtype=torch.int32), torch.zeros_like(scale, dtype=torch.int32)
     flat = x.reshape(-1)
-    for first, end in zip(cuts, cuts[1:], strict=False):
+    for first, end in itertools.pairwise(cuts):
         data = flat[first * k : end * k]
         (w_at, w), (s_at, s) = quantize_shard(name, tuple(x.shape), first * k, data, rule, MAX_TEMP)
         assert w.dtype == scheme.element_dtype and s.dtype == scheme.scale_dtype
