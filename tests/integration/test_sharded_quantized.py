@@ -106,7 +106,8 @@ def _role(role: int, trainer_port: int, port: int, unaligned: bool) -> Any:
 
 def _run(unaligned: bool) -> list[Any]:
     trainer_port, port = free_port(), free_port()
-    return run_workers(_role, [(r, trainer_port, port, unaligned) for r in range(WORLD + 1)], timeout_s=WORKER_TIMEOUT_S)
+    roles = [(r, trainer_port, port, unaligned) for r in range(WORLD + 1)]
+    return run_workers(_role, roles, timeout_s=WORKER_TIMEOUT_S)
 
 
 def test_every_rank_quantizes_its_own_shards_and_the_rollout_gets_the_whole_tensors_quantized_bitwise() -> None:
