@@ -3,18 +3,23 @@ quantizers compute; torch and the errors module only, so any layer above may use
 
 from .contract import QuantContract, QuantRule
 from .schemes import SCHEMES, Scheme, quantize_fp8_block, quantize_fp8_block_ue8m0, quantize_mxfp8
-from .stream import QuantizedStream, Quantizer, QuantStats, quantize_stream
+from .shards import ShardBlocks, quantize_shard, shard_blocks
+from .stream import QuantizedPart, QuantizedStream, Quantizer, QuantStats, quantize_stream
 
 __all__ = [
     "SCHEMES",
     "QuantContract",
     "QuantRule",
     "QuantStats",
+    "QuantizedPart",
     "QuantizedStream",
     "Quantizer",
     "Scheme",
+    "ShardBlocks",
     "quantize_fp8_block",
     "quantize_fp8_block_ue8m0",
     "quantize_mxfp8",
+    "quantize_shard",
     "quantize_stream",
+    "shard_blocks",
 ]

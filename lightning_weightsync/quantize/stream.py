@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantizeError
-from .contract import QuantContract
+from .contract import QuantContract, QuantRule
 from .schemes import DEFAULT_MAX_TEMP_ELEMS, SCHEMES
+from .shards import quantize_shard
 
 
 @dataclass
@@ -31,6 +32,18 @@ class QuantStats:
     def ratio(self) -> float:
         """Bytes out per byte in (block FP8 of bf16: just over 0.5)."""
         return self.bytes_out / self.bytes_in if self.bytes_in else 1.0
+
+
+@dataclass(frozen=True)
+class QuantizedPart:
+    """A byte range of a quantized tensor (a shard's FP8 bytes, or its run of scales): the whole tensor's name,
+    shape and dtype, where `data`'s bytes start in it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    byte_offset: int
+    data: torch.Tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -49,24 +62,55 @@ class Quantizer:
         self._seen: set[str] = set()
         self._scale_names: set[str] = set()
 
-    def one(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _rule(self, name: str, nbytes: int) -> QuantRule | None:
+        """The contract's rule for `name` (None: kept, counted so), with the names seen and the scales' names."""
         if name in self._scale_names or name in self._seen:
             raise QuantizeError(f"{name}: sent twice, or also the name of a scale tensor the contract makes")
         self._seen.add(name)
         rule = self.contract.rule_for(name)
-        self.stats.bytes_in += _nbytes(tensor)
+        self.stats.bytes_in += nbytes
         if rule is None:
             self.stats.kept += 1
-            self.stats.bytes_out += _nbytes(tensor)
-            return [(name, tensor)]
+            self.stats.bytes_out += nbytes
+            return None
         scale_name = rule.scale_name(name)
         if scale_name in self._seen:
             raise QuantizeError(f"{name}: its scale's name {scale_name} is a tensor the trainer sent too")
         self._scale_names.add(scale_name)
+        return rule
+
+    def one(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        rule = self._rule(name, _nbytes(tensor))
+        if rule is None:
+            return [(name, tensor)]
+        scale_name = rule.scale_name(name)
         weight, scale = SCHEMES[rule.scheme].quantize(name, tensor.detach(), rule.block, self.max_temp_elems)
         self.stats.quantized += 1
         self.stats.bytes_out += _nbytes(weight) + _nbytes(scale)
         return [(name, weight), (scale_name, scale)]
+
+    def shard(
+        self, name: str, shape: tuple[int, ...], byte_offset: int, data: torch.Tensor
+    ) -> list[QuantizedPart] | None:
+        """A sender's shard of `name` (bytes from `byte_offset` of the whole tensor of `shape`), quantized on its
+        own (`shards.py`: refused where it cuts a block); None where the contract keeps the tensor (it goes as it
+        is). Counted as one tensor quantized: each rank counts its own shards."""
+        rule = self._rule(name, _nbytes(data))
+        if rule is None:
+            return None
+        if byte_offset % data.element_size():
+            raise QuantizeError(f"{name}: a shard at byte {byte_offset} does not start on an element")
+        (weight_at, weight), (scale_at, scale) = quantize_shard(
+            name, shape, byte_offset // data.element_size(), data, rule, self.max_temp_elems
+        )
+        scheme = SCHEMES[rule.scheme]
+        self.stats.quantized += 1
+        self.stats.bytes_out += _nbytes(weight) + _nbytes(scale)
+        return [
+            QuantizedPart(name, shape, scheme.element_dtype, weight_at, weight),
+            QuantizedPart(rule.scale_name(name), scheme.scale_shape(shape, rule.block), scheme.scale_dtype, scale_at,
+                          scale),
+        ]  # fmt: skip
 
 
 class QuantizedStream(Iterator[tuple[str, torch.Tensor]]):

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ProtocolError, QuantizeError
+from ..protocol.chunks import TensorShard
 from ..protocol.messages import CONTRACT_BYTES, Contract, Plan, Ready, contract_digest
 from ..quantize import QuantContract, Quantizer, QuantStats
 from ..transport.control import Peer, ReceiverControl
@@ -127,6 +128,16 @@ class QuantizedSource:
 
     async def one(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return await asyncio.to_thread(self._quantizer.one, name, tensor)
+
+    async def shard(self, name: str, shard: TensorShard) -> list[tuple[str, torch.Tensor | TensorShard]]:
+        """This sender's shard (sharded send mode) as shards of the FP8 weight and of its scales, quantized here
+        where it holds whole blocks (`quantize/shards.py`; refused where it cuts one); kept tensors as they are."""
+        if shard.box is not None:
+            raise QuantizeError(f"{name}: a shard of a box cannot be quantized to the rollout's contract")
+        parts = await asyncio.to_thread(self._quantizer.shard, name, shard.shape, shard.byte_offset, shard.data)
+        if parts is None:
+            return [(name, shard)]
+        return [(p.name, TensorShard(p.shape, p.dtype, p.byte_offset, p.data)) for p in parts]
 
 
 __all__ = ["ContractDeclaration", "DeclaredContract", "QuantizedSource", "version_contract", "version_quantizer"]

@@ -186,7 +186,9 @@ class WeightReceiver(Endpoint):
         """This receiver, for another sender of a sharded version (same identity, same token)."""
         own = self.settings
         at = replace(own, transport=replace(own.transport, host=host, port=port))
-        return WeightReceiver(at, identity=self.identity)
+        other = WeightReceiver(at, identity=self.identity)
+        other.declare_contract(self.declared_contract)  # every sender of a sharded version quantizes its shards
+        return other
 
     @property
     def declared_contract(self) -> QuantContract | None:
@@ -198,6 +200,8 @@ class WeightReceiver(Endpoint):
         its model): the sender quantizes every version to it (versions/quantized.py). None: tensors as the trainer
         holds them. Raises `QuantizeError` for a contract too large to send (name tensors by patterns)."""
         self._contract.declare(contract)
+        for other in self._others.subs.values():  # the other senders of a sharded version hear it too
+            other.declare_contract(contract)
 
     def give_up_group(self) -> None:
         """Another part of the version failed: leave the group now, so its sender's broadcast ends at once."""

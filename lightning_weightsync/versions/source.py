@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 
 import torch
 
-from ..errors import ProtocolError, QuantizeError, WeightSyncError
+from ..errors import ProtocolError, WeightSyncError
 from ..protocol.chunks import NamedTensors, TensorShard, aiter_any
 from ..protocol.dtypes import dtype_name
 from ..protocol.messages import check_tensor
@@ -73,10 +73,10 @@ class Drainable:
             if self.quantized is not None:
                 _check_outgoing(item, set())  # a (name, tensor) pair the receivers' rules allow, before quantizing
                 name, tensor = item
-                if isinstance(tensor, TensorShard):
-                    raise QuantizeError(f"{name}: a shard cannot be quantized to the rollout's contract yet; "
-                                        "quantized versions are sent with trainer.send_mode=gather")  # fmt: skip
-                self._pending = list(await self.quantized.one(name, tensor))
+                if isinstance(tensor, TensorShard):  # sharded mode: quantized here where it holds whole blocks
+                    self._pending = await self.quantized.shard(name, tensor)
+                else:
+                    self._pending = list(await self.quantized.one(name, tensor))
             else:
                 self._pending = [item]
             for out in self._pending:
