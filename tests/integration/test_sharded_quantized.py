@@ -129,9 +129,11 @@ def test_every_rank_quantizes_its_own_shards_and_the_rollout_gets_the_whole_tens
 def test_a_shard_that_cuts_a_block_fails_the_version_naming_the_tensor_the_cut_and_the_knobs() -> None:
     *trainers, receiver = _run(unaligned=True)
     assert not any(t["delivered"] for t in trainers)
-    for rank, trainer in enumerate(trainers):
-        error = trainer["error"]
-        assert "odd.weight" in error and "row 192 is not on a 128-row block edge" in error, (rank, error)
-        assert "trainer.send_mode=gather" in error and "multiple of 128" in error, (rank, error)
+    # the rank that reaches the tensor first fails with the whole refusal; the other may instead hear of it from the
+    # receiver first (its nack quotes the refusal, cut to the ack's length), so each names the tensor or the abort
+    errors = [trainer["error"] for trainer in trainers]
+    assert all("odd.weight" in e or "aborted by the sender" in e for e in errors), errors
+    named = [e for e in errors if "odd.weight" in e and "row 192 is not on a 128-row block edge" in e]
+    assert any("trainer.send_mode=gather" in e and "multiple of 128" in e for e in named), errors
     assert "error" in receiver and "got" not in receiver, receiver  # nothing of the version applied
 
