@@ -138,3 +138,36 @@ async def test_a_nan_weight_fails_the_version_naming_it_and_the_next_version_lan
     finally:
         await receiver.close()
         await sender.close()
+
+
+async def test_quantized_versions_compose_with_delta_verify_and_layout_once() -> None:
+    """Delta, verify and layout once act on what the wire carries: the FP8 bytes and scales. A weight that moved
+    a little changes few FP8 bytes (most round to the same value), so the next version goes as a delta of them;
+    each arrives fingerprint-checked, and what the receiver holds after each is bitwise the quantizer's output."""
+    extra = {"transport__delta": "always", "transport__verify": "full", "transport__layout_once": True}
+    sender = await _sender(**extra)
+    receiver = WeightReceiver(engine_cfg(sender.port, bucket_size_mb=BUCKET_MB, **extra), identity="fp8")
+    receiver.declare_contract(CONTRACT)
+    await receiver.start()
+    mine: dict[str, torch.Tensor] = {}
+
+    def into(meta):  # the consumer keeps what it receives, in place from the second version on
+        return mine.get(meta.name)
+
+    try:
+        weights = _weights(1)
+        for version in (1, 2, 3):
+            if version > 1:  # a small optimizer step on one weight: most of its FP8 bytes stay as they were
+                up = dict(weights)["layers.0.mlp.up_proj.weight"]
+                up.view(-1)[:64] += torch.full((64,), 1e-3, dtype=torch.bfloat16)
+            send = sender.send_weights(weights, version=version)
+            got, stats = await with_timeout(asyncio.gather(receive_once(receiver, into=into, base=into), send))
+            mine.update({n: t.clone() for n, t in got.items() if n not in mine})
+            expected = list(quantize_stream(weights, CONTRACT))
+            assert_bitwise({n: mine[n] for n, _ in expected}, expected)
+            assert receiver.last_stats is not None and receiver.last_stats.verified == len(expected)
+            if version > 1:
+                assert stats.delta_tensors > 0, "the quantized bytes did not go as a delta"
+    finally:
+        await receiver.close()
+        await sender.close()
