@@ -62,6 +62,10 @@ class Backend(ABC):
     # True where a receiver's slots are plain memory of its own (not the sender's shared or registered
     # slots): they outlive a sender's restart and can be allocated before the first plan (`preallocate`).
     own_receiver_slots: bool = False
+    # True where a receiver's `broadcast` does nothing (the bytes are already in the slot it maps: shm,
+    # cuda_ipc): a receiver's pipeline then counts a bucket as arrived on its event loop, without the two
+    # thread hops (data-plane thread, its waiter) a call through the executor costs on every bucket.
+    receive_in_place: bool = False
 
     def __init__(
         self,

@@ -72,6 +72,7 @@ def from_datagram(data: bytes) -> list[bytes]:
 
 class SharedBucketBackend(Backend):
     join_type = SharedJoin
+    receive_in_place = True  # a receiver reads the sender's slot where it is: its `broadcast` returns at once
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -150,7 +151,7 @@ class SharedBucketBackend(Backend):
     # -- data path --------------------------------------------------------------------------
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if not self.is_sender:
-            return  # the bytes are already in the mapped slot
+            return  # the bytes are already in the mapped slot (`receive_in_place`: not even called)
         self.wait_fence(slot)
         self._await_releases(bucket_index, self.world_size - 1)
 
