@@ -14,6 +14,7 @@ The sender and receiver never touch a backend's buffers or private state: everyt
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -212,6 +213,15 @@ class Backend(ABC):
         waits for it (None: already complete). A lane starts the next transfer before waiting for this
         one, so several are in flight. The default runs the blocking `broadcast`."""
         self.broadcast(slot, nbytes, bucket_index, buffer)
+        return None
+
+    def loop_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> asyncio.Future[None] | None:
+        """Sender: `broadcast` as a future of the running event loop, where the backend can wait for it there
+        without a thread (shared slots: the transfer is the receivers' releases); None where it cannot, and the
+        caller posts `start_broadcast` to the data-plane thread. A backend does one or the other for every
+        bucket of a slot, so the order of the thread's calls stays every rank's order."""
         return None
 
     def release(self, slot: int, bucket_index: int) -> None:  # noqa: B027 - optional hook

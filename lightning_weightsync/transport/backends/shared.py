@@ -16,6 +16,7 @@ queue) sends over ZeroMQ, as everywhere else.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import logging
@@ -44,6 +45,7 @@ from ..droplog import DropLog
 from ..process import process_alive
 from ..sockets import network_options
 from .base import NUM_SLOTS, Backend
+from .loop_releases import LoopReleases
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,10 @@ class SharedBucketBackend(Backend):
         self._socket_lock = threading.Lock()
         self._released: dict[tuple[int, int], set[str]] = {}  # (version, bucket index) -> who released it
         self._drops = DropLog(f"{self.name}: dropped a bad release message", log=logger)
+        self._on_loop = LoopReleases(
+            self.name, lambda: (self._socket, self._datagram), self._socket_lock, from_datagram, self.auth_key,
+            self._drops,
+        )  # fmt: skip
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
     @abstractmethod
@@ -154,6 +160,16 @@ class SharedBucketBackend(Backend):
             return  # the bytes are already in the mapped slot (`receive_in_place`: not even called)
         self.wait_fence(slot)
         self._await_releases(bucket_index, self.world_size - 1)
+
+    def loop_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> asyncio.Future[None] | None:
+        """Sender: the wait for every member's release of the bucket, on the running loop (`loop_releases.py`)."""
+        if not self.is_sender or buffer is not None:
+            return None
+        self.wait_fence(slot)
+        self._require_socket()
+        return self._on_loop.wait(self.version, bucket_index, self.members, self.world_size - 1, self.timeout_s)
 
     def _await_releases(self, bucket_index: int, expected: int) -> None:
         """Block until every member released `bucket_index` of this version. Only members count, and
@@ -240,6 +256,7 @@ class SharedBucketBackend(Backend):
 
     def _drop_group(self) -> None:
         self._released.clear()
+        self._on_loop.fail("the group was given up while a bucket's releases were awaited")
 
     def _close_datagram(self) -> None:
         if self._datagram is not None:
@@ -248,6 +265,7 @@ class SharedBucketBackend(Backend):
 
     def close(self) -> None:
         super().close()
+        self._on_loop.unwatch()
         with self._socket_lock:  # a release wait still polling finishes its poll first (<= 0.5 s)
             if self._socket is not None:
                 self._socket.close(linger=0)
