@@ -177,9 +177,11 @@ PLANTS = [
           "                self._queues.move_to_end(route)", "                pass", ("tests/unit/test_inbox.py",)),
     Plant("sockets: the control sockets' receive high-water mark back", f"{PKG}/transport/sockets.py",
           "    sock.setsockopt(zmq.RCVHWM, 0)\n", "", (HOSTILE, "-k", "register_flood or dies_with")),
-    Plant("shm: a warning line per garbage release frame", f"{PKG}/transport/backends/shared.py",
+    Plant("shm: a warning line per garbage release frame", LOOP_RELEASES,  # the engine's sender waits on its loop
           '                self._drops.note("a release connection", exc)',
-          '                logger.warning("dropped a bad release message: %s", exc)', (HOSTILE, "-k", "shm")),
+          '                __import__("logging").getLogger(__name__.replace("loop_releases", "shared"))'
+          '.warning("dropped a bad release message: %s", exc)',
+          (HOSTILE, "-k", "shm")),
     Plant("shm: release datagrams never read", f"{PKG}/transport/backends/shared.py",
           "        if self._datagram is None:\n", "        if True:\n",
           ("tests/integration/test_backends.py", "-k", "datagram")),
