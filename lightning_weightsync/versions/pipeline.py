@@ -236,6 +236,9 @@ class BucketPipeline:
         """Wait for a bucket's broadcast on this rank, or for the version to end first (the producer failed:
         the sender aborted it, so this broadcast may never finish); `asyncio.TimeoutError` after `timeout_s`."""
         if done.done():  # complete already (received in place, or while the consumer merged the one before)
+            # one turn of the loop all the same: the producer posts the next broadcast before this bucket is merged
+            # (without it, a run of complete buckets kept gloo's next broadcast waiting: 1 MiB buckets ~1.5x slower)
+            await asyncio.sleep(0)
             return done.result()
         failed = asyncio.ensure_future(self.producer_failed.wait())
         try:
