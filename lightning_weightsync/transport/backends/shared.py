@@ -4,7 +4,9 @@ memory for `shm`, CUDA IPC for `cuda_ipc`), so nothing is copied over a network 
 "Broadcast" is a handshake: the sender packs a slot and publishes its metadata (control plane);
 each receiver reads the slot in place and sends a signed `BucketDone` to the sender's release
 socket (ZeroMQ PUSH -> PULL). The sender's `broadcast()` returns once every receiver released the
-bucket, which is exactly when the slot may be packed again (double buffering as for gloo).
+bucket, which is exactly when the slot may be packed again (double buffering as for gloo). The engine does
+not call it on a thread: a receiver's broadcast does nothing (`receive_in_place`), and the sender waits for
+the releases on its event loop (`loop_broadcast`, `loop_releases.py`), a thread hop or three fewer a bucket.
 
 On Linux a release takes a shorter way where it can: one datagram to a Unix socket in the abstract
 namespace, named after the release address (`release_name`), which the sender's wait polls beside the
