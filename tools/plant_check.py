@@ -42,6 +42,8 @@ CONTROL_LINK = f"{PKG}/transport/control/link.py"
 CONTROL_SENDER = f"{PKG}/transport/control/sender.py"
 CONTROL_RECEIVER = f"{PKG}/transport/control/receiver.py"
 CHECKS = "tests/unit/test_control_checks.py"
+SHM_RELEASES = "tests/integration/test_shm_releases.py"
+LOOP_RELEASES = f"{PKG}/transport/backends/loop_releases.py"
 HOSTILE = "tests/integration/test_hostile_network.py"
 FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
 LORA_UNIT = "tests/unit/test_lora.py"
@@ -179,9 +181,11 @@ PLANTS = [
           "                self._queues.move_to_end(route)", "                pass", ("tests/unit/test_inbox.py",)),
     Plant("sockets: the control sockets' receive high-water mark back", f"{PKG}/transport/sockets.py",
           "    sock.setsockopt(zmq.RCVHWM, 0)\n", "", (HOSTILE, "-k", "register_flood or dies_with")),
-    Plant("shm: a warning line per garbage release frame", f"{PKG}/transport/backends/shared.py",
+    Plant("shm: a warning line per garbage release frame", LOOP_RELEASES,  # the engine's sender waits on its loop
           '                self._drops.note("a release connection", exc)',
-          '                logger.warning("dropped a bad release message: %s", exc)', (HOSTILE, "-k", "shm")),
+          '                __import__("logging").getLogger(__name__.replace("loop_releases", "shared"))'
+          '.warning("dropped a bad release message: %s", exc)',
+          (HOSTILE, "-k", "shm")),
     Plant("shm: release datagrams never read", f"{PKG}/transport/backends/shared.py",
           "        if self._datagram is None:\n", "        if True:\n",
           ("tests/integration/test_backends.py", "-k", "datagram")),
@@ -189,6 +193,22 @@ PLANTS = [
           "                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):",
           "                if exc:\n                    raise",
           ("tests/integration/test_backends.py", "-k", "cannot_reach")),
+    Plant("shm loop releases: a non-member's release counts", LOOP_RELEASES,
+          "        return len(self.members.keys() - done) if self.members else self.expected - len(done)",
+          "        return self.expected - len(done)", (SHM_RELEASES, "-k", "only_this_versions")),
+    Plant("shm loop releases: a release read for one wait leaves the others open", LOOP_RELEASES,
+          "        self._on_readable()\n        if self._timer",
+          "        self._read()\n        self._settle(key)\n        if self._timer",
+          (SHM_RELEASES, "-k", "settle_the_others")),
+    Plant("shm loop releases: ZeroMQ's descriptor not watched", LOOP_RELEASES,
+          "        fds = [] if sock is None else [int(cast(int, sock.getsockopt(zmq.FD)))]", "        fds = []",
+          (SHM_RELEASES, "-k", "over_zeromq")),
+    Plant("shm loop releases: a dead member not noticed", LOOP_RELEASES,
+          "if i not in done and not process_alive(pid))", "if i not in done and False)",
+          (SHM_RELEASES, "-k", "died")),
+    Plant("shm loop releases: a group given up leaves its waits open", f"{PKG}/transport/backends/shared.py",
+          '        self._on_loop.fail("the group was given up while a bucket\'s releases were awaited")\n', "",
+          (SHM_RELEASES, "-k", "given_up")),
     Plant("vllm: any init override taken over HTTP", f"{PKG}/rollout_engines/vllm/worker.py",
           "        if key not in INIT_OVERRIDES:", "        if False:",
           ("tests/unit/test_security.py", "-k", "vllm_init")),

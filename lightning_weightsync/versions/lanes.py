@@ -156,7 +156,11 @@ class Lane:
         backend = self.backend
         backend.fence(step.slot)
         await waits.steps.publish(wire.peers, wire.meta(step))
-        future = self.executor.submit_started(backend.start_broadcast, step.slot, step.nbytes, step.index, step.data)
+        future = None if step.direct else backend.loop_broadcast(step.slot, step.nbytes, step.index)
+        if future is None:  # the backend moves it on the data-plane thread
+            future = self.executor.submit_started(
+                backend.start_broadcast, step.slot, step.nbytes, step.index, step.data
+            )
         if step.direct:
             self.direct.append((future, step.index))
             await self.settle_direct(wire.direct_in_flight, waits)

@@ -171,7 +171,7 @@ class BucketPipeline:
                     slot, ring = ring % NUM_SLOTS, ring + 1
                     await self.free[slot].wait()
                     self.free[slot].clear()
-                done = self.executor.submit_started(self.backend.start_broadcast, slot, meta.nbytes, index, target)
+                done = self._post(slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done, metas))
                 if meta.is_last:
                     return
@@ -182,6 +182,15 @@ class BucketPipeline:
             self.producer_failed.set()
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+    def _post(self, slot: int, nbytes: int, index: int, target: torch.Tensor | None) -> asyncio.Future[None]:
+        """A bucket's broadcast on this rank, posted to the data-plane thread in order; where the backend
+        receives in place (the bytes are already in the mapped slot), complete at once on the loop."""
+        if self.backend.receive_in_place:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self.executor.submit_started(self.backend.start_broadcast, slot, nbytes, index, target)
 
     def _direct_target(self, meta: BucketMeta) -> torch.Tensor | None:
         """A bucket that is one chunk and nothing else (a chunk of a large tensor, or one filling the
@@ -226,6 +235,11 @@ class BucketPipeline:
     async def _complete(self, done: asyncio.Future[None]) -> None:
         """Wait for a bucket's broadcast on this rank, or for the version to end first (the producer failed:
         the sender aborted it, so this broadcast may never finish); `asyncio.TimeoutError` after `timeout_s`."""
+        if done.done():  # complete already (received in place, or while the consumer merged the one before)
+            # one turn of the loop all the same: the producer posts the next broadcast before this bucket is merged
+            # (without it, a run of complete buckets kept gloo's next broadcast waiting: 1 MiB buckets ~1.5x slower)
+            await asyncio.sleep(0)
+            return done.result()
         failed = asyncio.ensure_future(self.producer_failed.wait())
         try:
             await asyncio.wait((done, failed), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)

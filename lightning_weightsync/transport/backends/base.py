@@ -14,6 +14,7 @@ The sender and receiver never touch a backend's buffers or private state: everyt
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -62,6 +63,10 @@ class Backend(ABC):
     # True where a receiver's slots are plain memory of its own (not the sender's shared or registered
     # slots): they outlive a sender's restart and can be allocated before the first plan (`preallocate`).
     own_receiver_slots: bool = False
+    # True where a receiver's `broadcast` does nothing (the bytes are already in the slot it maps: shm,
+    # cuda_ipc): a receiver's pipeline then counts a bucket as arrived on its event loop, without the two
+    # thread hops (data-plane thread, its waiter) a call through the executor costs on every bucket.
+    receive_in_place: bool = False
 
     def __init__(
         self,
@@ -208,6 +213,15 @@ class Backend(ABC):
         waits for it (None: already complete). A lane starts the next transfer before waiting for this
         one, so several are in flight. The default runs the blocking `broadcast`."""
         self.broadcast(slot, nbytes, bucket_index, buffer)
+        return None
+
+    def loop_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> asyncio.Future[None] | None:
+        """Sender: `broadcast` as a future of the running event loop, where the backend can wait for it there
+        without a thread (shared slots: the transfer is the receivers' releases); None where it cannot, and the
+        caller posts `start_broadcast` to the data-plane thread. A backend does one or the other for every
+        bucket of a slot, so the order of the thread's calls stays every rank's order."""
         return None
 
     def release(self, slot: int, bucket_index: int) -> None:  # noqa: B027 - optional hook

@@ -4,7 +4,9 @@ memory for `shm`, CUDA IPC for `cuda_ipc`), so nothing is copied over a network 
 "Broadcast" is a handshake: the sender packs a slot and publishes its metadata (control plane);
 each receiver reads the slot in place and sends a signed `BucketDone` to the sender's release
 socket (ZeroMQ PUSH -> PULL). The sender's `broadcast()` returns once every receiver released the
-bucket, which is exactly when the slot may be packed again (double buffering as for gloo).
+bucket, which is exactly when the slot may be packed again (double buffering as for gloo). The engine does
+not call it on a thread: a receiver's broadcast does nothing (`receive_in_place`), and the sender waits for
+the releases on its event loop (`loop_broadcast`, `loop_releases.py`), a thread hop or three fewer a bucket.
 
 On Linux a release takes a shorter way where it can: one datagram to a Unix socket in the abstract
 namespace, named after the release address (`release_name`), which the sender's wait polls beside the
@@ -16,6 +18,7 @@ queue) sends over ZeroMQ, as everywhere else.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import logging
@@ -44,6 +47,7 @@ from ..droplog import DropLog
 from ..process import process_alive
 from ..sockets import network_options
 from .base import NUM_SLOTS, Backend
+from .loop_releases import LoopReleases
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ def from_datagram(data: bytes) -> list[bytes]:
 
 class SharedBucketBackend(Backend):
     join_type = SharedJoin
+    receive_in_place = True  # a receiver reads the sender's slot where it is: its `broadcast` returns at once
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -87,6 +92,10 @@ class SharedBucketBackend(Backend):
         self._socket_lock = threading.Lock()
         self._released: dict[tuple[int, int], set[str]] = {}  # (version, bucket index) -> who released it
         self._drops = DropLog(f"{self.name}: dropped a bad release message", log=logger)
+        self._on_loop = LoopReleases(
+            self.name, lambda: (self._socket, self._datagram), self._socket_lock, from_datagram, self.auth_key,
+            self._drops,
+        )  # fmt: skip
 
     # -- buffers: what differs between shm and cuda_ipc -----------------------------------------
     @abstractmethod
@@ -150,9 +159,19 @@ class SharedBucketBackend(Backend):
     # -- data path --------------------------------------------------------------------------
     def broadcast(self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None) -> None:
         if not self.is_sender:
-            return  # the bytes are already in the mapped slot
+            return  # the bytes are already in the mapped slot (`receive_in_place`: not even called)
         self.wait_fence(slot)
         self._await_releases(bucket_index, self.world_size - 1)
+
+    def loop_broadcast(
+        self, slot: int, nbytes: int, bucket_index: int, buffer: torch.Tensor | None = None
+    ) -> asyncio.Future[None] | None:
+        """Sender: the wait for every member's release of the bucket, on the running loop (`loop_releases.py`)."""
+        if not self.is_sender or buffer is not None:
+            return None
+        self.wait_fence(slot)
+        self._require_socket()
+        return self._on_loop.wait(self.version, bucket_index, self.members, self.world_size - 1, self.timeout_s)
 
     def _await_releases(self, bucket_index: int, expected: int) -> None:
         """Block until every member released `bucket_index` of this version. Only members count, and
@@ -239,6 +258,7 @@ class SharedBucketBackend(Backend):
 
     def _drop_group(self) -> None:
         self._released.clear()
+        self._on_loop.fail("the group was given up while a bucket's releases were awaited")
 
     def _close_datagram(self) -> None:
         if self._datagram is not None:
@@ -247,6 +267,7 @@ class SharedBucketBackend(Backend):
 
     def close(self) -> None:
         super().close()
+        self._on_loop.unwatch()
         with self._socket_lock:  # a release wait still polling finishes its poll first (<= 0.5 s)
             if self._socket is not None:
                 self._socket.close(linger=0)
