@@ -286,15 +286,20 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| topology | K | M | s a version | s x B / S | model: star / tree / chain (not built) "
-           "| trainer link MiB sent | max receiver MiB received / sent | bitwise |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| topology | K | M | s a version | s x B / S | model: star / tree / chain (not built) "
+        "| trainer link MiB sent | max receiver MiB received / sent | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         k, m, s = r["receivers"], r["trainer_ranks"], r["slice_bytes"]
         model = " / ".join(f"{predicted_x(t, k, m, s, CHAIN_CHUNK_MB * MIB):.2f}" for t in ("star", "tree", "chain"))
         rx = max(v["rx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
         tx = max(v["tx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
-        out.append(f"| {r['topology']} | {k} | {m} | {r['seconds']:.2f} | {r['seconds_x_rate_over_slice']:.2f} | "
-                   f"{model} | {r['trainer_link_bytes'] / MIB:.1f} | {rx:.1f} / {tx:.1f} | {r['bitwise']} |")
+        out.append(
+            f"| {r['topology']} | {k} | {m} | {r['seconds']:.2f} | {r['seconds_x_rate_over_slice']:.2f} | "
+            f"{model} | {r['trainer_link_bytes'] / MIB:.1f} | {rx:.1f} / {tx:.1f} | {r['bitwise']} |"
+        )
     return out
 
 
