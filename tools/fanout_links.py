@@ -147,6 +147,7 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
                tensor_mb: float, versions: int, out: str) -> None:  # fmt: skip
     """One trainer rank: one sender (`tree`) or one a receiver (`star`), all sending each version at once."""
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
 
     import torch
@@ -187,6 +188,7 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
 
     async def main() -> None:
         senders = [WeightSender(config(lane)) for lane in range(lanes)]
+        pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="members")
         for sender in senders:
             await sender.start()
         try:
@@ -197,8 +199,11 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
                 members: list[list[str] | None] = [None] * lanes
                 if world > 1:
                     dist.barrier()
-                if world > 1 and rank > 0:  # each lane's members on its own group, all at once
-                    got = await asyncio.gather(*(asyncio.to_thread(r.receive) for r in relays))
+                if world > 1 and rank > 0:  # each lane's members on its own group, all at once: one thread a
+                    # lane (the default pool has cores + 4; rank 0 blocks its loop in lane k's broadcast, so a
+                    # lane without a thread here would hang every lane)
+                    loop = asyncio.get_running_loop()
+                    got = await asyncio.gather(*(loop.run_in_executor(pool, r.receive) for r in relays))
                     members = list(got)
                 before = link_bytes()
                 started = time.perf_counter()
@@ -211,6 +216,7 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
         finally:
             for sender in senders:
                 await sender.close()
+            pool.shutdown(wait=False)
 
     asyncio.run(main())
     dist.destroy_process_group()
