@@ -1,0 +1,345 @@
+"""Fan-out over real, rate-limited links: what one trainer's link pays to feed K rollout receivers today.
+
+M trainer ranks (`--trainer-ranks`; one sends whole tensors, several send their rows of each, sharded mode)
+feed K receivers (`--receivers`) that each take the whole model (S bytes). Every process runs in its own
+network namespace behind its own veth link (tools/netlab.py; needs root), limited to `--rate-mbit` both
+ways with `tc tbf` (slice_links' `limit_uplink` inside the namespace, `limit_downlink` on the bridge side).
+
+Topologies measurable with today's API:
+- `tree`: one `WeightSender` a trainer rank, every receiver in its one lane: one gloo group of K + 1 whose
+  broadcast is a binomial tree (a trainer link sends ceil(log2(K + 1)) copies of its part).
+- `star`: K `WeightSender`s a trainer rank (one port each), receiver k connected to the k-th of every rank,
+  sent concurrently: each lane is one receiver, so a trainer link sends its part K times. This is "K lanes of
+  one" built from K senders: the library has no knob that splits receivers of one declaration into lanes.
+A pipelined chain (receivers forwarding chunks cut-through) is not built; its row is the model's prediction.
+
+Per row (one per topology, K and M, fresh namespaces each): rank 0's seconds a version (`send_weights`, the
+mean of the steady versions: version 1 builds the groups), `seconds x B / S` (1.0 is the floor: every byte
+once over one link), each link's bytes a version (eth0's counters, read by each process inside its own
+namespace at the start and end of each version; headers and acks included), the trainer link's TX (the
+busiest rank's), and whether every receiver holds every version bitwise. MiB = 2**20 bytes, as `--mb`.
+
+    sudo .venv/bin/python -m tools.fanout_links --mb 16 --rate-mbit 100 --receivers 2 4 8 \
+        --trainer-ranks 1 2 --json out/fanout.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+MODULE = "tools.fanout_links"  # what the lab's processes import (by name, not __main__)
+
+from tools.netlab import Lab, netlab, skip_reason  # noqa: E402
+from tools.sharded_links import await_versions, jsonl_lines, lab_run, limit_uplink, row_shard  # noqa: E402
+from tools.slice_links import MIB, limit_downlink, link_bytes, model_bytes, stream  # noqa: E402
+
+TRAINER_PORT, PORT = 29711, 29720  # inside the lab's private namespaces; star sender k listens on PORT + k
+TOPOLOGIES = ("star", "tree")
+STEADY_AFTER = 1  # version 1 builds the data-plane groups
+BUCKET_MB = 8
+CHAIN_CHUNK_MB = 1.0  # the chunk the chain prediction assumes (a chain forwards chunk by chunk)
+ROW_KEYS = ("topology", "receivers", "trainer_ranks", "slice_bytes", "trainer_link_bytes", "seconds",
+            "seconds_x_rate_over_slice", "predicted_x", "links", "rate_mbit", "steady_versions",
+            "bitwise")  # fmt: skip
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=positive_float, default=16.0, help="MiB a receiver takes a version (S)")
+    parser.add_argument("--tensor-mb", type=positive_float, default=4.0)
+    parser.add_argument("--rate-mbit", type=positive_int, default=100, help="every link's rate (tbf), each way")
+    parser.add_argument("--receivers", type=positive_int, nargs="+", default=[2, 4, 8], help="K values")
+    parser.add_argument("--trainer-ranks", type=positive_int, nargs="+", default=[1], help="M values")
+    parser.add_argument("--topologies", nargs="+", choices=TOPOLOGIES, default=list(TOPOLOGIES))
+    parser.add_argument("--versions", type=positive_int, default=3, help="versions a run (the first is not reported)")
+    parser.add_argument("--json", type=Path, default=None, help="append one JSON object a row to this file")
+    args = parser.parse_args(argv)
+    if args.versions <= STEADY_AFTER:
+        parser.error(f"--versions {args.versions}: version 1 builds the groups and is not measured; use >= 2")
+    if args.tensor_mb > args.mb:
+        parser.error(f"--tensor-mb {args.tensor_mb} is larger than --mb {args.mb}: lower --tensor-mb")
+    return args
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Bytes a link moved between two reads of its counters; a counter that went back (the link was
+    recreated, or the namespace is not the one read before) is an error, not a negative count."""
+    out = {}
+    for key in ("tx", "rx"):
+        if after[key] < before[key]:
+            raise ValueError(f"{key}_bytes went back from {before[key]} to {after[key]}: the link was reset")
+        out[key] = after[key] - before[key]
+    return out
+
+
+def link_table(lines: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each link's mean tx / rx bytes a version over the steady versions (all, if none is steady)."""
+    steady = [e for e in lines if e["version"] > STEADY_AFTER] or lines
+    by_link: dict[str, list[dict[str, Any]]] = {}
+    for e in steady:
+        by_link.setdefault(e["link"], []).append(e)
+    return {
+        link: {key: sum(e[key] for e in got) / len(got) for key in ("tx", "rx")}
+        for link, got in sorted(by_link.items())
+    }
+
+
+def trainer_link_bytes(links: dict[str, dict[str, float]]) -> float:
+    """The busiest trainer link's TX a version (trainer links are named t0, t1, ...)."""
+    return max(v["tx"] for k, v in links.items() if k.startswith("t"))
+
+
+def predicted_x(topology: str, receivers: int, ranks: int, slice_bytes: float, chunk_bytes: float) -> float:
+    """docs/notes/fanout.md's time x B / S, per-hop overhead L = 0; each trainer rank sends its S / M stripe
+    and a receiver's ingress (S) bounds every topology below by 1."""
+    if topology == "star":
+        return max(receivers / ranks, 1.0)
+    if topology == "tree":
+        return max(math.ceil(math.log2(receivers + 1)) / ranks, 1.0)
+    if topology == "chain":
+        return 1.0 + (receivers - 1) * min(chunk_bytes, slice_bytes / ranks) / slice_bytes
+    raise ValueError(f"unknown topology {topology!r}: one of star, tree, chain")
+
+
+def make_row(topology: str, receivers: int, ranks: int, slice_bytes: int, rate_mbit: int, seconds: list[float],
+             links: dict[str, dict[str, float]], bitwise: bool) -> dict[str, Any]:  # fmt: skip
+    mean = sum(seconds) / len(seconds)
+    rate_bytes = rate_mbit * 1_000_000 / 8
+    return {
+        "topology": topology,
+        "receivers": receivers,
+        "trainer_ranks": ranks,
+        "slice_bytes": slice_bytes,
+        "trainer_link_bytes": trainer_link_bytes(links),
+        "seconds": mean,
+        "seconds_x_rate_over_slice": mean * rate_bytes / slice_bytes,
+        "predicted_x": predicted_x(topology, receivers, ranks, slice_bytes, CHAIN_CHUNK_MB * MIB),
+        "links": links,
+        "rate_mbit": rate_mbit,
+        "steady_versions": len(seconds),
+        "bitwise": bitwise,
+    }
+
+
+def fan_sender(rank: int, world: int, master: str, host: str, topology: str, receivers: int, mb: float,
+               tensor_mb: float, versions: int, out: str) -> None:  # fmt: skip
+    """One trainer rank: one sender (`tree`) or one a receiver (`star`), all sending each version at once."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.protocol.messages import SenderAddress
+    from lightning_weightsync.trainer.sharded import MembersRelay, exchange_addresses
+    from lightning_weightsync.versions.options import Sharding
+    from lightning_weightsync.versions.sender import WeightSender
+
+    store = dist.TCPStore(master, TRAINER_PORT, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    lanes = receivers if topology == "star" else 1
+    groups = [dist.new_group(backend="gloo") for _ in range(lanes)] if world > 1 else [None] * lanes
+
+    def config(lane: int) -> Any:
+        return load_config(
+            overrides=[f"transport.host={host}", f"transport.port={PORT + lane}", "transport.timeout_s=300",
+                       "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
+                       f"trainer.min_receivers={receivers // lanes}", "transport.slices=false"]
+        )  # fmt: skip
+
+    async def send(sender: WeightSender, addresses: list[tuple[str, int]], relay: Any, members: list[str] | None,
+                   tensors: list[tuple[str, torch.Tensor]], version: int) -> None:  # fmt: skip
+        if world == 1:
+            await sender.send_weights(tensors, version=version)
+            return
+        mine = [(n, s) for n, t in tensors if (s := row_shard(t, rank, world))]
+        if rank == 0:
+            others = tuple(SenderAddress(h, p) for h, p in addresses[1:])
+            try:
+                await sender.send_weights(mine, version=version, sharding=Sharding(0, others=others, on_members=relay))
+            finally:
+                relay.finish()
+        else:
+            await sender.send_weights(mine, version=version, sharding=Sharding(rank, members=tuple(members or ())))
+
+    async def main() -> None:
+        senders = [WeightSender(config(lane)) for lane in range(lanes)]
+        pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="members")
+        for sender in senders:
+            await sender.start()
+        try:
+            addresses = [exchange_addresses(host, s.port, torch.device("cpu")) for s in senders]
+            for version in range(1, versions + 1):
+                tensors = list(stream(version, mb, tensor_mb).items())
+                relays = [MembersRelay(torch.device("cpu"), group) for group in groups]
+                members: list[list[str] | None] = [None] * lanes
+                if world > 1:
+                    dist.barrier()
+                if world > 1 and rank > 0:  # each lane's members on its own group, all at once: one thread a
+                    # lane (the default pool has cores + 4; rank 0 blocks its loop in lane k's broadcast, so a
+                    # lane without a thread here would hang every lane)
+                    loop = asyncio.get_running_loop()
+                    got = await asyncio.gather(*(loop.run_in_executor(pool, r.receive) for r in relays))
+                    members = list(got)
+                before = link_bytes()
+                started = time.perf_counter()
+                await asyncio.gather(*(send(senders[i], addresses[i], relays[i], members[i], tensors, version)
+                                       for i in range(lanes)))  # fmt: skip
+                seconds = time.perf_counter() - started
+                moved = counter_delta(before, link_bytes())
+                with open(out, "a") as f:
+                    f.write(json.dumps({"link": f"t{rank}", "version": version, "seconds": seconds, **moved}) + "\n")
+        finally:
+            for sender in senders:
+                await sender.close()
+            pool.shutdown(wait=False)
+
+    asyncio.run(main())
+    dist.destroy_process_group()
+
+
+def fan_receiver(index: int, topology: str, master: str, mb: float, tensor_mb: float, versions: int,
+                 out: str) -> None:  # fmt: skip
+    """Receiver `index`: into preallocated tensors, each version checked bitwise against the trainer's."""
+    import asyncio
+
+    import torch
+
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.versions.receiver import WeightReceiver
+
+    lane = index if topology == "star" else 0
+    cfg = load_config(
+        overrides=[f"transport.host={master}", f"transport.port={PORT + lane}", "transport.timeout_s=300",
+                   "transport.ready_timeout_s=120", f"rollout.identity=r{index}",
+                   "transport.heartbeat_interval_s=0.2", "transport.slices=false"]
+    )  # fmt: skip
+    dest = {name: torch.empty_like(t) for name, t in stream(0, mb, tensor_mb).items()}
+
+    async def main() -> None:
+        async with WeightReceiver(cfg) as receiver:
+            for _ in range(versions):
+                before = link_bytes()
+                names = [name async for name, _ in receiver.receive_weights(into=lambda meta: dest[meta.name])]
+                moved = counter_delta(before, link_bytes())
+                version = int(receiver.version)  # type: ignore[arg-type]  # set once a version is received
+                want = stream(version, mb, tensor_mb)
+                ok = sorted(names) == sorted(want) and all(torch.equal(dest[n], want[n]) for n in want)
+                with open(out, "a") as f:
+                    f.write(json.dumps({"link": f"r{index}", "version": version, "bitwise": ok, **moved}) + "\n")
+
+    asyncio.run(main())
+
+
+def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb: float, tensor_mb: float,
+        versions: int) -> dict[str, Any]:  # fmt: skip
+    trainers = [f"t{rank}" for rank in range(ranks)]
+    rollouts = [f"r{index}" for index in range(receivers)]
+    tag = f"{topology}-{receivers}x{ranks}"
+    try:
+        for name in (*trainers, *rollouts):
+            lab.add(name)
+            limit_uplink(lab, name, rate_mbit)
+            limit_downlink(lab, name, rate_mbit)
+        master = lab.nodes["t0"].ip
+        sent, received = lab.workdir / f"senders-{tag}.jsonl", lab.workdir / f"receivers-{tag}.jsonl"
+        procs = []
+        for index, name in enumerate(rollouts):
+            code = (f"from {MODULE} import fan_receiver as f; f({index}, {topology!r}, {master!r}, {mb}, "
+                    f"{tensor_mb}, {versions}, {str(received)!r})")  # fmt: skip
+            procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{tag}.log"))
+        for rank, name in enumerate(trainers):
+            code = (f"from {MODULE} import fan_sender as f; f({rank}, {ranks}, {master!r}, {lab.nodes[name].ip!r}, "
+                    f"{topology!r}, {receivers}, {mb}, {tensor_mb}, {versions}, {str(sent)!r})")  # fmt: skip
+            procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{tag}.log"))
+        got = await_versions(lab, procs, received, versions * receivers, f"*-{tag}.log", tag)
+        senders = jsonl_lines(sent)
+    finally:
+        for node in list(lab.nodes):  # the next run adds its own nodes
+            lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
+            lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
+            del lab.nodes[node]
+    rank0 = [e for e in senders if e["link"] == "t0" and e["version"] > STEADY_AFTER]
+    if not rank0:
+        raise RuntimeError(f"{tag}: trainer rank 0 reported no steady version")
+    links = link_table(senders + got)
+    return make_row(topology, receivers, ranks, model_bytes(mb, tensor_mb), rate_mbit, [e["seconds"] for e in rank0],
+                    links, all(e["bitwise"] for e in got))  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| topology | K | M | s a version | s x B / S | model: star / tree / chain (not built) "
+        "| trainer link MiB sent | max receiver MiB received / sent | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        k, m, s = r["receivers"], r["trainer_ranks"], r["slice_bytes"]
+        model = " / ".join(f"{predicted_x(t, k, m, s, CHAIN_CHUNK_MB * MIB):.2f}" for t in ("star", "tree", "chain"))
+        rx = max(v["rx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
+        tx = max(v["tx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
+        out.append(
+            f"| {r['topology']} | {k} | {m} | {r['seconds']:.2f} | {r['seconds_x_rate_over_slice']:.2f} | "
+            f"{model} | {r['trainer_link_bytes'] / MIB:.1f} | {rx:.1f} / {tx:.1f} | {r['bitwise']} |"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = skip_reason()
+    if reason:
+        print(f"cannot run: {reason}")
+        return 2
+    rows: list[dict[str, Any]] = []
+    failed = False
+    with netlab() as lab:
+        for ranks in args.trainer_ranks:
+            for receivers in args.receivers:
+                for topology in args.topologies:
+                    try:
+                        row = run(lab, topology, receivers, ranks, args.rate_mbit, args.mb, args.tensor_mb,
+                                  args.versions)  # fmt: skip
+                    except RuntimeError as exc:
+                        failed = True
+                        print(f"{topology} K={receivers} M={ranks}: failed: {exc}", flush=True)
+                        continue
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.json is not None:
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        with args.json.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+    print(f"\nevery link {args.rate_mbit} Mbit/s each way, S = {args.mb} MiB a receiver (tensors of "
+          f"{args.tensor_mb} MiB), buckets {BUCKET_MB} MiB, chain model chunk {CHAIN_CHUNK_MB} MiB, "
+          f"versions {STEADY_AFTER + 1}..{args.versions}")  # fmt: skip
+    print("\n".join(table(rows)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
