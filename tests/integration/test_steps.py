@@ -104,12 +104,18 @@ async def test_a_prepare_that_supersedes_a_version_before_its_plan_is_answered(c
         await _close(sender, receiver)
 
 
-async def test_a_receiver_forgotten_for_a_late_ready_comes_back_within_the_same_version(caplog) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "with-a-contract"])
+async def test_a_receiver_forgotten_for_a_late_ready_comes_back_within_the_same_version(caplog, quantized) -> None:
     """Its `Ready` came after transport.ready_timeout_s (a loaded machine, a receiver still cleaning up a failed
     version): the sender forgot it and drops the late answer unread. Waiting for the plan, it re-registers each
-    heartbeat, is asked again, answers again, and gets the version, not a timeout with nobody registered."""
-    weights = [("a", _tensor(KIB, 3))]
+    heartbeat, is asked again, answers again, and gets the version, not a timeout with nobody registered; a
+    quantization contract it declared still holds (the second Ready names it, and the sender kept it)."""
+    from lightning_weightsync.quantize import QuantContract, QuantRule, quantize_stream
+
+    contract = QuantContract(rules=(QuantRule("a.weight"),)) if quantized else None
+    weights = [("a.weight", _tensor(KIB * 64, 3).reshape(128, 128).to(torch.bfloat16))]
     sender, receiver = await _pair(transport__ready_timeout_s=0.3, transport__liveness_s=5)
+    receiver.declare_contract(contract)
     answer = receiver._steps.ready
     late = [True]
 
@@ -125,7 +131,7 @@ async def test_a_receiver_forgotten_for_a_late_ready_comes_back_within_the_same_
             got, stats = await with_timeout(both)
         dropped = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
         assert dropped, "the case did not happen: the sender never gave up on the late Ready"
-        assert_bitwise(got, weights)
+        assert_bitwise(got, list(quantize_stream(weights, contract)) if contract is not None else weights)
         assert stats.receivers == 1 and receiver.last_complete_version == 1
     finally:
         await _close(sender, receiver)

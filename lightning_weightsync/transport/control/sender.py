@@ -550,9 +550,8 @@ class SenderControl:
 
     def forget(self, identity: str) -> None:
         """Drop a receiver from the registry (it re-registers if it is alive)."""
-        peer = self.peers.pop(identity, None)
-        self.contracts.pop(identity, None)
-        if peer is not None:
+        peer = self.peers.pop(identity, None)  # its contract stays: a receiver forgotten for a late Ready and asked
+        if peer is not None:  # again re-sends only its Ready (versions/steps.py), naming the contract it declared
             self._routes.pop(peer.route, None)
 
     async def send_all(self, identities: list[str], msg: Message) -> None:
