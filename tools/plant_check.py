@@ -266,7 +266,8 @@ PLANTS = [
           ("tests/unit/test_messages.py", "-k", "contract")),
     Plant("control: a forgotten receiver's contract dropped", f"{PKG}/transport/control/sender.py",
           "        peer = self.peers.pop(identity, None)  # its contract stays",
-          "        self.contracts.pop(identity, None)\n        peer = self.peers.pop(identity, None)  # its contract stays",
+          "        self.contracts.pop(identity, None)\n"
+          "        peer = self.peers.pop(identity, None)  # its contract stays",
           ("tests/integration/test_steps.py", "-k", "forgotten_for_a_late_ready")),
     Plant("receiver: no re-registration while waiting for the plan", f"{PKG}/versions/steps.py",
           "                await self.register()\n                continue\n", "                continue\n",
