@@ -28,6 +28,26 @@ def refuse(prefix: str, why: str) -> QuantizeError:
                          "(serve a block-FP8 checkpoint, or have the engine quantize bf16 online)")  # fmt: skip
 
 
+def add_linear(
+    out: dict[str, QuantRule | None], prefix: str, shards: Collection[str], rule: QuantRule | None, has_bias: bool
+) -> None:
+    """A Linear at `prefix` loads each of its checkpoint `shards` (the fused projections' own names, or its own leaf)
+    as `rule` says, and their biases as the checkpoint holds them."""
+    parent = prefix.rpartition(".")[0]
+    for shard in shards:
+        base = f"{parent}.{shard}" if parent else shard
+        out[f"{base}.weight"] = rule
+        if has_bias:
+            out[f"{base}.bias"] = None
+
+
+def add_embedding(out: dict[str, QuantRule | None], prefix: str, unquantized: bool, method: object) -> None:
+    """An embedding loads its weight as the checkpoint holds it; any quant method on it is refused by name."""
+    if not unquantized:
+        raise refuse(prefix, f"embedding quant method {type(method).__name__} is not one the contract knows")
+    out[f"{prefix}.weight"] = None
+
+
 def keep_the_rest(model: torch.nn.Module, handled: Collection[str], out: dict[str, QuantRule | None]) -> None:
     """Every parameter of a module outside `handled` (and outside their children) loads as the checkpoint holds it:
     norms, biases of modules no learner knows, a router built unquantized."""

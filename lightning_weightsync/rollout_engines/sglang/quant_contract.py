@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ...quantize import QuantContract, QuantRule
-from ..quant_contract import contract_of, keep_the_rest, refuse
+from ..quant_contract import add_embedding, add_linear, contract_of, keep_the_rest, refuse
 
 SCHEME_OF_SCALE_FMT = {None: "fp8_block", "ue8m0": "fp8_block_ue8m0"}
 
@@ -128,16 +128,10 @@ def _module_outcomes(model: torch.nn.Module) -> dict[str, QuantRule | None]:
             parent = prefix.rpartition("experts")[0]
             out.update({f"{parent}{weight_name}weight": rule for _, weight_name, _, _ in mapping})
         elif isinstance(module, LinearBase):
-            rule = _linear_rule(prefix, method)
-            parent = prefix.rpartition(".")[0]
-            for shard in _fused_shards(model, prefix, module):
-                out[f"{parent}.{shard}.weight" if parent else f"{shard}.weight"] = rule
-                if getattr(module, "bias", None) is not None:
-                    out[f"{parent}.{shard}.bias" if parent else f"{shard}.bias"] = None
+            has_bias = getattr(module, "bias", None) is not None
+            add_linear(out, prefix, _fused_shards(model, prefix, module), _linear_rule(prefix, method), has_bias)
         elif isinstance(module, VocabParallelEmbedding):
-            if not isinstance(method, UnquantizedEmbeddingMethod):
-                raise refuse(prefix, f"embedding quant method {type(method).__name__} is not one the contract knows")
-            out[f"{prefix}.weight"] = None
+            add_embedding(out, prefix, isinstance(method, UnquantizedEmbeddingMethod), method)
         else:
             continue
         handled.add(prefix)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...quantize import QuantContract, QuantRule
-from ..quant_contract import contract_of, keep_the_rest
+from ..quant_contract import add_embedding, add_linear, contract_of, keep_the_rest
 from ..quant_contract import refuse as _refuse
 
 
@@ -78,16 +78,11 @@ def _module_outcomes(model: torch.nn.Module) -> dict[str, QuantRule | None]:
             rule = _moe_rule(prefix, method)
             out.update({name: rule for name in _expert_names(module)})
         elif isinstance(module, LinearBase):
-            rule = _linear_rule(prefix, method)
-            parent, _, leaf = prefix.rpartition(".")
-            for shard in packed.get(leaf, [leaf]):
-                out[f"{parent}.{shard}.weight" if parent else f"{shard}.weight"] = rule
-                if getattr(module, "bias", None) is not None:
-                    out[f"{parent}.{shard}.bias" if parent else f"{shard}.bias"] = None
+            leaf = prefix.rpartition(".")[2]
+            has_bias = getattr(module, "bias", None) is not None
+            add_linear(out, prefix, packed.get(leaf, [leaf]), _linear_rule(prefix, method), has_bias)
         elif isinstance(module, VocabParallelEmbedding):
-            if not isinstance(method, UnquantizedEmbeddingMethod):
-                raise _refuse(prefix, f"embedding quant method {type(method).__name__} is not one the contract knows")
-            out[f"{prefix}.weight"] = None
+            add_embedding(out, prefix, isinstance(method, UnquantizedEmbeddingMethod), method)
         else:
             continue
         handled.add(prefix)
