@@ -129,7 +129,15 @@ class DeltaMode(Choice):
     always = "always"  # a delta whenever it is smaller at all
 
 
+class FanOut(Choice):
+    """`transport.fanout`: how a lane's bucket reaches its receivers."""
+
+    broadcast = "broadcast"  # the backend's own collective (gloo: a binomial tree; nccl: a ring)
+    chain = "chain"  # the trainer rank sends each byte once, each receiver forwards it to the next (gloo)
+
+
 CAST_DTYPES = tuple(d.value for d in CastDtype)
+MIN_CHAIN_PIECE_MB = 1 / 256  # 4 KiB: below it the calls a piece cost more than its bytes on any link
 MAX_BUCKET_SIZE_MB = 16 * 1024  # 16 GiB (two a side): far above the largest real weight (~1.2 GiB)
 AUTH_TOKEN_ENV = "LIGHTNING_WEIGHTSYNC_AUTH_TOKEN"
 MIN_TOKEN_LEN = 16
@@ -198,6 +206,17 @@ class TransportConfig:
     """Send each bucket's layout (names, shapes, dtypes, offsets) once: while a version is cut into the same
     buckets as the last one every receiver holds, its buckets name that layout by digest instead of listing
     their entries again (protocol/layout.py). false: every bucket lists its entries (the wire before this knob)."""
+    fanout: FanOut = FanOut.broadcast
+    """Sender: how a bucket reaches several receivers. broadcast: the backend's collective (gloo's is a binomial
+    tree: a trainer link sends ceil(log2(K + 1)) copies to K receivers; nccl's is already a pipelined ring). chain
+    (gloo): the trainer rank sends each byte once and every receiver forwards each piece on as it arrives
+    (transport.chain_piece_mb), so a trainer link carries one copy whatever the number of receivers."""
+    chain_piece_mb: float = 0.25
+    """transport.fanout=chain: the piece a receiver forwards as soon as it has it, in MiB. Smaller fills a long
+    chain sooner (a chain of K adds about (K - 1) pieces' time); larger costs fewer calls a bucket."""
+    chain_length: int = 16
+    """transport.fanout=chain: the most receivers in one chain; more are split into chains of near-equal length,
+    each fed by the trainer rank (its link then carries one copy a chain). 0: one chain, however long."""
     slices: bool = True
     """Receiver: declare the box of each tensor this rollout holds (a tensor-parallel rollout's DTensors, learnt
     from the first version received into them), so the sender sends it that slice only (versions/lanes.py).

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
 from ..plugins import ROLLOUT_ENGINES
-from .schema import MAX_BUCKET_SIZE_MB, MAX_CONFIG_IDENTITY_LEN, MIN_TOKEN_LEN, bucket_size_bytes
+from .schema import MAX_BUCKET_SIZE_MB, MAX_CONFIG_IDENTITY_LEN, MIN_CHAIN_PIECE_MB, MIN_TOKEN_LEN, bucket_size_bytes
 from .sinks import check_sink_sections
 
 
@@ -94,6 +94,14 @@ def validate_config(cfg: DictConfig) -> None:
             f"transport.direct_in_flight={t.direct_in_flight} must be in [1, 1024] (tensors the sender may hold "
             "while their broadcasts run)"
         )
+    piece = t.chain_piece_mb
+    if not (math.isfinite(piece) and MIN_CHAIN_PIECE_MB <= piece <= MAX_BUCKET_SIZE_MB):
+        raise ConfigError(
+            f"transport.chain_piece_mb={piece} must be in [{MIN_CHAIN_PIECE_MB}, {MAX_BUCKET_SIZE_MB}] MiB (the piece "
+            "a chained receiver forwards as soon as it has it)"
+        )
+    if not 0 <= t.chain_length <= MAX_COUNT:
+        raise ConfigError(f"transport.chain_length={t.chain_length} must be in [0, {MAX_COUNT}] (0: one chain)")
     _port("transport.port", t.port, allow_zero=True)
     _port("transport.store_port", t.store_port, allow_zero=True)
     _port("transport.sender_port", t.sender_port, allow_zero=True)

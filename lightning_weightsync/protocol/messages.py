@@ -168,7 +168,11 @@ class Member(msgspec.Struct, array_like=True, frozen=True):
 
 class GroupSpec(msgspec.Struct, frozen=True):
     """One data-plane group generation, the same for every rank. `members[i]` has rank `i + 1`;
-    the sender is rank 0. A restarted sender (new `session`) numbers generations afresh."""
+    the sender is rank 0. A restarted sender (new `session`) numbers generations afresh.
+
+    `relay` (transport.fanout=chain): `relay[r]` is the rank that rank r receives each bucket from, in pieces of
+    `relay_piece` bytes that it forwards at once to the ranks it feeds (`protocol/relay.py`); empty: the
+    backend's own broadcast."""
 
     session: str
     generation: int
@@ -176,6 +180,8 @@ class GroupSpec(msgspec.Struct, frozen=True):
     bucket_size: int
     members: list[Member]
     join: Join
+    relay: list[int] = []
+    relay_piece: int = 0
 
     @property
     def world_size(self) -> int:

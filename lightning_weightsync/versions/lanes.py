@@ -254,6 +254,7 @@ class LaneStream:
         stats.num_chunked_tensors += counts.chunked_tensors
         stats.num_buckets += counts.buckets
         stats.direct_buckets += counts.direct_buckets
+        stats.relayed_bytes += lane.backend.relayed.take()
 
 
 __all__ = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol
 
 import torch
@@ -31,6 +31,8 @@ from ..transport.executor import SerialExecutor, forget
 from .stats import ReceiveStats
 from .steps import ReceiverSteps
 
+LISTEN_AFTER_S = 0.1  # a wait for a slot that lasts longer reads the control socket meanwhile (`_listening`)
+LISTEN_POLL_S = 0.01  # ... in polls this long: the slot is noticed at most this late
 RECEIVE_AHEAD = 8  # buckets whose broadcast may be posted before the consumer reached them (no memory: only
 # direct buckets run ahead of the slots, into the consumer's own destinations)
 
@@ -149,7 +151,7 @@ class BucketPipeline:
         try:
             index, ring = 0, 0
             while True:
-                await self.ahead.acquire()
+                await self._listening(self.ahead.acquire())
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
                 named = bool(meta.layout)
                 meta = self.expand(meta)  # a name this receiver does not hold has raised here
@@ -169,7 +171,7 @@ class BucketPipeline:
                 slot = NO_SLOT
                 if target is None:
                     slot, ring = ring % NUM_SLOTS, ring + 1
-                    await self.free[slot].wait()
+                    await self._listening(self.free[slot].wait())
                     self.free[slot].clear()
                 done = self._post(slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done, metas))
@@ -182,6 +184,18 @@ class BucketPipeline:
             self.producer_failed.set()
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+    async def _listening(self, turn: Awaitable[object]) -> None:
+        """Wait for `turn` (a slot the consumer frees); one that lasts (the consumer waits for a broadcast, maybe one
+        the sender gave up) reads the control socket meanwhile, so the sender's abort ends the version now."""
+        waiting = asyncio.ensure_future(turn)
+        try:
+            await asyncio.wait((waiting,), timeout=LISTEN_AFTER_S)
+            while not waiting.done():
+                await self.steps.look_ahead(self.plan.version, LISTEN_POLL_S)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
 
     def _post(self, slot: int, nbytes: int, index: int, target: torch.Tensor | None) -> asyncio.Future[None]:
         """A bucket's broadcast on this rank, posted to the data-plane thread in order; where the backend
@@ -268,6 +282,7 @@ class BucketPipeline:
             stats.num_buckets += bool(meta.entries)
             stats.direct_buckets += target is not None
             stats.nbytes += meta.nbytes
+            stats.relayed_bytes += self.backend.relayed.take()  # forwarded along a chain (transport.fanout=chain)
             if self.on_bucket is not None:
                 self.on_bucket(meta)
             if self.verifier is not None:

@@ -20,6 +20,7 @@ from ..protocol.boxes import Box, box_of
 from ..protocol.declare import PAGES_PER_VERSION, Declaration
 from ..protocol.layout import Layout, LayoutRecorder
 from ..protocol.messages import BucketMeta, Plan, Prepare
+from ..protocol.relay import check_relay
 from ..transport.backends import BACKENDS, Backend
 from ..transport.control import ReceiverControl
 from ..transport.executor import SerialExecutor
@@ -143,14 +144,20 @@ class ReceiverLane:
     def backend_for(self, plan: Plan) -> Backend:
         """The backend the plan names, (re)built when the sender switched backends."""
         group = plan.group
-        if plan.rank < 1 or group.members[plan.rank - 1].identity != self.identity:
+        if not 1 <= plan.rank <= len(group.members) or group.members[plan.rank - 1].identity != self.identity:
             raise ProtocolError(f"version {plan.version}: the plan gives rank {plan.rank} to another receiver")
         if group.backend not in BACKENDS:
             raise ProtocolError(f"version {plan.version}: the plan names an unknown backend {group.backend[:64]!r}")
+        try:
+            check_relay(group.relay, group.relay_piece, group.world_size, group.bucket_size)
+        except ProtocolError as exc:
+            raise ProtocolError(f"version {plan.version}: {exc}") from None
         if self.backend is None or self.backend.name != group.backend:
             if self.backend is not None:
                 self.backend.close()
             self.backend = self._new_backend(group.backend, bucket_size=group.bucket_size, session=group.session)
+        if group.relay and not self.backend.relays:
+            raise ProtocolError(f"version {plan.version}: the plan chains backend {group.backend}, which cannot relay")
         return self.backend
 
     async def join(self, plan: Plan, timeout_s: float, acks: Acks) -> None:

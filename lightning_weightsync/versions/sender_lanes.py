@@ -15,12 +15,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..config import SenderSettings
-from ..errors import PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
+from ..config import FanOut, SenderSettings, mib_to_bytes
+from ..errors import ConfigError, PeerError, ProtocolError, WeightSyncError, WeightSyncTimeout
 from ..protocol.chunks import TensorShard
 from ..protocol.declare import check_declared
 from ..protocol.layout import Layout, LayoutRecorder
 from ..protocol.messages import GroupSpec, Member, SenderAddress
+from ..protocol.relay import chains, piece_size
 from ..transport.backends import NUM_SLOTS, Backend
 from ..transport.control import Peer, SenderControl
 from ..transport.executor import SerialExecutor, forget
@@ -84,6 +85,12 @@ class SenderLanes:
         t = self.transport
         executor = SerialExecutor(EXECUTOR_NAME)
         backend = self._new_backend(self.bucket_size)
+        if t.fanout == FanOut.chain and not backend.relays:
+            executor.shutdown()
+            raise ConfigError(
+                f"transport.fanout=chain: backend {backend.name} cannot forward along chains (gloo can; nccl's own "
+                "broadcast is a pipelined ring already); set transport.fanout=broadcast"
+            )
         await executor.submit(backend.setup, t.host, int(t.store_port))
         self.whole = Lane(WHOLE, backend, executor)
 
@@ -162,6 +169,7 @@ class SenderLanes:
             if rebuild or lane.backend.generation < 0 or lost:
                 self.generation += 1
                 lane.generation, lane.members = self.generation, members
+            relay, piece = self._relay(len(peers), lane.backend.bucket_size)
             group = GroupSpec(
                 session=self.session,
                 generation=lane.generation,
@@ -169,11 +177,21 @@ class SenderLanes:
                 bucket_size=lane.backend.bucket_size,
                 members=[Member(p.identity, p.pid) for p in peers],
                 join=lane.backend.join_spec(lane.generation),
+                relay=relay,
+                relay_piece=piece,
             )
             await self._steps.send_plans(version, peers, group, others, lane.key, self.refused)
             joins.append((lane.executor.submit(lane.backend.join, group, 0, version), run))
         for joined, _ in joins:
             await self._joined(version, joined, [f for f, _ in joins])
+
+    def _relay(self, receivers: int, bucket_size: int) -> tuple[list[int], int]:
+        """A lane's chains (transport.fanout=chain; `protocol/relay.py`), or none: the backend's broadcast."""
+        t = self.transport
+        if t.fanout != FanOut.chain:
+            return [], 0
+        upstream = chains(receivers, int(t.chain_length))
+        return upstream, piece_size(upstream, bucket_size, mib_to_bytes(t.chain_piece_mb))
 
     async def _joined(self, version: int, joined: asyncio.Future[None], every: list[asyncio.Future[None]]) -> None:
         """One lane's join: bounded by timeout_s (the backend's own too); a member that is gone ends it sooner."""
@@ -238,6 +256,7 @@ class SenderLanes:
         """One lane's planner and wire for this version."""
         lane, backend = run.lane, run.lane.backend
         lane.reset()
+        backend.relayed.take()  # what a version given up before this one left in the counter is not this one's
         if run.whole:
             fingerprints, delta = whole
         else:

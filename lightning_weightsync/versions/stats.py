@@ -15,6 +15,7 @@ class _Stats:
     num_buckets: int = 0  # buckets that carried at least one chunk
     direct_buckets: int = 0  # full-bucket chunks that skipped the pack (sender) / merge (receiver) copy
     layout_buckets: int = 0  # buckets whose entries the held layout stood for (transport.layout_once)
+    relayed_bytes: int = 0  # sent along chains (transport.fanout=chain): the sender to their heads, a receiver onward
     seconds: float = 0.0  # wall time of the whole version, group formation and acks included
 
     @property
@@ -36,6 +37,7 @@ class _Stats:
             "buckets": self.num_buckets,
             "direct_buckets": self.direct_buckets,
             "layout_buckets": self.layout_buckets,
+            "relayed_bytes": self.relayed_bytes,
         }
 
 

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_AFTER_S = 0.05  # a receiver waiting this long for a bucket's metadata tells the sender where it is
 WAITING_LOG_EVERY_S = 10.0  # while too few receivers are ready, one line this often naming what is missing
+LOOK_AHEAD = 4096  # messages a receiver keeps unread-ahead while its producer waits for a slot (`look_ahead`)
 LIVENESS_POLL_S = 0.5  # while a wait depends on receivers, whether they are still connected is asked this often
 GONE = "disconnected (its process stopped or the link is down)"
 NACK_GRACE_S = 0.1  # once a member is found gone: how long its nack, sent just before it left, may still take
@@ -542,6 +543,24 @@ class ReceiverSteps:
             return await self._next_bucket(version, bucket_index, timeout_s)
         finally:
             report.cancel()
+
+    async def look_ahead(self, version: int, wait_s: float) -> None:
+        """While the version's producer waits for a slot: read what the sender sent next (at most `wait_s`), keep
+        it for `next_bucket` in order, and end the version on an `Abort` of it or a new version's `Prepare`. So a
+        sender's abort behind the metadata of buckets still to come is seen while the consumer waits for a
+        broadcast the sender gave up (it would otherwise hold this receiver until transport.timeout_s, past the
+        next version's Ready). At most `LOOK_AHEAD` messages are kept; beyond them nothing more is read."""
+        if self.control.stashed >= LOOK_AHEAD:
+            await asyncio.sleep(wait_s)
+            return
+        msg = await self.control.recv(wait_s, from_stash=False)
+        if msg is None:
+            return
+        if isinstance(msg, Abort) and msg.version == version:
+            raise VersionAborted(f"version {version} aborted by the sender: {msg.reason}")
+        self.control.stash(msg)  # `next_bucket` (or the next version's wait) reads it in its turn
+        if isinstance(msg, Prepare):
+            raise VersionAborted(f"version {version} abandoned: the sender started version {msg.version}")
 
     async def _next_bucket(self, version: int, bucket_index: int, timeout_s: float) -> BucketMeta:
         deadline = time.monotonic() + timeout_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -699,3 +700,53 @@ async def test_no_version_is_lost_to_the_rendezvous_over_many_token_mode_starts_
     problem = f"{len(versions_lost)} of {rendezvous} token-mode rendezvous lost their version {versions_lost}: {lost}"
     assert not versions_lost, problem
     assert rendezvous == 50 and set(rebuilt) == {1}, rebuilt
+
+
+async def test_an_abort_behind_metadata_still_to_come_ends_a_version_whose_broadcast_stalled() -> None:
+    """The sender gave a version up (another receiver died) while this receiver's consumer waits for a broadcast
+    that will never complete and its producer waits for a slot, the metadata of buckets still to come queued ahead
+    of the `Abort`: the producer reads on while it waits, so the version ends within a second, not at
+    transport.timeout_s (which, in the multi-process test of a receiver killed mid-version, left the survivor
+    deaf to the next version's Prepare until the sender forgot it)."""
+    import threading
+
+    from lightning_weightsync.protocol.messages import Abort
+
+    n = BUCKET * (RECEIVE_AHEAD + 8)  # one tensor of whole buckets: each goes direct, none waits for a slot
+    weights = [("big", _tensor(n, 7))]
+    sender, receiver = await _pair(transport__direct_min_mb=0, transport__direct_in_flight=64, transport__timeout_s=20)
+    stall, stalled = threading.Event(), threading.Event()
+    backend = sender._lanes.whole.backend
+    start = backend.start_broadcast
+
+    def start_or_stall(slot, nbytes, index, buffer=None):
+        if index < 2:
+            return start(slot, nbytes, index, buffer)
+        stalled.set()
+        stall.wait(30)  # the data-plane thread holds here: bucket 2 never reaches the receiver
+        return None
+
+    backend.start_broadcast = start_or_stall
+    dest = torch.empty_like(weights[0][1])
+    try:
+        sending = asyncio.ensure_future(sender.send_weights(weights, version=1, stable_tensors=True))
+
+        async def consume() -> None:
+            async for _ in receiver.receive_weights(into=lambda meta: dest):
+                pass
+
+        receiving = asyncio.ensure_future(consume())
+        while not stalled.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # every bucket's metadata out, the receiver's producer out of turns
+        await sender._control.send("r", Abort(1, "another receiver died"))
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="aborted by the sender: another receiver died"):
+            await with_timeout(receiving, 10)
+        assert time.monotonic() - t0 < 2 + LOAD_SLACK_S
+    finally:
+        stall.set()
+        sending.cancel()
+        with contextlib.suppress(BaseException):
+            await sending
+        await _close(sender, receiver)

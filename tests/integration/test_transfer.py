@@ -385,7 +385,7 @@ async def test_restarted_sender_serves_the_same_receiver(backend):
 
 
 def _dying_receiver(port: int, backend: str) -> None:
-    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
+    cfg = engine_cfg(port, backend=backend.partition("-")[0], bucket_size_mb=1 / 256)
 
     async def main() -> None:
         receiver = WeightReceiver(cfg, identity="doomed")
@@ -400,7 +400,7 @@ def _dying_receiver(port: int, backend: str) -> None:
 
 
 def _surviving_receiver(port: int, backend: str) -> list:
-    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256)
+    cfg = engine_cfg(port, backend=backend.partition("-")[0], bucket_size_mb=1 / 256)
 
     async def main() -> list:
         outcomes = []
@@ -420,7 +420,11 @@ def _surviving_receiver(port: int, backend: str) -> list:
 def _sender_with_a_dying_receiver(port: int, backend: str) -> list:
     # timeout_s far above LOAD_SLACK_S: a death noticed by waiting for the knob is told apart from one
     # noticed at once, however loaded the machine (the healthy path never waits for it)
-    cfg = engine_cfg(port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=60)
+    backend, _, fanout = backend.partition("-")  # gloo-chain: the doomed one feeds the survivor (chain order r1, r2)
+    cfg = engine_cfg(
+        port, backend=backend, bucket_size_mb=1 / 256, trainer__min_receivers=2, transport__timeout_s=60,
+        transport__fanout=fanout or "broadcast",
+    )  # fmt: skip
 
     async def main() -> list:
         results = []
@@ -455,7 +459,12 @@ def _dying_role(role: int, port: int, backend: str) -> object:
 
 @pytest.mark.parametrize(
     "backend",
-    ["gloo", "shm", pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING)))],
+    [
+        "gloo",
+        "gloo-chain",
+        "shm",
+        pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))),
+    ],
 )
 def test_receiver_killed_mid_version_fails_the_version_not_the_session(backend):
     port = free_port()

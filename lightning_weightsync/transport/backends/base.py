@@ -26,6 +26,7 @@ from ...errors import ProtocolError
 from ...protocol.joins import JoinSpec
 from ...protocol.messages import GroupSpec
 from ..device import empty_bucket, record_event
+from .relay import RelayCounters
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -67,6 +68,9 @@ class Backend(ABC):
     # cuda_ipc): a receiver's pipeline then counts a bucket as arrived on its event loop, without the two
     # thread hops (data-plane thread, its waiter) a call through the executor costs on every bucket.
     receive_in_place: bool = False
+    # True where a group may carry a relay (`GroupSpec.relay`, transport.fanout=chain): the backend moves a bucket
+    # by point-to-point sends along it, each receiver forwarding what it receives (`backends/relay.py`).
+    relays: bool = False
 
     def __init__(
         self,
@@ -95,6 +99,7 @@ class Backend(ABC):
         self.world_size = 0
         self.buckets: list[torch.Tensor] = []
         self._fences: list[object | None] = [None] * NUM_SLOTS
+        self.relayed = RelayCounters()  # bytes sent along chains (transport.fanout=chain; 0 for any other fan-out)
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self, host: str, store_port: int) -> None:

@@ -31,6 +31,7 @@ class GlooBackend(TorchProcessGroupBackend):
     natural_device = "cpu"
 
     direct_ok = True  # CPU tensors: any contiguous chunk can be sent / received in place
+    relays = True  # gloo's broadcast is a binomial tree: a chain sends a trainer link's bytes once (fanout=chain)
 
     def _new_group(self, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
         # A lane keeps several broadcasts in flight (`start_broadcast`); gloo runs each on one of its

@@ -24,6 +24,7 @@ from ...errors import ConfigError, WeightSyncError, WeightSyncTimeout
 from ...protocol.joins.store import StoreJoin
 from ...protocol.messages import GroupSpec
 from .base import Backend, Rendezvous
+from .relay import start_relay
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,11 @@ class TorchProcessGroupBackend(Backend):
         if nbytes == 0:
             return None
         self.wait_fence(slot)
-        work = self._pg.broadcast(self.buckets[slot][:nbytes] if buffer is None else buffer, 0)
+        data = self.buckets[slot][:nbytes] if buffer is None else buffer
+        group = self.group
+        if group is not None and group.relay:
+            return start_relay(self._pg, data, bucket_index, self.rank, group.relay, group.relay_piece, self.relayed)
+        work = self._pg.broadcast(data, 0)
         return lambda: _wait(work)
 
     def close(self) -> None:

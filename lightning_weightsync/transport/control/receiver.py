@@ -209,9 +209,16 @@ class ReceiverControl:
         """Keep a message for the next `recv` (e.g. a new version's `Prepare` seen mid-version)."""
         self._stash.append(msg)
 
-    async def recv(self, timeout_s: float) -> Message | None:
+    @property
+    def stashed(self) -> int:
+        """Messages kept for the next `recv`s."""
+        return len(self._stash)
+
+    async def recv(self, timeout_s: float, *, from_stash: bool = True) -> Message | None:
+        """The next message (a stashed one first, unless `from_stash` is false: then only what the socket holds,
+        for a reader that stashes what it is not after, in order), or None after `timeout_s`."""
         assert self._sock is not None, "call start() first"
-        if self._stash:
+        if self._stash and from_stash:
             return self._stash.pop(0)
         deadline = time.monotonic() + timeout_s
         self.sender_link()  # reads the link's events: a lost link is counted and logged while we wait

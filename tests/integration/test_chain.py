@@ -1,0 +1,134 @@
+"""Chains (transport.fanout=chain): the trainer rank sends each byte once, each receiver forwards every piece on.
+
+Real gloo groups with point-to-point sends and receives, real ZeroMQ; bitwise at every receiver. Who forwarded what
+is read from each side's counters (`relayed_bytes`), so a chain that secretly became a star, or a receiver that
+took its bytes but passed nothing on, fails here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lightning_weightsync import ConfigError, WeightReceiver, WeightSender
+from lightning_weightsync.protocol.relay import downstream
+from tests.support.mp import free_port, run_workers
+from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream, stream_nbytes, with_timeout
+
+PIECE_MB = 1 / 128  # 8 KiB pieces: a 64 KiB bucket is 8 of them
+
+
+async def _chain_versions(n: int, versions: int, *, into: bool, **knobs: object) -> tuple[list, list[list]]:
+    """A sender and `n` receivers (r0..r{n-1}, chain order) in one loop, `versions` versions; (send stats,
+    each receiver's [(version, stats)]), every version checked bitwise."""
+    cfg = engine_cfg(
+        0, bucket_size_mb=1 / 16, trainer__min_receivers=n, transport__fanout="chain",
+        transport__chain_piece_mb=PIECE_MB, **knobs,
+    )  # fmt: skip
+    async with WeightSender(cfg) as sender:
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 16)
+        receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(n)]
+        for r in receivers:
+            await r.start()
+        try:
+            dest = [{name: torch.empty_like(t.contiguous()) for name, t in stream(0)} for _ in range(n)]
+
+            async def take(i: int, r: WeightReceiver) -> list:
+                seen = []
+                for _ in range(versions):
+                    if into:
+                        names = [x async for x, _ in r.receive_weights(into=lambda meta, i=i: dest[i][meta.name])]
+                        got = {name: dest[i][name] for name in names}
+                    else:
+                        got = await receive_once(r)
+                    assert_bitwise(got, stream(r.version))
+                    seen.append((r.version, r.last_stats))
+                return seen
+
+            async def send() -> list:
+                return [await sender.send_weights(stream(v), version=v) for v in range(1, versions + 1)]
+
+            sent, *got = await with_timeout(asyncio.gather(send(), *(take(i, r) for i, r in enumerate(receivers))), 90)
+        finally:
+            for r in receivers:
+                await r.close()
+    return sent, got
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["merged", "into-destinations"])
+async def test_one_chain_sends_each_byte_once_and_every_receiver_but_the_tail_forwards_it(into):
+    sent, got = await _chain_versions(3, 3, into=into)
+    payload = stream_nbytes(stream(1))
+    for version, stats in enumerate(sent, start=1):
+        assert stats.receivers == 3 and stats.nbytes == payload
+        assert stats.relayed_bytes == payload, stats  # the trainer link: one copy, to the head of the chain
+        relayed = [got[i][version - 1][1].relayed_bytes for i in range(3)]
+        assert relayed == [payload, payload, 0], relayed  # r0 -> r1 -> r2, the tail keeps it
+    if into:  # large tensors went straight into their destinations and were forwarded from there
+        assert all(stats.direct_buckets > 0 for stats in sent)
+
+
+async def test_a_chain_length_cap_feeds_several_chains_from_the_trainer():
+    sent, got = await _chain_versions(3, 2, into=False, transport__chain_length=2)
+    payload = stream_nbytes(stream(1))
+    for version, stats in enumerate(sent, start=1):
+        # [r0 -> r1] and [r2]: the trainer feeds two heads; r0 forwards, r1 and r2 are tails
+        assert stats.relayed_bytes == 2 * payload, stats
+        assert [got[i][version - 1][1].relayed_bytes for i in range(3)] == [payload, 0, 0]
+
+
+async def test_a_lone_receiver_is_sent_whole_buckets():
+    sent, got = await _chain_versions(1, 2, into=True)
+    assert [s.relayed_bytes for s in sent] == [stream_nbytes(stream(1))] * 2
+    assert got[0][1][1].relayed_bytes == 0
+
+
+async def test_chain_with_a_backend_that_cannot_relay_fails_at_start():
+    cfg = engine_cfg(0, backend="shm", transport__fanout="chain")
+    sender = WeightSender(cfg)
+    with pytest.raises(ConfigError, match=r"transport\.fanout=chain.*backend shm.*transport\.fanout=broadcast"):
+        await sender.start()
+    await sender.close()
+
+
+def test_the_relay_a_receiver_follows_is_the_one_planned():
+    """`downstream` is what a rank's backend forwards to: the planned chain, not every rank."""
+    from lightning_weightsync.protocol.relay import chains
+
+    upstream = chains(5, 3)
+    assert upstream == [-1, 0, 1, 2, 0, 4]
+    assert downstream(upstream, 0) == [1, 4] and downstream(upstream, 2) == [3] and downstream(upstream, 3) == []
+
+
+# -- across processes: a model-shaped stream through a chain of three -------------------------------------------
+
+
+def _chain_role(role: int, port: int) -> object:
+    cfg = engine_cfg(
+        port, bucket_size_mb=0.25, trainer__min_receivers=3, transport__fanout="chain", transport__chain_piece_mb=1 / 64
+    )
+    kw = {"scale": 64, "max_tensors": None}
+
+    async def send() -> list:
+        async with WeightSender(cfg) as sender:
+            return [(await with_timeout(sender.send_weights(stream(v, **kw), version=v))).relayed_bytes for v in (1, 2)]
+
+    async def take() -> list:
+        async with WeightReceiver(cfg, identity=f"r{role}") as receiver:
+            out = []
+            for _ in range(2):
+                got = await with_timeout(receive_once(receiver))
+                assert_bitwise(got, stream(receiver.version, **kw))
+                out.append(receiver.last_stats.relayed_bytes)
+            return out
+
+    return asyncio.run(send() if role == 0 else take())
+
+
+def test_a_model_stream_through_a_chain_of_three_processes_bitwise():
+    port = free_port()
+    sender, *receivers = run_workers(_chain_role, [(r, port) for r in range(4)], timeout_s=110)
+    payload = stream_nbytes(stream(1, scale=64, max_tensors=None))
+    assert sender == [payload, payload]
+    assert receivers == [[payload] * 2, [payload] * 2, [0, 0]]
