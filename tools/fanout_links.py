@@ -1,17 +1,18 @@
-"""Fan-out over real, rate-limited links: what one trainer's link pays to feed K rollout receivers today.
+"""Fan-out over real, rate-limited links: what one trainer's link pays to feed K rollout receivers.
 
 M trainer ranks (`--trainer-ranks`; one sends whole tensors, several send their rows of each, sharded mode)
 feed K receivers (`--receivers`) that each take the whole model (S bytes). Every process runs in its own
 network namespace behind its own veth link (tools/netlab.py; needs root), limited to `--rate-mbit` both
 ways with `tc tbf` (slice_links' `limit_uplink` inside the namespace, `limit_downlink` on the bridge side).
 
-Topologies measurable with today's API:
+Topologies:
 - `tree`: one `WeightSender` a trainer rank, every receiver in its one lane: one gloo group of K + 1 whose
   broadcast is a binomial tree (a trainer link sends ceil(log2(K + 1)) copies of its part).
+- `chain`: the same, with `transport.fanout=chain` (one chain, `transport.chain_length=0`, pieces of
+  `CHAIN_PIECE_MB`): the trainer rank sends its part once, each receiver forwards every piece to the next.
 - `star`: K `WeightSender`s a trainer rank (one port each), receiver k connected to the k-th of every rank,
   sent concurrently: each lane is one receiver, so a trainer link sends its part K times. This is "K lanes of
   one" built from K senders: the library has no knob that splits receivers of one declaration into lanes.
-A pipelined chain (receivers forwarding chunks cut-through) is not built; its row is the model's prediction.
 
 Per row (one per topology, K and M, fresh namespaces each): rank 0's seconds a version (`send_weights`, the
 mean of the steady versions: version 1 builds the groups), `seconds x B / S` (1.0 is the floor: every byte
@@ -42,10 +43,10 @@ from tools.sharded_links import await_versions, jsonl_lines, lab_run, limit_upli
 from tools.slice_links import MIB, limit_downlink, link_bytes, model_bytes, stream  # noqa: E402
 
 TRAINER_PORT, PORT = 29711, 29720  # inside the lab's private namespaces; star sender k listens on PORT + k
-TOPOLOGIES = ("star", "tree")
+TOPOLOGIES = ("star", "tree", "chain")
 STEADY_AFTER = 1  # version 1 builds the data-plane groups
 BUCKET_MB = 8
-CHAIN_CHUNK_MB = 1.0  # the chunk the chain prediction assumes (a chain forwards chunk by chunk)
+CHAIN_PIECE_MB = 0.25  # transport.chain_piece_mb of the chain rows, and the chunk of the chain model
 ROW_KEYS = ("topology", "receivers", "trainer_ranks", "slice_bytes", "trainer_link_bytes", "seconds",
             "seconds_x_rate_over_slice", "predicted_x", "links", "rate_mbit", "steady_versions",
             "bitwise")  # fmt: skip
@@ -135,7 +136,7 @@ def make_row(topology: str, receivers: int, ranks: int, slice_bytes: int, rate_m
         "trainer_link_bytes": trainer_link_bytes(links),
         "seconds": mean,
         "seconds_x_rate_over_slice": mean * rate_bytes / slice_bytes,
-        "predicted_x": predicted_x(topology, receivers, ranks, slice_bytes, CHAIN_CHUNK_MB * MIB),
+        "predicted_x": predicted_x(topology, receivers, ranks, slice_bytes, CHAIN_PIECE_MB * MIB),
         "links": links,
         "rate_mbit": rate_mbit,
         "steady_versions": len(seconds),
@@ -168,7 +169,9 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
         return load_config(
             overrides=[f"transport.host={host}", f"transport.port={PORT + lane}", "transport.timeout_s=300",
                        "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
-                       f"trainer.min_receivers={receivers // lanes}", "transport.slices=false"]
+                       f"trainer.min_receivers={receivers // lanes}", "transport.slices=false",
+                       f"transport.fanout={'chain' if topology == 'chain' else 'broadcast'}",
+                       f"transport.chain_piece_mb={CHAIN_PIECE_MB}", "transport.chain_length=0"]
         )  # fmt: skip
 
     async def send(sender: WeightSender, addresses: list[tuple[str, int]], relay: Any, members: list[str] | None,
@@ -293,13 +296,13 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| topology | K | M | s a version | s x B / S | model: star / tree / chain (not built) "
+        "| topology | K | M | s a version | s x B / S | model: star / tree / chain "
         "| trainer link MiB sent | max receiver MiB received / sent | bitwise |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k, m, s = r["receivers"], r["trainer_ranks"], r["slice_bytes"]
-        model = " / ".join(f"{predicted_x(t, k, m, s, CHAIN_CHUNK_MB * MIB):.2f}" for t in ("star", "tree", "chain"))
+        model = " / ".join(f"{predicted_x(t, k, m, s, CHAIN_PIECE_MB * MIB):.2f}" for t in ("star", "tree", "chain"))
         rx = max(v["rx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
         tx = max(v["tx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
         out.append(
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                         with args.json.open("a") as f:
                             f.write(json.dumps(row) + "\n")
     print(f"\nevery link {args.rate_mbit} Mbit/s each way, S = {args.mb} MiB a receiver (tensors of "
-          f"{args.tensor_mb} MiB), buckets {BUCKET_MB} MiB, chain model chunk {CHAIN_CHUNK_MB} MiB, "
+          f"{args.tensor_mb} MiB), buckets {BUCKET_MB} MiB, chain pieces (and model chunk) {CHAIN_PIECE_MB} MiB, "
           f"versions {STEADY_AFTER + 1}..{args.versions}")  # fmt: skip
     print("\n".join(table(rows)))
     return 1 if failed else 0

@@ -27,7 +27,7 @@ def test_arguments_take_lists_of_receivers_and_trainer_ranks() -> None:
     args = parse_args(["--mb", "16", "--rate-mbit", "100", "--receivers", "2", "4", "8", "--trainer-ranks", "1",
                        "2", "--json", "out/f.jsonl"])  # fmt: skip
     assert (args.mb, args.rate_mbit, args.receivers, args.trainer_ranks) == (16.0, 100, [2, 4, 8], [1, 2])
-    assert str(args.json) == "out/f.jsonl" and args.topologies == ["star", "tree"]
+    assert str(args.json) == "out/f.jsonl" and args.topologies == ["star", "tree", "chain"]
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_arguments_take_lists_of_receivers_and_trainer_ranks() -> None:
         (["--mb", "-1"], "--mb"),
         (["--versions", "1"], "--versions"),
         (["--mb", "2", "--tensor-mb", "4"], "--tensor-mb"),
-        (["--topologies", "chain"], "--topologies"),
+        (["--topologies", "ring"], "--topologies"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_knob(argv: list[str], names: str, capsys) -> None:
