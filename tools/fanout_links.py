@@ -45,11 +45,12 @@ from tools.slice_links import MIB, limit_downlink, link_bytes, model_bytes, stre
 TRAINER_PORT, PORT = 29711, 29720  # inside the lab's private namespaces; star sender k listens on PORT + k
 TOPOLOGIES = ("star", "tree", "chain")
 STEADY_AFTER = 1  # version 1 builds the data-plane groups
+SLOW_LINK = "r1"  # --slow-link: this receiver's link runs at a quarter of the rate
 BUCKET_MB = 8
 CHAIN_PIECE_MB = 0.25  # transport.chain_piece_mb of the chain rows, and the chunk of the chain model
 ROW_KEYS = ("topology", "receivers", "trainer_ranks", "slice_bytes", "trainer_link_bytes", "seconds",
             "seconds_x_rate_over_slice", "predicted_x", "links", "rate_mbit", "steady_versions",
-            "bitwise")  # fmt: skip
+            "bitwise", "slow_link")  # fmt: skip
 
 
 def positive_int(text: str) -> int:
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trainer-ranks", type=positive_int, nargs="+", default=[1], help="M values")
     parser.add_argument("--topologies", nargs="+", choices=TOPOLOGIES, default=list(TOPOLOGIES))
     parser.add_argument("--versions", type=positive_int, default=3, help="versions a run (the first is not reported)")
+    parser.add_argument("--slow-link", action="store_true",
+                        help=f"{SLOW_LINK}'s link at a quarter of --rate-mbit (K >= 2): what one slow receiver costs")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON object a row to this file")
     args = parser.parse_args(argv)
     if args.versions <= STEADY_AFTER:
@@ -125,7 +128,8 @@ def predicted_x(topology: str, receivers: int, ranks: int, slice_bytes: float, c
 
 
 def make_row(topology: str, receivers: int, ranks: int, slice_bytes: int, rate_mbit: int, seconds: list[float],
-             links: dict[str, dict[str, float]], bitwise: bool) -> dict[str, Any]:  # fmt: skip
+             links: dict[str, dict[str, float]], bitwise: bool, slow_link: str | None = None
+             ) -> dict[str, Any]:  # fmt: skip
     mean = sum(seconds) / len(seconds)
     rate_bytes = rate_mbit * 1_000_000 / 8
     return {
@@ -141,6 +145,7 @@ def make_row(topology: str, receivers: int, ranks: int, slice_bytes: int, rate_m
         "rate_mbit": rate_mbit,
         "steady_versions": len(seconds),
         "bitwise": bitwise,
+        "slow_link": slow_link,
     }
 
 
@@ -259,15 +264,18 @@ def fan_receiver(index: int, topology: str, master: str, mb: float, tensor_mb: f
 
 
 def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb: float, tensor_mb: float,
-        versions: int) -> dict[str, Any]:  # fmt: skip
+        versions: int, slow: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One row; `slow`: receiver r1 (the second in a chain, an interior node of the tree) behind a link at a quarter
+    of `rate_mbit`, both ways."""
     trainers = [f"t{rank}" for rank in range(ranks)]
     rollouts = [f"r{index}" for index in range(receivers)]
-    tag = f"{topology}-{receivers}x{ranks}"
+    tag = f"{topology}-{receivers}x{ranks}{'-slow' if slow else ''}"
     try:
         for name in (*trainers, *rollouts):
             lab.add(name)
-            limit_uplink(lab, name, rate_mbit)
-            limit_downlink(lab, name, rate_mbit)
+            rate = max(rate_mbit // 4, 1) if slow and name == SLOW_LINK else rate_mbit
+            limit_uplink(lab, name, rate)
+            limit_downlink(lab, name, rate)
         master = lab.nodes["t0"].ip
         sent, received = lab.workdir / f"senders-{tag}.jsonl", lab.workdir / f"receivers-{tag}.jsonl"
         procs = []
@@ -291,14 +299,14 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
         raise RuntimeError(f"{tag}: trainer rank 0 reported no steady version")
     links = link_table(senders + got)
     return make_row(topology, receivers, ranks, model_bytes(mb, tensor_mb), rate_mbit, [e["seconds"] for e in rank0],
-                    links, all(e["bitwise"] for e in got))  # fmt: skip
+                    links, all(e["bitwise"] for e in got), SLOW_LINK if slow and receivers > 1 else None)  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| topology | K | M | s a version | s x B / S | model: star / tree / chain "
+        "| topology | K | M | slow link | s a version | s x B / S | model: star / tree / chain "
         "| trainer link MiB sent | max receiver MiB received / sent | bitwise |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k, m, s = r["receivers"], r["trainer_ranks"], r["slice_bytes"]
@@ -306,8 +314,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         rx = max(v["rx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
         tx = max(v["tx"] for n, v in r["links"].items() if n.startswith("r")) / MIB
         out.append(
-            f"| {r['topology']} | {k} | {m} | {r['seconds']:.2f} | {r['seconds_x_rate_over_slice']:.2f} | "
-            f"{model} | {r['trainer_link_bytes'] / MIB:.1f} | {rx:.1f} / {tx:.1f} | {r['bitwise']} |"
+            f"| {r['topology']} | {k} | {m} | {r['slow_link'] or '-'} | {r['seconds']:.2f} | "
+            f"{r['seconds_x_rate_over_slice']:.2f} | {model} | {r['trainer_link_bytes'] / MIB:.1f} | "
+            f"{rx:.1f} / {tx:.1f} | {r['bitwise']} |"
         )
     return out
 
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 for topology in args.topologies:
                     try:
                         row = run(lab, topology, receivers, ranks, args.rate_mbit, args.mb, args.tensor_mb,
-                                  args.versions)  # fmt: skip
+                                  args.versions, args.slow_link)  # fmt: skip
                     except RuntimeError as exc:
                         failed = True
                         print(f"{topology} K={receivers} M={ranks}: failed: {exc}", flush=True)

@@ -43,6 +43,7 @@ CONTROL_SENDER = f"{PKG}/transport/control/sender.py"
 CONTROL_RECEIVER = f"{PKG}/transport/control/receiver.py"
 CHECKS = "tests/unit/test_control_checks.py"
 SHM_RELEASES = "tests/integration/test_shm_releases.py"
+CHAIN = "tests/integration/test_chain.py"
 LOOP_RELEASES = f"{PKG}/transport/backends/loop_releases.py"
 HOSTILE = "tests/integration/test_hostile_network.py"
 FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
@@ -272,6 +273,32 @@ PLANTS = [
     Plant("receiver: no re-registration while waiting for the plan", f"{PKG}/versions/steps.py",
           "                await self.register()\n                continue\n", "                continue\n",
           ("tests/integration/test_steps.py", "-k", "forgotten_for_a_late_ready")),
+    Plant("relay: a receiver takes its pieces but forwards none", f"{PKG}/transport/backends/relay.py",
+          "            sends += [pg.send([p], dst, tag(bucket_index, i)) for dst in feeds]", "            pass",
+          (CHAIN, "-k", "one_chain and merged")),
+    Plant("relay: the sender feeds every receiver itself (a star)", f"{PKG}/transport/backends/relay.py",
+          "    feeds = downstream(upstream, rank)",
+          "    feeds = list(range(1, len(upstream))) if rank == 0 else downstream(upstream, rank)",
+          (CHAIN, "-k", "one_chain and merged")),
+    Plant("relay: a cycle accepted", f"{PKG}/protocol/relay.py", "            if seen >= world_size:",
+          "            if False:", ("tests/unit/test_relay.py",)),
+    Plant("relay: the receiver follows a relay it did not check", f"{PKG}/versions/receiver_lane.py",
+          "            check_relay(group.relay, group.relay_piece, group.world_size, group.bucket_size)",
+          "            pass", (CHAIN, "-k", "cycle")),
+    Plant("sender: transport.fanout=chain ignored", f"{PKG}/versions/sender_lanes.py",
+          "        if t.fanout != FanOut.chain:", "        if True:", (CHAIN, "-k", "one_chain and merged")),
+    Plant("sender: a member that refused the plan waited for until the timeout", f"{PKG}/versions/steps.py",
+          "                refused = await self._failed_early() if joining else {}", "                refused = {}",
+          (CHAIN, "-k", "cycle")),
+    Plant("receiver: no reading ahead while the producer waits for a slot", f"{PKG}/versions/pipeline.py",
+          "LISTEN_AFTER_S = 0.1 ", "LISTEN_AFTER_S = 1e9 ",
+          ("tests/integration/test_steps.py", "-k", "abort_behind")),
+    Plant("receiver: an Abort read ahead kept, not acted upon", f"{PKG}/versions/steps.py",
+          "        if isinstance(msg, Abort) and msg.version == version:\n"
+          "            raise VersionAborted(f\"version {version} aborted by the sender: {msg.reason}\")\n"
+          "        self.control.stash(msg)",
+          "        self.control.stash(msg)",
+          ("tests/integration/test_steps.py", "-k", "abort_behind")),
     Plant("receiver: the plan's bucket_size not handed to the decoder", f"{PKG}/versions/receiver_lane.py",
           "        self._control.bucket_size = plan.group.bucket_size\n", "",
           ("tests/integration/test_steps.py", "-k", "larger_than_the_plan")),

@@ -151,7 +151,7 @@ class BucketPipeline:
         try:
             index, ring = 0, 0
             while True:
-                await self._listening(self.ahead.acquire())
+                await (self._listening(self.ahead.acquire()) if self.ahead.locked() else self.ahead.acquire())
                 meta = await self.steps.next_bucket(self.plan.version, index, self.timeout_s)  # 4
                 named = bool(meta.layout)
                 meta = self.expand(meta)  # a name this receiver does not hold has raised here
@@ -171,7 +171,8 @@ class BucketPipeline:
                 slot = NO_SLOT
                 if target is None:
                     slot, ring = ring % NUM_SLOTS, ring + 1
-                    await self._listening(self.free[slot].wait())
+                    if not self.free[slot].is_set():
+                        await self._listening(self.free[slot].wait())
                     self.free[slot].clear()
                 done = self._post(slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done, metas))

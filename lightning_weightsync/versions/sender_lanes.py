@@ -197,7 +197,7 @@ class SenderLanes:
         """One lane's join: bounded by timeout_s (the backend's own too); a member that is gone ends it sooner."""
         timeout_s = self.timeout_s
         try:
-            await self._steps.while_connected(joined, timeout_s, f"version {version}: joining the group")
+            await self._steps.while_connected(joined, timeout_s, f"version {version}: joining the group", joining=True)
         except asyncio.TimeoutError:
             for future in every:
                 forget(future)

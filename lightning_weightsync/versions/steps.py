@@ -264,12 +264,15 @@ class SenderSteps:
             plan = Plan(version, rank, group, others or [], boxes, why, contract=self.contract)
             await self.control.send(peer.identity, plan)
 
-    async def while_connected(self, work: asyncio.Future[T], timeout_s: float, what: str) -> T:
+    async def while_connected(
+        self, work: asyncio.Future[T], timeout_s: float, what: str, *, joining: bool = False
+    ) -> T:
         """`work` (the group's join, or a broadcast, on the data-plane thread: it completes only with
         every member taking part) for at most `timeout_s`, serving the control socket meanwhile. Every
         `LIVENESS_POLL_S` the members are asked of ZeroMQ; one that is gone raises `PeerError` at once,
         naming it, where the wait would otherwise last until `timeout_s` or the backend's own timeout.
-        Raises `asyncio.TimeoutError` after `timeout_s` (the caller names the laggards)."""
+        `joining`: a member that nacked the version (it refused the plan) never joins either: `PeerError` naming
+        it and its reason. Raises `asyncio.TimeoutError` after `timeout_s` (the caller names the laggards)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -281,6 +284,10 @@ class SenderSteps:
                 gone = await self.gone(what)
                 if gone is not None:
                     raise gone from None
+                refused = await self._failed_early() if joining else {}
+                if refused:
+                    named = "; ".join(f"receiver {i} failed: {why}" for i, why in refused.items())
+                    raise PeerError(f"{what}: {named}") from None
 
     async def gone(self, what: str) -> PeerError | None:
         """The error naming the members whose connection is gone (None: all there). One that said why before

@@ -7,13 +7,14 @@ took its bytes but passed nothing on, fails here."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from lightning_weightsync import ConfigError, WeightReceiver, WeightSender
 from lightning_weightsync.protocol.relay import downstream
-from tests.support.mp import free_port, run_workers
+from tests.support.mp import LOAD_SLACK_S, free_port, run_workers
 from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, stream, stream_nbytes, with_timeout
 
 PIECE_MB = 1 / 128  # 8 KiB pieces: a 64 KiB bucket is 8 of them
@@ -132,3 +133,27 @@ def test_a_model_stream_through_a_chain_of_three_processes_bitwise():
     payload = stream_nbytes(stream(1, scale=64, max_tensors=None))
     assert sender == [payload, payload]
     assert receivers == [[payload] * 2, [payload] * 2, [0, 0]]
+
+
+async def test_a_plan_whose_relay_is_a_cycle_is_refused_by_the_receivers_not_followed():
+    """A relay from the network that is not a tree rooted at the sender would have each receiver wait for another
+    forever: every receiver refuses the plan, names why, and the sender's version fails at once."""
+    from lightning_weightsync import WeightSyncError
+
+    cfg = engine_cfg(0, bucket_size_mb=1 / 16, trainer__min_receivers=2, transport__fanout="chain")
+    t0 = time.monotonic()
+    async with WeightSender(cfg) as sender:
+        sender._lanes._relay = lambda receivers, bucket_size: ([-1, 2, 1], 4096)  # r0 <- r1 <- r0: a cycle
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 16)
+        async with WeightReceiver(cfg_r, identity="r0") as r0, WeightReceiver(cfg_r, identity="r1") as r1:
+            outcomes = await with_timeout(
+                asyncio.gather(
+                    sender.send_weights(stream(1), version=1), receive_once(r0), receive_once(r1),
+                    return_exceptions=True,
+                ),
+                30,
+            )  # fmt: skip
+    assert all(isinstance(o, WeightSyncError) for o in outcomes), outcomes
+    assert all("never reaches the sender (a cycle)" in str(o) for o in outcomes), outcomes  # the sender names it too
+    # the group could never form: the sender gives up on the refusals, not after transport.timeout_s=20
+    assert time.monotonic() - t0 < 10 + LOAD_SLACK_S

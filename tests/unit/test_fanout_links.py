@@ -80,7 +80,7 @@ def test_the_row_has_its_schema_and_normalizes_time_by_rate_and_slice() -> None:
     assert row["predicted_x"] == 3.0  # ceil(log2(5))
     assert row["steady_versions"] == 2 and row["bitwise"] is True
     lines = table([row])
-    assert lines[2].startswith("| tree | 4 | 1 | 4.10 |") and "48.0" in lines[2]
+    assert lines[2].startswith("| tree | 4 | 1 | - | 4.10 |") and "48.0" in lines[2]
 
 
 def test_the_model_is_fanout_md_s() -> None:
