@@ -46,6 +46,7 @@ TRAINER_PORT, PORT = 29711, 29720  # inside the lab's private namespaces; star s
 TOPOLOGIES = ("star", "tree", "chain")
 STEADY_AFTER = 1  # version 1 builds the data-plane groups
 SLOW_LINK = "r1"  # --slow-link: this receiver's link runs at a quarter of the rate
+KILLED = "r1"  # --kill: this receiver dies mid-version 2 (the second of a chain, an interior node of the tree)
 BUCKET_MB = 8
 CHAIN_PIECE_MB = 0.25  # transport.chain_piece_mb of the chain rows, and the chunk of the chain model
 ROW_KEYS = ("topology", "receivers", "trainer_ranks", "slice_bytes", "trainer_link_bytes", "seconds",
@@ -78,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--versions", type=positive_int, default=3, help="versions a run (the first is not reported)")
     parser.add_argument("--slow-link", action="store_true",
                         help=f"{SLOW_LINK}'s link at a quarter of --rate-mbit (K >= 2): what one slow receiver costs")
+    parser.add_argument("--kill", action="store_true",
+                        help=f"rows where {KILLED} dies mid-version 2 (M = 1, K >= 2): seconds to fail and to recover")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON object a row to this file")
     args = parser.parse_args(argv)
     if args.versions <= STEADY_AFTER:
@@ -302,6 +305,132 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
                     links, all(e["bitwise"] for e in got), SLOW_LINK if slow and receivers > 1 else None)  # fmt: skip
 
 
+def kill_sender(master: str, topology: str, receivers: int, mb: float, tensor_mb: float, versions: int,
+                out: str) -> None:  # fmt: skip
+    """`--kill`: one trainer rank, one lane; version 2 loses a receiver mid-stream (it fails, named), then the rank
+    carries on with who is left (`trainer.min_receivers` lowered), as a trainer whose `on_failure` warns would."""
+    import asyncio
+    from dataclasses import replace
+
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.errors import WeightSyncError
+    from lightning_weightsync.versions.sender import WeightSender
+
+    cfg = load_config(
+        overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
+                   "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
+                   f"trainer.min_receivers={receivers}", "transport.slices=false",
+                   f"transport.fanout={'chain' if topology == 'chain' else 'broadcast'}",
+                   f"transport.chain_piece_mb={CHAIN_PIECE_MB}", "transport.chain_length=0"]
+    )  # fmt: skip
+
+    async def main() -> None:
+        async with WeightSender(cfg) as sender:
+            for version in range(1, versions + 1):
+                started, error = time.perf_counter(), None
+                try:
+                    await sender.send_weights(list(stream(version, mb, tensor_mb).items()), version=version)
+                except WeightSyncError as exc:
+                    error = f"{type(exc).__name__}: {exc}"[:300]
+                    sender.settings = replace(sender.settings, min_receivers=receivers - 1)
+                line = {"link": "t0", "version": version, "seconds": time.perf_counter() - started, "error": error}
+                with open(out, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    asyncio.run(main())
+
+
+def kill_receiver(index: int, master: str, mb: float, tensor_mb: float, versions: int, out: str) -> None:
+    """`--kill`: receiver `KILLED` exits without a word after its first tensor of version 2; the others take every
+    version they can, each checked bitwise, and write a line for the failed one too."""
+    import asyncio
+    import os
+
+    import torch
+
+    from lightning_weightsync.config import load_config
+    from lightning_weightsync.errors import WeightSyncError
+    from lightning_weightsync.versions.receiver import WeightReceiver
+
+    cfg = load_config(
+        overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
+                   "transport.ready_timeout_s=120", f"rollout.identity=r{index}",
+                   "transport.heartbeat_interval_s=0.2", "transport.slices=false"]
+    )  # fmt: skip
+    dest = {name: torch.empty_like(t) for name, t in stream(0, mb, tensor_mb).items()}
+
+    async def main() -> None:
+        async with WeightReceiver(cfg) as receiver:
+            for attempt in range(1, versions + 1):
+                line: dict[str, Any] = {"link": f"r{index}", "attempt": attempt}
+                try:
+                    names = []
+                    async for name, _ in receiver.receive_weights(into=lambda meta: dest[meta.name]):
+                        if f"r{index}" == KILLED and attempt == 2:
+                            os._exit(0)  # no Bye, no ack: the kernel closes its sockets
+                        names.append(name)
+                    want = stream(int(receiver.version), mb, tensor_mb)  # type: ignore[arg-type]
+                    line["bitwise"] = sorted(names) == sorted(want) and all(torch.equal(dest[n], want[n]) for n in want)
+                    line["version"] = receiver.version
+                except WeightSyncError as exc:
+                    line["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                with open(out, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    asyncio.run(main())
+
+
+def run_killed(lab: Lab, topology: str, receivers: int, rate_mbit: int, mb: float, tensor_mb: float,
+               versions: int) -> dict[str, Any]:  # fmt: skip
+    """A `--kill` row: receiver `KILLED` dies mid-version 2. The seconds until version 2 fails on the trainer, the
+    next version's (the group formed again without it), and whether every survivor held every other version."""
+    rollouts = [f"r{index}" for index in range(receivers)]
+    tag = f"{topology}-{receivers}-killed"
+    try:
+        for name in ("t0", *rollouts):
+            lab.add(name)
+            limit_uplink(lab, name, rate_mbit)
+            limit_downlink(lab, name, rate_mbit)
+        master = lab.nodes["t0"].ip
+        sent, received = lab.workdir / f"senders-{tag}.jsonl", lab.workdir / f"receivers-{tag}.jsonl"
+        procs = []
+        for index, name in enumerate(rollouts):
+            code = (f"from {MODULE} import kill_receiver as f; f({index}, {master!r}, {mb}, {tensor_mb}, "
+                    f"{versions}, {str(received)!r})")  # fmt: skip
+            procs.append(lab.spawn(name, code, lab.workdir / f"{name}-{tag}.log"))
+        code = (f"from {MODULE} import kill_sender as f; f({master!r}, {topology!r}, {receivers}, {mb}, {tensor_mb}, "
+                f"{versions}, {str(sent)!r})")  # fmt: skip
+        procs.append(lab.spawn("t0", code, lab.workdir / f"t0-{tag}.log"))
+        got = await_versions(lab, procs, received, (receivers - 1) * versions + 1, f"*-{tag}.log", tag)
+        senders = jsonl_lines(sent)
+    finally:
+        for node in list(lab.nodes):
+            lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
+            lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
+            del lab.nodes[node]
+    return killed_row(topology, receivers, senders, got)
+
+
+def killed_row(topology: str, receivers: int, senders: list[dict[str, Any]], got: list[dict[str, Any]]
+               ) -> dict[str, Any]:  # fmt: skip
+    """The trainer's view of the kill (`seconds` a version, which failed and why) and the survivors' outcome."""
+    by_version = {e["version"]: e for e in senders}
+    survivors = [e for e in got if e["link"] != KILLED]
+    return {
+        "topology": topology,
+        "receivers": receivers,
+        "killed": KILLED,
+        "seconds_to_fail": by_version[2]["seconds"],
+        "failed_with": by_version[2]["error"],
+        "seconds_next_version": by_version[3]["seconds"] if 3 in by_version else None,
+        "later_versions_failed": sum(1 for v, e in by_version.items() if v > 2 and e["error"]),
+        "survivors_failed_version_2": sum(1 for e in survivors if e["attempt"] == 2 and "error" in e),
+        "bitwise": all(e.get("bitwise", True) for e in survivors) and all(
+            "error" not in e for e in survivors if e["attempt"] != 2
+        ),
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "| topology | K | M | slow link | s a version | s x B / S | model: star / tree / chain "
@@ -327,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cannot run: {reason}")
         return 2
+    if args.kill:
+        return main_killed(args)
     rows: list[dict[str, Any]] = []
     failed = False
     with netlab() as lab:
@@ -350,6 +481,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.tensor_mb} MiB), buckets {BUCKET_MB} MiB, chain pieces (and model chunk) {CHAIN_PIECE_MB} MiB, "
           f"versions {STEADY_AFTER + 1}..{args.versions}")  # fmt: skip
     print("\n".join(table(rows)))
+    return 1 if failed else 0
+
+
+def main_killed(args: argparse.Namespace) -> int:
+    """`--kill`: a row per topology and K (M = 1), receiver `KILLED` dying mid-version 2."""
+    failed = False
+    with netlab() as lab:
+        for receivers in [k for k in args.receivers if k >= 2]:
+            for topology in [t for t in args.topologies if t != "star"]:  # a star's lanes do not share a fate
+                try:
+                    row = run_killed(lab, topology, receivers, args.rate_mbit, args.mb, args.tensor_mb,
+                                     max(args.versions, 3))  # fmt: skip
+                except RuntimeError as exc:
+                    failed = True
+                    print(f"{topology} K={receivers} killed: failed: {exc}", flush=True)
+                    continue
+                print(json.dumps(row), flush=True)
+                if args.json is not None:
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
     return 1 if failed else 0
 
 

@@ -92,3 +92,23 @@ def test_the_model_is_fanout_md_s() -> None:
     assert predicted_x("chain", 8, 1, s, c) == pytest.approx(1 + 7 / 16)
     with pytest.raises(ValueError, match="one of star, tree, chain"):
         predicted_x("ring", 2, 1, s, c)
+
+
+def test_a_killed_row_says_when_the_version_failed_and_whether_the_survivors_held_the_rest() -> None:
+    from tools.fanout_links import KILLED, killed_row
+
+    senders = [
+        {"link": "t0", "version": 1, "seconds": 2.0, "error": None},
+        {"link": "t0", "version": 2, "seconds": 0.9, "error": f"PeerError: receiver {KILLED} disconnected"},
+        {"link": "t0", "version": 3, "seconds": 2.5, "error": None},
+    ]
+    survivors = [{"link": "r0", "attempt": 1, "version": 1, "bitwise": True},
+                 {"link": "r0", "attempt": 2, "error": "VersionAborted: ..."},
+                 {"link": "r0", "attempt": 3, "version": 3, "bitwise": True}]  # fmt: skip
+    got = [*survivors, {"link": KILLED, "attempt": 1, "version": 1, "bitwise": True}]
+    row = killed_row("chain", 2, senders, got)
+    assert (row["seconds_to_fail"], row["seconds_next_version"], row["later_versions_failed"]) == (0.9, 2.5, 0)
+    assert row["survivors_failed_version_2"] == 1 and row["bitwise"] is True and KILLED in row["failed_with"]
+    # a survivor that missed version 3, or held it wrong, is not a recovery
+    assert killed_row("chain", 2, senders, [*got[:2], {"link": "r0", "attempt": 3, "error": "x"}])["bitwise"] is False
+    assert killed_row("chain", 2, senders, [*got[:2], {**survivors[2], "bitwise": False}])["bitwise"] is False
