@@ -128,6 +128,7 @@ class BucketPipeline:
         self.ahead = asyncio.Semaphore(RECEIVE_AHEAD)  # buckets posted that the consumer has not released
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._produce())
         self.finished = False
+        self.consumed = asyncio.Event()  # the last bucket released: the producer stops reading ahead
         self.current: BucketItem | None = None  # bucket being consumed, not yet released
         self.drain_task: asyncio.Future[None] | None = None
         # the producer's failure (the sender aborted the version, a bad bucket): it ends a wait for a broadcast
@@ -177,6 +178,7 @@ class BucketPipeline:
                 done = self._post(slot, meta.nbytes, index, target)
                 self.ready.put_nowait((meta, slot, target, done, metas))
                 if meta.is_last:
+                    await self._listen_to_the_end()
                     return
                 index += 1
         except BaseException as exc:
@@ -197,6 +199,17 @@ class BucketPipeline:
         finally:
             if not waiting.done():
                 waiting.cancel()
+
+    async def _listen_to_the_end(self) -> None:
+        """Every bucket is posted; while the consumer still waits for broadcasts, read on (an `Abort` of a chain
+        cut ahead of this receiver comes now, and nothing else would read it). `chunks` waits for this to end."""
+        consumed = asyncio.ensure_future(self.consumed.wait())
+        try:
+            await asyncio.wait((consumed,), timeout=LISTEN_AFTER_S)
+        finally:
+            consumed.cancel()
+        while not self.finished:
+            await self.steps.look_ahead(self.plan.version, LISTEN_POLL_S)
 
     def _post(self, slot: int, nbytes: int, index: int, target: torch.Tensor | None) -> asyncio.Future[None]:
         """A bucket's broadcast on this rank, posted to the data-plane thread in order; where the backend
@@ -300,12 +313,15 @@ class BucketPipeline:
                 else:
                     yield (metas[i] if metas is not None else entry.to_meta()), data
             self._release_current()
+        await asyncio.wait((self.task,))  # its last look ahead (at most LISTEN_POLL_S): one reader at a time
 
     def _release_current(self) -> None:
         if self.current is not None:
             (meta, slot, *_), self.current = self.current, None
             self._release(meta, slot)
             self.finished = meta.is_last
+            if self.finished:
+                self.consumed.set()
 
     async def drain(self) -> None:
         """Take part in the rest of the version without keeping anything."""

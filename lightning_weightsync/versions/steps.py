@@ -85,6 +85,7 @@ class SenderSteps:
         self.min_receivers, self.timeout_s, self.ready_timeout_s = min_receivers, timeout_s, ready_timeout_s
         self.liveness_s = liveness_s
         self.members: list[str] = []  # receivers of the version being sent
+        self.feeders: dict[str, str | None] = {}  # in a chain: member -> the member it takes bytes from (None: us)
         self.version: int | None = None  # the version being sent
         self.early: dict[str, Ack] = {}  # its acks that came before step 5 (a receiver that failed or stopped)
         # its members' Ready: the group each still holds (`generation`), the version each can apply a delta to
@@ -108,6 +109,7 @@ class SenderSteps:
         """
         asked: dict[str, float] = {}
         self.version, self.early, self.members, self.readies = version, {}, [], {}
+        self.feeders = {}
         try:
             return await self._gather_ready(version, asked, only)
         except asyncio.CancelledError as exc:  # the trainer is stopping: nobody who answered waits for a plan
@@ -260,6 +262,9 @@ class SenderSteps:
         whose declaration was refused, why."""
         refused = refused or {}
         for rank, peer in enumerate(peers, start=1):
+            if group.relay:  # a chain: whom it takes each bucket from (None: the sender)
+                feeder = group.relay[rank]
+                self.feeders[peer.identity] = peers[feeder - 1].identity if feeder > 0 else None
             why = refused.get(peer.identity, "")[:1000]
             plan = Plan(version, rank, group, others or [], boxes, why, contract=self.contract)
             await self.control.send(peer.identity, plan)
@@ -341,6 +346,7 @@ class SenderSteps:
         of the trainer waiting out `timeout_s` for a rollout that stopped mid-version."""
         control = self.control
         acks: dict[str, Ack | None] = {p.identity: self.early.get(p.identity) for p in peers}
+        told: set[str] = set()  # members behind a failed one in a chain, sent an Abort
         deadline = time.monotonic() + self.timeout_s
         check_at = time.monotonic() + LIVENESS_POLL_S
         while any(a is None for a in acks.values()):
@@ -362,7 +368,31 @@ class SenderSteps:
                             False,
                             "disconnected before acking (its process stopped or the link is down)",
                         )
+            await self._abort_cut_off(version, acks, told)
         return acks
+
+    def cut_off(self, failed: set[str]) -> dict[str, str]:
+        """Chain members behind a failed one (transport.fanout=chain), each with the member its chain is cut at:
+        their bytes come through it, so they can never complete the version."""
+        out: dict[str, str] = {}
+        for identity in self.feeders:
+            at = self.feeders.get(identity)
+            while at is not None and at not in failed:
+                at = self.feeders.get(at)
+            if at is not None:
+                out[identity] = at
+        return out
+
+    async def _abort_cut_off(self, version: int, acks: dict[str, Ack | None], told: set[str]) -> None:
+        """An `Abort` to every member still waiting behind a member that failed, once: it would wait for bytes that
+        never come (its feeder is alive, its group given up) until transport.timeout_s."""
+        failed = {i for i, a in acks.items() if a is not None and not a.ok}
+        for identity, at in self.cut_off(failed).items():
+            if acks.get(identity) is None and identity not in told:
+                told.add(identity)
+                why = f"its chain is cut at receiver {at}, which failed"
+                with contextlib.suppress(PeerError):
+                    await self.control.send(identity, Abort(version, why))
 
     async def abort(self, version: int, peers: list[Peer], reason: str) -> None:
         """Tell every member to drop `version` (each may be gone already)."""

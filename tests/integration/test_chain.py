@@ -159,3 +159,64 @@ async def test_a_plan_whose_relay_is_a_cycle_is_refused_by_the_receivers_not_fol
     assert all("never reaches the sender (a cycle)" in str(o) for o in outcomes), outcomes  # the sender names it too
     # the group could never form: the sender gives up on the refusals, not after transport.timeout_s=60
     assert time.monotonic() - t0 < 60 / 2
+
+
+# -- a member killed mid-version: the chain ahead of it keeps the version, the chain behind it is told at once -----
+
+
+def _cut_role(role: int, port: int) -> object:
+    """0: the sender (four receivers, then three); 1..4: r0..r3, the chain's order; r1 dies in version 2."""
+    import os
+    from dataclasses import replace
+
+    from lightning_weightsync import WeightSyncError
+
+    cfg = engine_cfg(
+        port, bucket_size_mb=1 / 16, trainer__min_receivers=4, transport__fanout="chain",
+        transport__chain_piece_mb=1 / 64, transport__timeout_s=60,
+    )  # fmt: skip
+
+    async def send() -> list:
+        out: list = []
+        async with WeightSender(cfg) as sender:
+            for version in (1, 2, 3):
+                t0 = time.monotonic()
+                try:
+                    stats = await sender.send_weights(stream(version), version=version)
+                    out.append(("ok", stats.receivers, time.monotonic() - t0))
+                except WeightSyncError as exc:
+                    out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+                    sender.settings = replace(sender.settings, min_receivers=3)
+        return out
+
+    async def take(identity: str) -> list:
+        out: list = []
+        async with WeightReceiver(cfg, identity=identity) as receiver:
+            for attempt in (1, 2, 3):
+                try:
+                    got = {}
+                    async for name, tensor in receiver.receive_weights():
+                        if identity == "r1" and attempt == 2:
+                            os._exit(0)  # no Bye, no ack
+                        got[name] = tensor.clone()
+                    assert_bitwise(got, stream(receiver.version))
+                    out.append(("ok", receiver.version))
+                except WeightSyncError as exc:
+                    out.append((type(exc).__name__, str(exc)[:300]))
+        return out
+
+    return asyncio.run(send() if role == 0 else take(f"r{role - 1}"))
+
+
+def test_a_member_killed_mid_version_fails_only_the_chain_behind_it_and_at_once():
+    port = free_port()
+    sender, r0, _, r2, r3 = run_workers(_cut_role, [(r, port) for r in range(5)], timeout_s=110, doomed=[2])
+    assert sender[0][:2] == ("ok", 4), sender
+    kind, message, elapsed = sender[1]
+    assert kind == "PeerError" and "r1" in message, sender  # named
+    assert elapsed < 60 / 2, sender  # not transport.timeout_s: r3, behind r2, was told its chain is cut
+    assert sender[2][:2] == ("ok", 3), sender  # the next version, chained without it
+    assert r0 == [("ok", 1), ("ok", 2), ("ok", 3)], r0  # ahead of the cut: version 2 whole, bitwise
+    for behind in (r2, r3):
+        assert behind[0] == ("ok", 1) and behind[2] == ("ok", 3) and behind[1][0] != "ok", behind
+    assert "chain is cut at receiver r" in r3[1][1], r3

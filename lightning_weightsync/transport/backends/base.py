@@ -161,6 +161,7 @@ class Backend(ABC):
         ):
             self._drop_group()
             self._build_group(group, rank)
+            self.relayed.lost.clear()  # a new group: every rank it feeds is there again
             self.session = group.session
             self.generation, self.rank, self.world_size = group.generation, rank, group.world_size
             logger.debug("%s group generation %d: rank %d of %d", self.name, group.generation, rank, group.world_size)

@@ -9,12 +9,15 @@ destination written by the consumer) while a forward still reads it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...protocol.relay import downstream, tag
+
+logger = logging.getLogger(__name__)
 
 
 class RelayCounters:
@@ -24,6 +27,13 @@ class RelayCounters:
     def __init__(self) -> None:
         self.forwarded = 0
         self._taken = 0
+        self.lost: set[int] = set()  # ranks a forward to failed in this group (cleared when the group is rebuilt)
+
+    def lose(self, rank: int, why: BaseException) -> None:
+        if rank not in self.lost:
+            self.lost.add(rank)
+            logger.warning("forwarding to rank %d of the chain failed (%s); this rank keeps what it received", rank,
+                           str(why)[:300])  # fmt: skip
 
     def take(self) -> int:
         """The bytes added since the last take."""
@@ -48,15 +58,34 @@ def start_relay(
 
     def forward() -> None:
         sends: list[Any] = []
+        live = [dst for dst in feeds if dst not in counters.lost]
         for i, (p, received) in enumerate(zip(pieces, receives, strict=True)):
             received.wait()
-            sends += [pg.send([p], dst, tag(bucket_index, i)) for dst in feeds]
+            live = _send(pg, p, live, tag(bucket_index, i), sends, counters)
         # nothing of this bucket still reads the slot once this returns (after a failure the group is given up,
         # and with it whatever its sends still read)
-        _wait_all(sends)
-        counters.forwarded += data.nbytes * len(feeds)
+        for dst, work in sends:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                counters.lose(dst, exc)
+        counters.forwarded += data.nbytes * len([dst for dst in feeds if dst not in counters.lost])
 
     return forward
+
+
+def _send(pg: Any, piece: torch.Tensor, feeds: list[int], tag: int, sends: list[Any], counters: RelayCounters
+          ) -> list[int]:  # fmt: skip
+    """One piece on to `feeds`; a rank whose send fails (it died) is dropped from this bucket's feeds. What this
+    rank received stays good: a chain cut behind it fails the ranks behind the cut, not this one (the sender
+    aborts them; `SenderSteps.cut_off`)."""
+    for dst in list(feeds):
+        try:
+            sends.append((dst, pg.send([piece], dst, tag)))
+        except RuntimeError as exc:
+            counters.lose(dst, exc)
+            feeds.remove(dst)
+    return feeds
 
 
 def _wait_all(works: list[Any]) -> None:
