@@ -66,11 +66,18 @@ def _rank_pid(root: int, rank: int) -> int:
     return root
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_mid_sync(cmd: list[str], rank: int, signum: int, tmp: Path) -> tuple[str, float, int | None]:
     """Run `cmd`, send `signum` to `rank` mid-sync; (output, seconds from the signal to the exit, exit code)."""
     lines: list[str] = []
     env = {"PYTHONPATH": str(REPO)}
-    with popen(cmd, cwd=str(tmp), env=env) as proc:
+    # SIGINT at its default disposition in the child, whatever the test runner's: a runner that ignores it (started
+    # in the background by a shell, or a worker that does) passes SIG_IGN on, and Python then installs no
+    # KeyboardInterrupt handler, so the handed-on SIGINT would be ignored
+    with popen(cmd, cwd=str(tmp), env=env, preexec_fn=_sigint_default) as proc:
         assert proc.stdout is not None
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
         reader.start()
