@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 MODULE = "tools.fanout_links"  # what the lab's processes import (by name, not __main__)
 
 from tools.netlab import Lab, netlab, skip_reason  # noqa: E402
-from tools.sharded_links import await_versions, jsonl_lines, lab_run, limit_uplink, row_shard  # noqa: E402
+from tools.sharded_links import await_versions, jsonl_lines, limit_uplink, row_shard  # noqa: E402
 from tools.slice_links import MIB, limit_downlink, link_bytes, model_bytes, stream  # noqa: E402
 
 TRAINER_PORT, PORT = 29711, 29720  # inside the lab's private namespaces; star sender k listens on PORT + k
@@ -152,6 +152,31 @@ def make_row(topology: str, receivers: int, ranks: int, slice_bytes: int, rate_m
     }
 
 
+def sender_overrides(host: str, port: int, topology: str, receivers: int) -> list[str]:
+    """One trainer rank's sender: `receivers` on its lane, chained (one chain) or the backend's broadcast."""
+    return [f"transport.host={host}", f"transport.port={port}", "transport.timeout_s=300",
+            "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
+            f"trainer.min_receivers={receivers}", "transport.slices=false",
+            f"transport.fanout={'chain' if topology == 'chain' else 'broadcast'}",
+            f"transport.chain_piece_mb={CHAIN_PIECE_MB}", "transport.chain_length=0"]  # fmt: skip
+
+
+def receiver_overrides(master: str, port: int, index: int) -> list[str]:
+    """Receiver `index` of a row, connected to the sender at `master:port`."""
+    return [f"transport.host={master}", f"transport.port={port}", "transport.timeout_s=300",
+            "transport.ready_timeout_s=120", f"rollout.identity=r{index}", "transport.heartbeat_interval_s=0.2",
+            "transport.slices=false"]  # fmt: skip
+
+
+def add_nodes(lab: Lab, names: tuple[str, ...], rate_mbit: int, slow: str | None = None) -> None:
+    """A namespace a process, its link limited to `rate_mbit` both ways (`slow`'s to a quarter of it)."""
+    for name in names:
+        lab.add(name)
+        rate = max(rate_mbit // 4, 1) if name == slow else rate_mbit
+        limit_uplink(lab, name, rate)
+        limit_downlink(lab, name, rate)
+
+
 def fan_sender(rank: int, world: int, master: str, host: str, topology: str, receivers: int, mb: float,
                tensor_mb: float, versions: int, out: str) -> None:  # fmt: skip
     """One trainer rank: one sender (`tree`) or one a receiver (`star`), all sending each version at once."""
@@ -174,13 +199,7 @@ def fan_sender(rank: int, world: int, master: str, host: str, topology: str, rec
     groups = [dist.new_group(backend="gloo") for _ in range(lanes)] if world > 1 else [None] * lanes
 
     def config(lane: int) -> Any:
-        return load_config(
-            overrides=[f"transport.host={host}", f"transport.port={PORT + lane}", "transport.timeout_s=300",
-                       "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
-                       f"trainer.min_receivers={receivers // lanes}", "transport.slices=false",
-                       f"transport.fanout={'chain' if topology == 'chain' else 'broadcast'}",
-                       f"transport.chain_piece_mb={CHAIN_PIECE_MB}", "transport.chain_length=0"]
-        )  # fmt: skip
+        return load_config(overrides=sender_overrides(host, PORT + lane, topology, receivers // lanes))
 
     async def send(sender: WeightSender, addresses: list[tuple[str, int]], relay: Any, members: list[str] | None,
                    tensors: list[tuple[str, torch.Tensor]], version: int) -> None:  # fmt: skip
@@ -244,11 +263,7 @@ def fan_receiver(index: int, topology: str, master: str, mb: float, tensor_mb: f
     from lightning_weightsync.versions.receiver import WeightReceiver
 
     lane = index if topology == "star" else 0
-    cfg = load_config(
-        overrides=[f"transport.host={master}", f"transport.port={PORT + lane}", "transport.timeout_s=300",
-                   "transport.ready_timeout_s=120", f"rollout.identity=r{index}",
-                   "transport.heartbeat_interval_s=0.2", "transport.slices=false"]
-    )  # fmt: skip
+    cfg = load_config(overrides=receiver_overrides(master, PORT + lane, index))
     dest = {name: torch.empty_like(t) for name, t in stream(0, mb, tensor_mb).items()}
 
     async def main() -> None:
@@ -274,11 +289,7 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
     rollouts = [f"r{index}" for index in range(receivers)]
     tag = f"{topology}-{receivers}x{ranks}{'-slow' if slow else ''}"
     try:
-        for name in (*trainers, *rollouts):
-            lab.add(name)
-            rate = max(rate_mbit // 4, 1) if slow and name == SLOW_LINK else rate_mbit
-            limit_uplink(lab, name, rate)
-            limit_downlink(lab, name, rate)
+        add_nodes(lab, (*trainers, *rollouts), rate_mbit, SLOW_LINK if slow else None)
         master = lab.nodes["t0"].ip
         sent, received = lab.workdir / f"senders-{tag}.jsonl", lab.workdir / f"receivers-{tag}.jsonl"
         procs = []
@@ -293,10 +304,7 @@ def run(lab: Lab, topology: str, receivers: int, ranks: int, rate_mbit: int, mb:
         got = await_versions(lab, procs, received, versions * receivers, f"*-{tag}.log", tag)
         senders = jsonl_lines(sent)
     finally:
-        for node in list(lab.nodes):  # the next run adds its own nodes
-            lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
-            lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
-            del lab.nodes[node]
+        lab.remove_nodes()  # the next run adds its own nodes
     rank0 = [e for e in senders if e["link"] == "t0" and e["version"] > STEADY_AFTER]
     if not rank0:
         raise RuntimeError(f"{tag}: trainer rank 0 reported no steady version")
@@ -316,13 +324,7 @@ def kill_sender(master: str, topology: str, receivers: int, mb: float, tensor_mb
     from lightning_weightsync.errors import WeightSyncError
     from lightning_weightsync.versions.sender import WeightSender
 
-    cfg = load_config(
-        overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
-                   "transport.ready_timeout_s=120", f"transport.bucket_size_mb={BUCKET_MB}",
-                   f"trainer.min_receivers={receivers}", "transport.slices=false",
-                   f"transport.fanout={'chain' if topology == 'chain' else 'broadcast'}",
-                   f"transport.chain_piece_mb={CHAIN_PIECE_MB}", "transport.chain_length=0"]
-    )  # fmt: skip
+    cfg = load_config(overrides=sender_overrides(master, PORT, topology, receivers))
 
     async def main() -> None:
         async with WeightSender(cfg) as sender:
@@ -352,11 +354,7 @@ def kill_receiver(index: int, master: str, mb: float, tensor_mb: float, versions
     from lightning_weightsync.errors import WeightSyncError
     from lightning_weightsync.versions.receiver import WeightReceiver
 
-    cfg = load_config(
-        overrides=[f"transport.host={master}", f"transport.port={PORT}", "transport.timeout_s=300",
-                   "transport.ready_timeout_s=120", f"rollout.identity=r{index}",
-                   "transport.heartbeat_interval_s=0.2", "transport.slices=false"]
-    )  # fmt: skip
+    cfg = load_config(overrides=receiver_overrides(master, PORT, index))
     dest = {name: torch.empty_like(t) for name, t in stream(0, mb, tensor_mb).items()}
 
     async def main() -> None:
@@ -387,10 +385,7 @@ def run_killed(lab: Lab, topology: str, receivers: int, rate_mbit: int, mb: floa
     rollouts = [f"r{index}" for index in range(receivers)]
     tag = f"{topology}-{receivers}-killed"
     try:
-        for name in ("t0", *rollouts):
-            lab.add(name)
-            limit_uplink(lab, name, rate_mbit)
-            limit_downlink(lab, name, rate_mbit)
+        add_nodes(lab, ("t0", *rollouts), rate_mbit)
         master = lab.nodes["t0"].ip
         sent, received = lab.workdir / f"senders-{tag}.jsonl", lab.workdir / f"receivers-{tag}.jsonl"
         procs = []
@@ -404,10 +399,7 @@ def run_killed(lab: Lab, topology: str, receivers: int, rate_mbit: int, mb: floa
         got = await_versions(lab, procs, received, (receivers - 1) * versions + 1, f"*-{tag}.log", tag)
         senders = jsonl_lines(sent)
     finally:
-        for node in list(lab.nodes):
-            lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
-            lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
-            del lab.nodes[node]
+        lab.remove_nodes()  # the next run adds its own nodes
     return killed_row(topology, receivers, senders, got)
 
 

@@ -118,12 +118,17 @@ class Lab:
         with contextlib.suppress(Exception):
             proc.wait(timeout=10)
 
-    def close(self) -> None:
-        for proc in self._procs:
-            self.kill(proc)
+    def remove_nodes(self) -> None:
+        """Every node's namespace and link gone (the bridge stays): a benchmark's next row adds its own."""
         for node in self.nodes.values():
             _run("ip", "netns", "del", node.ns, check=False)  # takes its veth pair with it
             _run("ip", "link", "del", node.host_if, check=False)
+        self.nodes.clear()
+
+    def close(self) -> None:
+        for proc in self._procs:
+            self.kill(proc)
+        self.remove_nodes()
         _run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -196,10 +196,7 @@ def run(
         per_version[e["version"]] = max(per_version.get(e["version"], 0.0), e["seconds"])
     total = sum(e["nbytes"] for e in steady) / len(rank0)
     seconds = sum(e["seconds"] for e in rank0) / len(rank0)
-    for node in list(lab.nodes):  # the next run adds its own nodes
-        lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
-        lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
-        del lab.nodes[node]
+    lab.remove_nodes()  # the next run adds its own nodes
     return {
         "senders": world,
         "layout": "HSDP 2x2" if layout == "hsdp" else "rows",

@@ -410,10 +410,7 @@ def run(lab: Lab, shape: Shape, mode: str, known: bool, rate_mbit: int, mb: floa
         got = await_versions(lab, procs, received, versions * len(rollouts), f"*-{tag}.log", f"{shape.text} {mode}")
         senders = jsonl_lines(sent)
     finally:
-        for node in list(lab.nodes):  # the next run adds its own nodes
-            lab_run("ip", "netns", "del", lab.nodes[node].ns, check=False)
-            lab_run("ip", "link", "del", lab.nodes[node].host_if, check=False)
-            del lab.nodes[node]
+        lab.remove_nodes()  # the next run adds its own nodes
     rank0 = [e for e in senders if e["rank"] == 0 and e["version"] > STEADY_AFTER] or [
         e for e in senders if e["rank"] == 0
     ]
