@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +44,15 @@ def _joined(members: dict[str, int], timeout_s: float = 5.0):
     return sender, receiver, group
 
 
+def _run_then_close(main: Coroutine[Any, Any, None], *opened: Any) -> None:
+    """Run a test's loop, then close what it opened (sockets, backends), in order, also when it fails."""
+    try:
+        asyncio.run(main)
+    finally:
+        for thing in opened:
+            thing.close()
+
+
 def test_the_loop_counts_only_this_versions_releases_by_members():
     """A late release of an earlier version, or one by a non-member (over ZeroMQ), frees nothing: the wait times
     out naming who it waits for; the member's own release of this version completes it."""
@@ -63,12 +74,7 @@ def test_the_loop_counts_only_this_versions_releases_by_members():
         receiver.release(0, 0)
         await asyncio.wait_for(waited, 10)  # r0 released bucket 0 of version 5
 
-    try:
-        asyncio.run(main())
-    finally:
-        push.close()
-        receiver.close()
-        sender.close()
+    _run_then_close(main(), push, receiver, sender)
 
 
 @pytest.mark.skipif(not shared_backends.DATAGRAM_RELEASES, reason="datagram releases are Linux's")
@@ -91,12 +97,7 @@ def test_releases_read_for_one_wait_settle_the_others_and_a_bad_datagram_is_drop
         receiver.release(0, 2)
         await asyncio.wait_for(third, 10)
 
-    try:
-        asyncio.run(main())
-    finally:
-        client.close()
-        receiver.close()
-        sender.close()
+    _run_then_close(main(), client, receiver, sender)
 
 
 def test_releases_over_zeromq_reach_the_loop(monkeypatch):
@@ -119,11 +120,7 @@ def test_releases_over_zeromq_reach_the_loop(monkeypatch):
             loop.call_later(0.01, receiver.release, index % 2, index)
             await asyncio.wait_for(waited, 0.4)  # well before the first look (0.5 s)
 
-    try:
-        asyncio.run(main())
-    finally:
-        receiver.close()
-        sender.close()
+    _run_then_close(main(), receiver, sender)
 
 
 def test_a_member_that_died_fails_the_wait_naming_it():
@@ -138,11 +135,7 @@ def test_a_member_that_died_fails_the_wait_naming_it():
         with pytest.raises(PeerError, match=r"\['gone'\] died before releasing bucket 0"):
             await asyncio.wait_for(waited, 10)
 
-    try:
-        asyncio.run(main())
-    finally:
-        receiver.close()
-        sender.close()
+    _run_then_close(main(), receiver, sender)
 
 
 def test_a_group_given_up_fails_the_open_waits():
@@ -156,8 +149,4 @@ def test_a_group_given_up_fails_the_open_waits():
         with pytest.raises(PeerError, match="given up"):
             await asyncio.wait_for(waited, 10)
 
-    try:
-        asyncio.run(main())
-    finally:
-        receiver.close()
-        sender.close()
+    _run_then_close(main(), receiver, sender)
