@@ -61,7 +61,7 @@ def start_relay(
         live = [dst for dst in feeds if dst not in counters.lost]
         for i, (p, received) in enumerate(zip(pieces, receives, strict=True)):
             received.wait()
-            live = _send(pg, p, live, tag(bucket_index, i), sends, counters)
+            _send(pg, p, live, tag(bucket_index, i), sends, counters)
         # nothing of this bucket still reads the slot once this returns (after a failure the group is given up,
         # and with it whatever its sends still read)
         for dst, work in sends:
@@ -74,18 +74,17 @@ def start_relay(
     return forward
 
 
-def _send(pg: Any, piece: torch.Tensor, feeds: list[int], tag: int, sends: list[Any], counters: RelayCounters
-          ) -> list[int]:  # fmt: skip
-    """One piece on to `feeds`; a rank whose send fails (it died) is dropped from this bucket's feeds. What this
+def _send(pg: Any, piece: torch.Tensor, feeds: list[int], piece_tag: int, sends: list[Any], counters: RelayCounters
+          ) -> None:  # fmt: skip
+    """One piece on to `feeds`; a rank whose send fails (it died) is dropped from `feeds`, this bucket's. What this
     rank received stays good: a chain cut behind it fails the ranks behind the cut, not this one (the sender
     aborts them; `SenderSteps.cut_off`)."""
     for dst in list(feeds):
         try:
-            sends.append((dst, pg.send([piece], dst, tag)))
+            sends.append((dst, pg.send([piece], dst, piece_tag)))
         except RuntimeError as exc:
             counters.lose(dst, exc)
             feeds.remove(dst)
-    return feeds
 
 
 def _wait_all(works: list[Any]) -> None:
