@@ -162,12 +162,15 @@ async def _send(
     async with WeightSender(_cfg(backend, 0, bucket_mb)) as sender:
         to_receiver.put(sender.port)
         for version in range(repeats + 1):
+            if version == 1:
+                cpu0 = time.process_time()
             t0 = time.perf_counter()
             stats = await sender.send_weights(stream, version=version)
             if version:
                 seconds.append(time.perf_counter() - t0)
+        cpu = (time.process_time() - cpu0) / repeats
     _get(to_sender, "end of the case")  # the receiver checked its bytes and closed
-    return {"seconds": min(seconds), "seconds_all": seconds, "buckets": stats.num_buckets,
+    return {"seconds": min(seconds), "seconds_all": seconds, "buckets": stats.num_buckets, "cpu_s": cpu,
             "direct_buckets": stats.direct_buckets, "tensors": stats.num_tensors, "nbytes": stats.nbytes}  # fmt: skip
 
 
@@ -189,10 +192,12 @@ async def _receive(
                 wrong = [n for n, t in stream if not torch.equal(dest[n], t)]
                 if wrong:
                     raise AssertionError(f"{backend}: {len(wrong)} tensors differ after version 0, e.g. {wrong[0]}")
+                cpu0 = time.process_time()
             elif receiver.last_stats is not None:
                 seconds.append(receiver.last_stats.seconds)
+        cpu = (time.process_time() - cpu0) / repeats
     to_sender.put("done")
-    return {"receive_seconds": min(seconds) if seconds else None}
+    return {"receive_seconds": min(seconds) if seconds else None, "cpu_s": cpu}
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -204,8 +209,16 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _backend_row(backend: str, sender: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """One backend's figures from the sender's measurements; every ratio against this run's baseline."""
+def _cpu_per_bucket(cases: dict[str, Any], tiny: dict[str, Any], tiny_one: dict[str, Any]) -> float:
+    """One side's CPU time (every thread of its process) a tiny bucket, beyond the same stream in one bucket."""
+    extra = cases[f"tiny@{TINY_BUCKET_MB:g}"]["cpu_s"] - cases[f"tiny@{ONE_BUCKET_MB:g}"]["cpu_s"]
+    return extra / max(1, tiny["buckets"] - tiny_one["buckets"])
+
+
+def _backend_row(
+    backend: str, sender: dict[str, Any], receiver: dict[str, Any], params: dict[str, Any]
+) -> dict[str, Any]:
+    """One backend's figures from both processes' measurements; every ratio against this run's baseline."""
     cases, total = sender[backend], stream_bytes(params["total_mb"])
     bucket_mbs = params["bucket_mbs"]
     by_size = [cases[f"bytes@{mb:g}"] for mb in bucket_mbs]
@@ -241,6 +254,11 @@ def _backend_row(backend: str, sender: dict[str, Any], params: dict[str, Any]) -
         "fixed_us_per_bucket_fit": slope * 1e6,
         "fixed_us_per_bucket_tiny": tiny_fixed * 1e6,
         "tiny_buckets": tiny["buckets"],
+        # CPU, not wall time: what the machine spends a bucket on each side, whoever waits for whom
+        "cpu_us_per_bucket": {
+            "sender": _cpu_per_bucket(cases, tiny, tiny_one) * 1e6,
+            "receiver": _cpu_per_bucket(receiver[backend], tiny, tiny_one) * 1e6,
+        },
         "per_tensor_us": per_tensor * 1e6,
         "version_ms": one["seconds"] * 1e3,
         "intercept_ms": intercept * 1e3,
@@ -307,7 +325,7 @@ def run(
         "params": {k: v for k, v in params.items() if k != "store_port"},
         # the sender's own baselines of this run, which every ratio below divides
         "measured": {"memcpy_s": sender["memcpy_s"], "raw_s": {f"{mb:g}": s for mb, s in sender["raw_s"].items()}},
-        "backends": [_backend_row(b, sender, params) for b in backends],
+        "backends": [_backend_row(b, sender, results[1], params) for b in backends],
     }
     if json_out:
         print(json.dumps(report, indent=2))
@@ -336,6 +354,10 @@ def _print(report: dict[str, Any]) -> None:
                 if "baseline_fixed_us_per_piece" in r
                 else ""
             )
+        )
+        cpu = r["cpu_us_per_bucket"]
+        print(
+            f"   CPU a tiny bucket (every thread): sender {cpu['sender']:.0f} us, receiver {cpu['receiver']:.0f} us"
         )
         print(
             f"   a tensor {r['per_tensor_us']:.0f} us, a version {r['version_ms']:.1f} ms; copy "

@@ -24,7 +24,18 @@ from collections.abc import Mapping
 from typing import NoReturn, TypeVar
 
 from ..errors import PeerError, ProtocolError, VersionAborted, WeightSyncError, WeightSyncTimeout, explain
-from ..protocol.messages import Abort, Ack, BucketDone, BucketMeta, GroupSpec, Plan, Prepare, Ready, SenderAddress
+from ..protocol.messages import (
+    Abort,
+    Ack,
+    BucketDone,
+    BucketMeta,
+    GroupSpec,
+    Message,
+    Plan,
+    Prepare,
+    Ready,
+    SenderAddress,
+)
 from ..transport.control import Peer, ReceiverControl, SenderControl
 
 logger = logging.getLogger(__name__)
@@ -572,7 +583,13 @@ class ReceiverSteps:
         # Progress is reported only when this wait lasts (PROGRESS_AFTER_S): while buckets stream,
         # their metadata is already here and a message per bucket would only compete with the data
         # plane for the CPU; when a broadcast stalls, every healthy receiver waits here and reports,
-        # and the stalled one, which cannot, is the one the sender names.
+        # and the stalled one, which cannot, is the one the sender names. The usual case (the metadata is here)
+        # arms no timer.
+        msg = await self.control.recv(0.0)
+        if msg is not None:
+            meta = self._bucket_of(msg, version, bucket_index)
+            if meta is not None:
+                return meta
         report = asyncio.get_running_loop().call_later(
             PROGRESS_AFTER_S, self.control.send_soon, BucketDone(self.identity, version, bucket_index)
         )
@@ -620,17 +637,25 @@ class ReceiverSteps:
                 if time.monotonic() >= deadline:
                     raise WeightSyncTimeout(f"{awaited} not received from the sender at {self.control.address} in time")
                 continue
-            if isinstance(msg, BucketMeta) and msg.version == version:
-                if msg.bucket_index != bucket_index:
-                    raise ProtocolError(
-                        f"version {version}: got bucket {msg.bucket_index}, expected {bucket_index} (lost or reordered)"
-                    )
-                return msg
-            if isinstance(msg, Abort) and msg.version == version:
-                raise VersionAborted(f"version {version} aborted by the sender: {msg.reason}")
-            if isinstance(msg, Prepare):
-                self.control.stash(msg)
-                raise VersionAborted(f"version {version} abandoned: the sender started version {msg.version}")
+            meta = self._bucket_of(msg, version, bucket_index)
+            if meta is not None:
+                return meta
+
+    def _bucket_of(self, msg: Message, version: int, bucket_index: int) -> BucketMeta | None:
+        """`msg` as the metadata awaited, or None for a message that is not about this version's buckets; the
+        sender's end of the version (an Abort of it, a new version's Prepare) raises."""
+        if isinstance(msg, BucketMeta) and msg.version == version:
+            if msg.bucket_index != bucket_index:
+                raise ProtocolError(
+                    f"version {version}: got bucket {msg.bucket_index}, expected {bucket_index} (lost or reordered)"
+                )
+            return msg
+        if isinstance(msg, Abort) and msg.version == version:
+            raise VersionAborted(f"version {version} aborted by the sender: {msg.reason}")
+        if isinstance(msg, Prepare):
+            self.control.stash(msg)
+            raise VersionAborted(f"version {version} abandoned: the sender started version {msg.version}")
+        return None
 
     # 5 ---------------------------------------------------------------------------------------
     def settle(self, version: int, ok: bool) -> bool:

@@ -103,6 +103,10 @@ def test_bucketcost_measures_each_backend_against_its_own_runs_baseline() -> Non
         for key in ("fixed_us_per_bucket_fit", "fixed_us_per_bucket_tiny", "per_tensor_us", "version_ms"):
             assert math.isfinite(row[key]), (row["backend"], key)
         assert row["tiny_buckets"] > small["tiny_tensors"] // 2
+        # each side's CPU a bucket is its own process's: measured in both, not one copied to the other
+        cpu = row["cpu_us_per_bucket"]
+        assert set(cpu) == {"sender", "receiver"} and all(math.isfinite(v) for v in cpu.values())
+        assert cpu["sender"] != cpu["receiver"]
         sizes = row["sizes"]
         assert [s["bucket_mb"] for s in sizes] == list(small["bucket_mbs"])
         assert [s["buckets"] for s in sizes] == sorted((s["buckets"] for s in sizes), reverse=True)

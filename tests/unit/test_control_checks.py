@@ -73,7 +73,7 @@ async def test_a_message_sealed_for_another_sender_session_is_dropped() -> None:
     receiver = await registered(sender, "r")
     try:
         assert receiver._sock is not None
-        await receiver._sock.send_multipart(
+        receiver._sock.send_multipart(
             seal(Ready("r", 1), KEY, Seal("another-session", receiver.instance, FRESH, True))
         )
         assert await sender.recv(1) is None
@@ -89,7 +89,7 @@ async def test_a_connection_cannot_register_a_second_identity() -> None:
     try:
         assert receiver._sock is not None
         forged = Register("other", "h", 1, "cpu", instance=receiver.instance)
-        await receiver._sock.send_multipart(seal(forged, KEY, Seal("", receiver.instance, FRESH, True)))
+        receiver._sock.send_multipart(seal(forged, KEY, Seal("", receiver.instance, FRESH, True)))
         await until(lambda: sender.dropped_messages >= 1, sender)
         assert "other" not in sender.peers and sender.peers["r"].route == sender.route_of("r")
     finally:
@@ -103,7 +103,7 @@ async def test_a_connection_cannot_speak_for_another_identity() -> None:
     try:
         assert r._sock is not None
         envelope = Seal(sender.session, r.instance, FRESH, True)
-        await r._sock.send_multipart(seal(Ready("q", 1), KEY, envelope))  # r's connection, q's name
+        r._sock.send_multipart(seal(Ready("q", 1), KEY, envelope))  # r's connection, q's name
         assert await sender.recv(1) is None
         assert sender.dropped_messages == 1
     finally:
@@ -117,7 +117,7 @@ async def test_a_message_sealed_by_another_instance_than_the_registered_one_is_d
     receiver = await registered(sender, "r")
     try:
         assert receiver._sock is not None
-        await receiver._sock.send_multipart(seal(Ready("r", 1), KEY, Seal(sender.session, "not-r", FRESH, True)))
+        receiver._sock.send_multipart(seal(Ready("r", 1), KEY, Seal(sender.session, "not-r", FRESH, True)))
         assert await sender.recv(1) is None
         assert sender.dropped_messages == 1
     finally:

@@ -103,3 +103,28 @@ async def test_close_returns_when_the_handshake_watch_outlives_its_stop_wait() -
         await asyncio.wait_for(sender.close(), 10)
     finally:
         watch._stop.set()
+
+
+async def test_receivers_waiting_on_one_socket_at_once_are_each_woken_by_what_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiver reads its socket in place and waits on its fd through one loop reader; two reads waiting
+    at once (a rendezvous store call beside a version's read) must both be woken by arrivals, not one of them
+    left to its periodic look (made longer than the test here, so only the fd's wake-up can end the wait)."""
+    from lightning_weightsync.protocol.messages import Prepare
+    from lightning_weightsync.transport.control import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "EDGE_LOOK_S", 60.0)
+    sender = await started_sender()
+    receiver = await registered(sender, "r")
+    try:
+        reads = [asyncio.ensure_future(receiver.recv(30)) for _ in range(2)]
+        await asyncio.sleep(0.2)  # both are waiting on the fd now
+        assert not any(r.done() for r in reads)
+        for version in (1, 2):
+            await sender.send("r", Prepare(version, sender.session))
+        got = await asyncio.wait_for(asyncio.gather(*reads), 10)
+        assert sorted(m.version for m in got if isinstance(m, Prepare)) == [1, 2]
+    finally:
+        await receiver.close()
+        await sender.close()

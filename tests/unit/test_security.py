@@ -148,14 +148,14 @@ async def test_replays_from_another_run_and_this_run_are_rejected_and_counted() 
             await until(lambda: "rollout-0" in second_run.peers, second_run)
             await prepare(second_run, receiver, 1)  # version numbering starts over
             for frames in (old_ready, old_ack):
-                await original_send(frames)  # replayed on the receiver's own (authenticated) connection
+                original_send(frames)  # replayed on the receiver's own (authenticated) connection
             assert await second_run.recv(1) is None  # nothing got through ...
             assert second_run.replayed_messages == 2  # ... and both were counted as replays
             await receiver.send(Ready("rollout-0", 1))
             fresh = captured[-1]
             _, msg = await second_run.recv(5)  # type: ignore[misc]
             assert isinstance(msg, Ready)
-            await original_send(fresh)  # the same message again within this run: its seq is spent
+            original_send(fresh)  # the same message again within this run: its seq is spent
             assert await second_run.recv(1) is None and second_run.replayed_messages == 3
             # the other direction: the first run's Prepare replayed to the receiver is rejected too
             await second_run.inject(second_run.route_of("rollout-0"), old_prepare)

@@ -17,10 +17,9 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 from torch.distributed.distributed_c10d import Store
 from zmq.utils.monitor import parse_monitor_message
 
@@ -45,6 +44,7 @@ from .link import DropLog, Replay, curve_keys, endpoint, link_options, resolve_h
 from .store import STORE_POLL_S, ControlPlaneStore
 
 logger = logging.getLogger(__name__)
+EDGE_LOOK_S = 0.05  # a recv that waits looks at the socket at least this often (an fd edge taken elsewhere)
 BYE_LINGER_MS = 100  # on close, our Bye may take this long to leave (so the sender counts a clean close)
 LOST_SENDER_CAUSES = (
     "the trainer exited or restarted, the link was silent past transport.liveness_s (ZMTP heartbeat), or the "
@@ -84,11 +84,12 @@ class ReceiverControl:
         self._drops = DropLog("dropped a control message", log=logger)
         self._refusals = DropLog("registration refused", log=logger)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
         self._stash: list[Message] = []
+        self._fd: int | None = None  # the DEALER's ZMQ_FD, watched by the loop while a recv waits
+        self._waiters: set[asyncio.Future[None]] = set()  # the recvs waiting for it
         self._monitor: zmq.Socket[Any] | None = None  # the DEALER's connection events (see `sender_link`)
-        self._monitor_async: Any = None
         self._linked = False
         self._link_changed = time.monotonic()
         self.dropped_connections = 0  # links to the sender lost after their handshake (`sender_link`)
@@ -103,7 +104,7 @@ class ReceiverControl:
     async def start(self) -> None:
         resolve_host(self.host)
         self._loop = asyncio.get_running_loop()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)  # no IDENTITY: the sender's ROUTER names the connection
         link_options(sock, self.host, self.liveness_s, to_sender=False)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -114,10 +115,9 @@ class ReceiverControl:
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
         events = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
-        self._monitor_async = sock.get_monitor_socket(events)
-        self._monitor = zmq.Socket.shadow(self._monitor_async.underlying)
+        self._monitor = sock.get_monitor_socket(events)
         sock.connect(self.address)
-        self._sock = sock
+        self._sock, self._fd = sock, int(cast(int, sock.getsockopt(zmq.FD)))
         await self.register()
 
     def sender_link(self) -> tuple[bool, float]:
@@ -159,13 +159,15 @@ class ReceiverControl:
             if self._sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._sock.disable_monitor()
-            self._monitor_async.close(linger=0)
-            self._monitor = self._monitor_async = None
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 await self.send(Bye(self.identity))
+            if self._waiters and self._loop is not None and self._fd is not None:
+                self._loop.remove_reader(self._fd)
             self._sock.close(linger=BYE_LINGER_MS)
-            self._sock = None
+            self._sock = self._fd = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -193,17 +195,15 @@ class ReceiverControl:
         assert self._sock is not None, "call start() first"
         # never block on a missing sender: drop the message if the pipe is full
         with contextlib.suppress(zmq.Again):
-            await self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
+            self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
 
     def send_soon(self, msg: Message) -> None:
         """Best effort, from a callback (no await): queue `msg` unless the pipe is full or the socket
         closed (a progress report that does not get through is superseded by the next one)."""
         if self._sock is None:
             return
-        with contextlib.suppress(zmq.ZMQError):
-            sent = self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
-            if isinstance(sent, asyncio.Future):  # a full pipe (EAGAIN) is fine: best effort
-                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        with contextlib.suppress(zmq.ZMQError):  # a full pipe (EAGAIN) is fine: best effort
+            self._sock.send_multipart(self._frames(msg), flags=zmq.NOBLOCK)
 
     def stash(self, msg: Message) -> None:
         """Keep a message for the next `recv` (e.g. a new version's `Prepare` seen mid-version)."""
@@ -221,12 +221,10 @@ class ReceiverControl:
         if self._stash and from_stash:
             return self._stash.pop(0)
         deadline = time.monotonic() + timeout_s
-        self.sender_link()  # reads the link's events: a lost link is counted and logged while we wait
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await self._sock.poll(max(1, int(left * 1000))):
+            frames = await self._next_frames(deadline)
+            if frames is None:
                 return None
-            frames = await self._sock.recv_multipart()
             if len(frames) == 1 and not frames[0]:
                 continue  # the sender's liveness probe (see `SenderControl.connected`)
             try:
@@ -244,6 +242,46 @@ class ReceiverControl:
                 self._refusals.note(self.address, msg.reason)
                 continue
             return msg
+
+    async def _next_frames(self, deadline: float) -> list[bytes] | None:
+        """The next message's frames off the socket, or None at `deadline`. Read in place when one is there (the
+        usual case while a version streams: metadata runs ahead of the bytes); else the loop watches the socket's
+        fd until it signals. ZMQ_FD is edge-triggered and any socket call may take its edge, so ZMQ_EVENTS decides,
+        and a wait never lasts over `EDGE_LOOK_S` without looking again."""
+        sock = self._sock
+        assert sock is not None, "call start() first"
+        while True:
+            if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                with contextlib.suppress(zmq.Again):
+                    return sock.recv_multipart(zmq.NOBLOCK)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.sender_link()  # reads the link's events: a lost link is counted and logged while we wait
+            await self._readable(min(left, EDGE_LOOK_S))
+
+    async def _readable(self, timeout_s: float) -> None:
+        """Until the socket's fd signals or `timeout_s` passed. Several readers may wait at once (a store call
+        of the data plane's rendezvous beside a version's read): the loop holds one reader of the fd, which
+        wakes them all."""
+        assert self._loop is not None and self._fd is not None
+        loop = self._loop
+        woken: asyncio.Future[None] = loop.create_future()
+        if not self._waiters:
+            loop.add_reader(self._fd, self._wake_all)
+        self._waiters.add(woken)
+        timer = loop.call_later(timeout_s, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._waiters.discard(woken)
+            if not self._waiters and self._fd is not None:
+                loop.remove_reader(self._fd)
+
+    def _wake_all(self) -> None:
+        for woken in self._waiters:
+            _wake(woken)
 
     def _open(self, frames: list[bytes]) -> Message:
         if not self.key:
@@ -320,6 +358,11 @@ class ReceiverControl:
         runs `store_call` / `store_get` on this control plane's event loop."""
         assert self._loop is not None, "call start() first"
         return ControlPlaneStore(self, self._loop, prefix, timeout_s)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def default_identity() -> str:
