@@ -108,9 +108,10 @@ async def test_close_returns_when_the_handshake_watch_outlives_its_stop_wait() -
 async def test_receivers_waiting_on_one_socket_at_once_are_each_woken_by_what_arrives(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The receiver reads its socket in place and waits on its fd through one loop reader; two reads waiting
-    at once (a rendezvous store call beside a version's read) must both be woken by arrivals, not one of them
-    left to its periodic look (made longer than the test here, so only the fd's wake-up can end the wait)."""
+    """The receiver reads its socket in place and waits on its fd through one loop reader; reads waiting at once
+    (a rendezvous store call beside a version's read) are each woken by arrivals, and one that ends does not
+    leave the others unwatched, to their periodic look (made longer than the test here, so that only the fd's
+    wake-up can end a wait)."""
     from lightning_weightsync.protocol.messages import Prepare
     from lightning_weightsync.transport.control import receiver as receiver_module
 
@@ -118,13 +119,20 @@ async def test_receivers_waiting_on_one_socket_at_once_are_each_woken_by_what_ar
     sender = await started_sender()
     receiver = await registered(sender, "r")
     try:
+        # one read gives up (its timeout) while another still waits: the other stays watched
+        waiting, brief = asyncio.ensure_future(receiver.recv(30)), asyncio.ensure_future(receiver.recv(0.2))
+        assert await brief is None
+        await sender.send("r", Prepare(1, sender.session))
+        got_one = await asyncio.wait_for(waiting, 10)
+        assert isinstance(got_one, Prepare) and got_one.version == 1
+        # two reads waiting when two messages arrive: each gets one
         reads = [asyncio.ensure_future(receiver.recv(30)) for _ in range(2)]
         await asyncio.sleep(0.2)  # both are waiting on the fd now
         assert not any(r.done() for r in reads)
-        for version in (1, 2):
+        for version in (2, 3):
             await sender.send("r", Prepare(version, sender.session))
         got = await asyncio.wait_for(asyncio.gather(*reads), 10)
-        assert sorted(m.version for m in got if isinstance(m, Prepare)) == [1, 2]
+        assert sorted(m.version for m in got if isinstance(m, Prepare)) == [2, 3]
     finally:
         await receiver.close()
         await sender.close()
