@@ -299,7 +299,7 @@ PLANTS = [
           "            await self._abort_cut_off(version, acks, told)\n", "", (CHAIN, "-k", "killed_mid_version")),
     Plant("receiver: nothing reads after the last bucket is posted", f"{PKG}/versions/pipeline.py",
           "                    await self._listen_to_the_end()\n", "", (CHAIN, "-k", "killed_mid_version")),
-    Plant("receiver: a read that ends unwatches the control socket under another", f"{PKG}/transport/control/receiver.py",
+    Plant("receiver: a read that ends unwatches the socket under another", f"{PKG}/transport/control/receiver.py",
           "            if not self._waiters and self._fd is not None:\n", "            if self._fd is not None:\n",
           ("tests/unit/test_control_connections.py", "-k", "waiting_on_one_socket")),
     Plant("receiver: metadata found at once taken without the version's checks", f"{PKG}/versions/steps.py",
