@@ -89,6 +89,7 @@ class ReceiverControl:
         self._stash: list[Message] = []
         self._fd: int | None = None  # the DEALER's ZMQ_FD, watched by the loop while a recv waits
         self._waiters: set[asyncio.Future[None]] = set()  # the recvs waiting for it
+        self._watching: asyncio.AbstractEventLoop | None = None  # the loop whose reader watches it
         self._monitor: zmq.Socket[Any] | None = None  # the DEALER's connection events (see `sender_link`)
         self._linked = False
         self._link_changed = time.monotonic()
@@ -164,8 +165,9 @@ class ReceiverControl:
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 await self.send(Bye(self.identity))
-            if self._waiters and self._loop is not None and self._fd is not None:
-                self._loop.remove_reader(self._fd)
+            if self._watching is not None and self._fd is not None and not self._watching.is_closed():
+                self._watching.remove_reader(self._fd)
+                self._watching = None
             self._sock.close(linger=BYE_LINGER_MS)
             self._sock = self._fd = None
         if self._ctx is not None:
@@ -264,11 +266,12 @@ class ReceiverControl:
         """Until the socket's fd signals or `timeout_s` passed. Several readers may wait at once (a store call
         of the data plane's rendezvous beside a version's read): the loop holds one reader of the fd, which
         wakes them all."""
-        assert self._loop is not None and self._fd is not None
-        loop = self._loop
+        assert self._fd is not None
+        loop = asyncio.get_running_loop()  # the one that reads now (a caller may drive us from another than start's)
         woken: asyncio.Future[None] = loop.create_future()
         if not self._waiters:
             loop.add_reader(self._fd, self._wake_all)
+            self._watching = loop
         self._waiters.add(woken)
         timer = loop.call_later(timeout_s, _wake, woken)
         try:
@@ -278,6 +281,7 @@ class ReceiverControl:
             self._waiters.discard(woken)
             if not self._waiters and self._fd is not None:
                 loop.remove_reader(self._fd)
+                self._watching = None
 
     def _wake_all(self) -> None:
         for woken in self._waiters:
