@@ -55,13 +55,13 @@ async def _chain_versions(
 
             async def take(i: int, r: WeightReceiver) -> list:
                 seen = []
-                held = (lambda meta, i=i: dest[i][meta.name]) if base else None
+                mine = dest[i]
+                held = (lambda meta: mine[meta.name]) if base else None
                 for version in range(1, versions + 1):
                     if forget == (version, i):
                         r.delta_base = None
                     if into:
-                        at = lambda meta, i=i: dest[i][meta.name]  # noqa: E731
-                        names = [x async for x, _ in r.receive_weights(into=at, base=held)]
+                        names = [x async for x, _ in r.receive_weights(into=lambda m: mine[m.name], base=held)]
                         got = {name: dest[i][name] for name in names}
                     else:
                         got = await receive_once(r)
@@ -120,7 +120,7 @@ async def test_a_byte_a_member_forwards_wrong_is_caught_by_the_receiver_behind_i
 
     forward, flipped = relay._send, []
 
-    def flipping(pg, piece, feeds, piece_tag, sends, counters) -> None:  # noqa: ANN001
+    def flipping(pg, piece, feeds, piece_tag, sends, counters) -> None:
         if feeds == [3] and piece_tag == tag(0, 0) and not flipped:  # r1 (rank 2) to r2: bucket 0's first piece
             piece = piece.clone()  # the send keeps it alive; r1's own bytes stay right
             piece[7] ^= 0x5A
