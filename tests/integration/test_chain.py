@@ -10,6 +10,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -199,6 +200,61 @@ async def test_deltas_along_a_chain_land_bitwise_everywhere_and_a_receiver_that_
         assert [m[1].relayed_bytes for m in mine] == [stats.nbytes, stats.nbytes, 0], (version, mine)
         assert [m[1].delta_tensors for m in mine] == [stats.delta_tensors] * 3, (version, mine)
         assert [m[2].verified for m in mine] == [tensors] * 3, (version, mine)
+
+
+async def test_peft_lora_adapter_versions_along_a_chain_into_three_module_sinks():
+    """trainer.lora=adapter along a chain: a real `SyncDriver` sends a PEFT model's versions (0: the base and the
+    adapter, then the adapter alone, its spec in the first bucket) to three rollout daemons whose PEFT models start
+    from other seeds; each holds the trainer's whole PEFT model bitwise after every version, every tensor verified,
+    and the head and middle forwarded each version's bytes."""
+    pytest.importorskip("peft")
+    from lightning_weightsync.rollout.daemon import RolloutDaemon
+    from lightning_weightsync.rollout.sinks.module import ModuleSink
+    from lightning_weightsync.trainer.driver import SyncDriver
+    from tests.integration.test_daemon import running, until
+    from tests.support.lora import adapter_state, build_peft
+
+    port = free_port()
+    knobs = {"bucket_size_mb": 1 / 16, "transport__verify": "full", "rollout__progress": "false"}
+    daemons = []
+    for i in range(3):
+        cfg = engine_cfg(port, rollout__identity=f"r{i}", **knobs)
+        daemons.append(RolloutDaemon(cfg, sink=ModuleSink(cfg, module=build_peft(seed=7, lora_seed=8 + i)),
+                                     handle_signals=False))  # fmt: skip
+    cfg = engine_cfg(
+        port, trainer__min_receivers=3, trainer__lora="adapter", transport__fanout="chain",
+        transport__chain_piece_mb=PIECE_MB, **knobs,
+    )  # fmt: skip
+    model, driver = build_peft(), SyncDriver(cfg, rank=0, device=None, prefix=None)
+    sent, forwarded = [], []
+    trainer = ThreadPoolExecutor(1)  # the driver runs its own loop: on a thread of its own, beside the daemons'
+
+    def on_trainer(fn: Callable, *args: object) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(trainer, fn, *args)
+
+    async with running(daemons[0]), running(daemons[1]), running(daemons[2]):
+        await on_trainer(driver.start)
+        try:
+            for version in range(3):
+                assert await on_trainer(driver.sync, model, version), f"version {version} not delivered"
+                await until(lambda v=version: all(len(d.records) == v + 1 for d in daemons))
+                sent.append(driver.last_stats)
+                forwarded.append([d.receiver.last_stats.relayed_bytes for d in daemons])
+                for d in daemons:
+                    assert d.records[-1].ok and d.records[-1].verified == d.records[-1].num_tensors > 0, d.records
+                    held = d.sink.module.state_dict()
+                    assert all(torch.equal(held[n], t) for n, t in model.state_dict().items()), (version, d.records)
+                with torch.no_grad():  # a training step: the adapter moves, the base does not
+                    for param in model.parameters():
+                        if param.requires_grad:
+                            param.add_(0.01 * (version + 1))
+        finally:
+            await on_trainer(driver.close)
+            trainer.shutdown()
+    adapter = stream_nbytes(list(adapter_state(model).items()))
+    assert sent[0].nbytes > 2 * adapter and [s.nbytes for s in sent[1:]] == [adapter] * 2, [s.nbytes for s in sent]
+    assert [s.relayed_bytes for s in sent] == [s.nbytes for s in sent], sent  # one copy on the trainer link
+    assert forwarded == [[s.nbytes, s.nbytes, 0] for s in sent], forwarded
 
 
 async def test_chain_with_a_backend_that_cannot_relay_fails_at_start():
