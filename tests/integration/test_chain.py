@@ -2,7 +2,9 @@
 
 Real gloo groups with point-to-point sends and receives, real ZeroMQ; bitwise at every receiver. Who forwarded what
 is read from each side's counters (`relayed_bytes`), so a chain that secretly became a star, or a receiver that
-took its bytes but passed nothing on, fails here."""
+took its bytes but passed nothing on, fails here. Chains also carry what rides on the buckets: fingerprints
+(transport.verify), deltas (transport.delta) and a PEFT adapter's versions (sharded mode and lanes of boxes through
+chains: test_sharded_delta.py, test_slices.py)."""
 
 from __future__ import annotations
 
