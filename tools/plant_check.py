@@ -44,6 +44,7 @@ CONTROL_RECEIVER = f"{PKG}/transport/control/receiver.py"
 CHECKS = "tests/unit/test_control_checks.py"
 SHM_RELEASES = "tests/integration/test_shm_releases.py"
 CHAIN = "tests/integration/test_chain.py"
+CHAIN_FEATURES = "forwards_wrong or deltas_along or peft_lora"  # chains with verify, delta, LoRA (test_chain.py)
 LOOP_RELEASES = f"{PKG}/transport/backends/loop_releases.py"
 HOSTILE = "tests/integration/test_hostile_network.py"
 FUZZ = ("tests/unit/test_messages.py", "-k", "fuzz")  # only the fuzzers: they must find it on their own
@@ -275,17 +276,24 @@ PLANTS = [
           ("tests/integration/test_steps.py", "-k", "forgotten_for_a_late_ready")),
     Plant("relay: a receiver takes its pieces but forwards none", f"{PKG}/transport/backends/relay.py",
           "            _send(pg, p, live, tag(bucket_index, i), sends, counters)", "            pass",
-          (CHAIN, "-k", "one_chain and merged")),
+          (CHAIN, "-k", f"one_chain and merged or {CHAIN_FEATURES}")),
     Plant("relay: the sender feeds every receiver itself (a star)", f"{PKG}/transport/backends/relay.py",
           "    feeds = downstream(upstream, rank)",
           "    feeds = list(range(1, len(upstream))) if rank == 0 else downstream(upstream, rank)",
-          (CHAIN, "-k", "one_chain and merged")),
+          (CHAIN, "-k", f"one_chain and merged or {CHAIN_FEATURES}")),
     Plant("relay: a cycle accepted", f"{PKG}/protocol/relay.py",
           "    for rank in range(1, world_size):  # every rank reaches the sender: no cycle",
           "    for rank in range(0):  # every rank reaches the sender: no cycle", ("tests/unit/test_relay.py",)),
     Plant("relay: the receiver follows a relay it did not check", f"{PKG}/versions/receiver_lane.py",
           "            check_relay(group.relay, group.relay_piece, group.world_size, group.bucket_size)",
           "            pass", (CHAIN, "-k", "cycle")),
+    Plant("chains: every lane given a relay over the version's receivers, not its own members",
+          f"{PKG}/versions/sender_lanes.py",
+          "            relay, piece = self._relay(len(peers), lane.backend.bucket_size)",
+          "            relay, piece = self._relay(sum(len(r.peers) for r in lanes), lane.backend.bucket_size)",
+          ("tests/integration/test_slices.py", "-k", "chains_its_own")),
+    Plant("receiver: bucket 0's LoRA spec dropped (an adapter taken as plain tensors)", f"{PKG}/versions/pipeline.py",
+          "                    self.lora = meta.lora\n", "", (CHAIN, "-k", "peft_lora"), "peft"),
     Plant("sender: transport.fanout=chain ignored", f"{PKG}/versions/sender_lanes.py",
           "        if t.fanout != FanOut.chain:", "        if True:", (CHAIN, "-k", "one_chain and merged")),
     Plant("sender: a member that refused the plan waited for until the timeout", f"{PKG}/versions/steps.py",
@@ -564,7 +572,8 @@ PLANTS = [
     # -- issue 22, verify: each check removed in turn
     Plant("verify: the receiver does not check merged tensors", f"{PKG}/versions/arrivals.py",
           "                verifier.check(name, tensor)  # before the consumer sees it", "                pass  #",
-          ("tests/integration/test_verify.py", "-k", "flipped_byte_is_caught and module-gloo")),
+          ("tests/integration/test_verify.py", CHAIN, "-k",
+           "flipped_byte_is_caught and module-gloo or forwards_wrong")),
     Plant("verify: the sender sends no fingerprints", f"{PKG}/versions/sender_lanes.py",
           "transforms=(fingerprints.stamp, delta.transform, *", "transforms=(delta.transform, *",
           ("tests/integration/test_verify.py", "-k", "flipped_byte_is_caught and callable-shm")),
@@ -580,7 +589,7 @@ PLANTS = [
     # -- issue 22, delta
     Plant("delta: sent to a receiver that does not hold its base", f"{PKG}/versions/delta.py",
           "        usable = usable and all(h == self.version for h in held)\n", "",
-          ("tests/integration/test_delta.py", "-k", "new_receiver and atomic")),
+          ("tests/integration/test_delta.py", CHAIN, "-k", "new_receiver and atomic or deltas_along")),
     Plant("delta: the sender's copy kept after a version that broke mid-stream", f"{PKG}/versions/sender.py",
           "                self._delta_base.invalidate()  # the copy may be part-updated", "                pass  #",
           ("tests/integration/test_delta.py", "-k", "broke_mid_stream")),
@@ -763,7 +772,7 @@ PLANTS = [
     Plant("lanes: receivers with the same boxes not grouped into one lane", f"{PKG}/versions/sender_lanes.py",
           "            by_key.setdefault(key, []).append(peer)",
           "            by_key.setdefault(key if key not in by_key else WHOLE, []).append(peer)",
-          ("tests/integration/test_slices.py", "-k", "share_a_lane")),
+          ("tests/integration/test_slices.py", "-k", "share_a_lane or chains_its_own")),
     Plant("lanes: a declaration that fits never taken", f"{PKG}/versions/sender_lanes.py",
           "        views[digest] = LaneView(parts)\n        return digest",
           "        views[digest] = LaneView(parts)\n        return WHOLE",

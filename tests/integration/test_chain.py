@@ -2,12 +2,17 @@
 
 Real gloo groups with point-to-point sends and receives, real ZeroMQ; bitwise at every receiver. Who forwarded what
 is read from each side's counters (`relayed_bytes`), so a chain that secretly became a star, or a receiver that
-took its bytes but passed nothing on, fails here."""
+took its bytes but passed nothing on, fails here. Chains also carry what rides on the buckets: fingerprints
+(transport.verify), deltas (transport.delta) and a PEFT adapter's versions (sharded mode and lanes of boxes through
+chains: test_sharded_delta.py, test_slices.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,35 +25,55 @@ from tests.support.transfer import assert_bitwise, engine_cfg, receive_once, str
 PIECE_MB = 1 / 128  # 8 KiB pieces: a 64 KiB bucket is 8 of them
 
 
-async def _chain_versions(n: int, versions: int, *, into: bool, **knobs: object) -> tuple[list, list[list]]:
-    """A sender and `n` receivers (r0..r{n-1}, chain order) in one loop, `versions` versions; (send stats,
-    each receiver's [(version, stats)]), every version checked bitwise."""
+Weights = Callable[[int], list[tuple[str, torch.Tensor]]]
+
+
+async def _chain_versions(
+    n: int,
+    versions: int,
+    *,
+    into: bool,
+    weights: Weights = stream,
+    receiving: dict[str, object] | None = None,
+    base: bool = False,
+    forget: tuple[int, int] | None = None,
+    **knobs: object,
+) -> tuple[list, list[list]]:
+    """A sender and `n` receivers (r0..r{n-1}, chain order) in one loop, `versions` versions of `weights`; (send
+    stats, each receiver's [(version, stats, verify report)]), every version checked bitwise. `receiving`: knobs of
+    both sides (the receivers' too); `base`: each receiver passes its destinations as the held version
+    (transport.delta); `forget` (version, i): receiver i holds nothing before that version (a restarted rollout)."""
+    both = dict(receiving or {})
     cfg = engine_cfg(
         0, bucket_size_mb=1 / 16, trainer__min_receivers=n, transport__fanout="chain",
-        transport__chain_piece_mb=PIECE_MB, **knobs,
+        transport__chain_piece_mb=PIECE_MB, **knobs, **both,
     )  # fmt: skip
     async with WeightSender(cfg) as sender:
-        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 16)
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 16, **both)
         receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(n)]
         for r in receivers:
             await r.start()
         try:
-            dest = [{name: torch.empty_like(t.contiguous()) for name, t in stream(0)} for _ in range(n)]
+            dest = [{name: torch.empty_like(t.contiguous()) for name, t in weights(0)} for _ in range(n)]
 
             async def take(i: int, r: WeightReceiver) -> list:
                 seen = []
-                for _ in range(versions):
+                mine = dest[i]
+                held = (lambda meta: mine[meta.name]) if base else None
+                for version in range(1, versions + 1):
+                    if forget == (version, i):
+                        r.delta_base = None
                     if into:
-                        names = [x async for x, _ in r.receive_weights(into=lambda meta, i=i: dest[i][meta.name])]
+                        names = [x async for x, _ in r.receive_weights(into=lambda m: mine[m.name], base=held)]
                         got = {name: dest[i][name] for name in names}
                     else:
                         got = await receive_once(r)
-                    assert_bitwise(got, stream(r.version))
-                    seen.append((r.version, r.last_stats))
+                    assert_bitwise(got, weights(r.version))
+                    seen.append((r.version, r.last_stats, r.last_verify))
                 return seen
 
             async def send() -> list:
-                return [await sender.send_weights(stream(v), version=v) for v in range(1, versions + 1)]
+                return [await sender.send_weights(weights(v), version=v) for v in range(1, versions + 1)]
 
             sent, *got = await with_timeout(asyncio.gather(send(), *(take(i, r) for i, r in enumerate(receivers))), 90)
         finally:
@@ -83,6 +108,155 @@ async def test_a_lone_receiver_is_sent_whole_buckets():
     sent, got = await _chain_versions(1, 2, into=True)
     assert [s.relayed_bytes for s in sent] == [stream_nbytes(stream(1))] * 2
     assert got[0][1][1].relayed_bytes == 0
+
+
+# -- chains with the features that ride on the same buckets: verify, delta -----------------------------------------
+
+
+async def test_a_byte_a_member_forwards_wrong_is_caught_by_the_receiver_behind_it_and_only_there(monkeypatch):
+    """transport.verify along a chain: r1 flips a byte of what it forwards to r2 (its own copy is right), so r2's
+    fingerprint check fails the version naming the tensor while r0 and r1 keep it, verified; the next version,
+    forwarded right, lands verified at all three. Without the tail's own check the flip would land unnoticed."""
+    from lightning_weightsync import PeerError, WeightSyncError
+    from lightning_weightsync.protocol.relay import tag
+    from lightning_weightsync.transport.backends import relay
+
+    forward, flipped = relay._send, []
+
+    def flipping(pg, piece, feeds, piece_tag, sends, counters) -> None:
+        if feeds == [3] and piece_tag == tag(0, 0) and not flipped:  # r1 (rank 2) to r2: bucket 0's first piece
+            piece = piece.clone()  # the send keeps it alive; r1's own bytes stay right
+            piece[7] ^= 0x5A
+            flipped.append(piece)
+        forward(pg, piece, feeds, piece_tag, sends, counters)
+
+    monkeypatch.setattr(relay, "_send", flipping)
+    verify = {"transport__verify": "full"}
+    cfg = engine_cfg(
+        0, bucket_size_mb=1 / 16, trainer__min_receivers=3, transport__fanout="chain",
+        transport__chain_piece_mb=PIECE_MB, **verify,
+    )  # fmt: skip
+    async with WeightSender(cfg) as sender:
+        cfg_r = engine_cfg(sender.port, bucket_size_mb=1 / 16, **verify)
+        receivers = [WeightReceiver(cfg_r, identity=f"r{i}") for i in range(3)]
+        for r in receivers:
+            await r.start()
+        try:
+
+            async def take(r: WeightReceiver) -> list:
+                out: list = []
+                for _ in (1, 2):
+                    try:
+                        got = await receive_once(r)
+                        assert_bitwise(got, stream(r.version))
+                        out.append((r.version, r.last_verify.verified, r.last_stats.relayed_bytes))
+                    except WeightSyncError as exc:
+                        out.append(str(exc))
+                return out
+
+            async def send() -> list:
+                out: list = []
+                for version in (1, 2):
+                    try:
+                        out.append(await sender.send_weights(stream(version), version=version))
+                    except PeerError as exc:
+                        out.append(str(exc))
+                return out
+
+            sent, *got = await with_timeout(asyncio.gather(send(), *(take(r) for r in receivers)), 90)
+        finally:
+            for r in receivers:
+                await r.close()
+    tensors, payload = len(stream(1)), stream_nbytes(stream(1))
+    assert flipped and isinstance(sent[0], str) and "r2" in sent[0] and "arrived corrupted" in sent[0], sent
+    assert got[0][0] == (1, tensors, payload) and got[1][0] == (1, tensors, payload), got  # ahead of the flip: kept
+    assert "arrived corrupted" in got[2][0] and "transport.verify" in got[2][0], got[2]
+    assert not isinstance(sent[1], str) and len(sent[1].checksums) == tensors, sent
+    assert [g[1] for g in got] == [(2, tensors, payload), (2, tensors, payload), (2, tensors, 0)], got
+
+
+@functools.cache
+def _drifting(version: int) -> list[tuple[str, torch.Tensor]]:
+    """Version 0 is `stream(0)` (contiguous); each later one moves about 2 % of the elements of the one before."""
+    from tests.integration.test_delta import step
+
+    if version == 0:
+        return [(name, t.contiguous()) for name, t in stream(0)]
+    return list(step(dict(_drifting(version - 1)), version).items())
+
+
+async def test_deltas_along_a_chain_land_bitwise_everywhere_and_a_receiver_that_holds_nothing_gets_whole():
+    """transport.delta along a chain: version 1 whole, 2 a delta, 3 whole again because r1 (the middle) holds
+    nothing any more (a restarted rollout), 4 a delta; every receiver applies each onto its own tensors bitwise
+    and verified, and the chain carries exactly the bytes the sender sent, delta or whole."""
+    sent, got = await _chain_versions(
+        3, 4, into=True, weights=_drifting, base=True, forget=(3, 1), receiving={"transport__verify": "full"},
+        transport__delta="always",
+    )  # fmt: skip
+    tensors, whole = len(_drifting(0)), stream_nbytes(_drifting(0))
+    assert [s.delta_tensors > 0 for s in sent] == [False, True, False, True], [s.delta_tensors for s in sent]
+    assert sent[0].nbytes == sent[2].nbytes == whole and sent[1].nbytes < whole / 2, [s.nbytes for s in sent]
+    for version, stats in enumerate(sent, start=1):
+        assert stats.relayed_bytes == stats.nbytes, stats  # the trainer link: one copy of what the version carried
+        mine = [got[i][version - 1] for i in range(3)]
+        assert [m[1].relayed_bytes for m in mine] == [stats.nbytes, stats.nbytes, 0], (version, mine)
+        assert [m[1].delta_tensors for m in mine] == [stats.delta_tensors] * 3, (version, mine)
+        assert [m[2].verified for m in mine] == [tensors] * 3, (version, mine)
+
+
+async def test_peft_lora_adapter_versions_along_a_chain_into_three_module_sinks():
+    """trainer.lora=adapter along a chain: a real `SyncDriver` sends a PEFT model's versions (0: the base and the
+    adapter, then the adapter alone, its spec in the first bucket) to three rollout daemons whose PEFT models start
+    from other seeds; each holds the trainer's whole PEFT model bitwise after every version, every tensor verified,
+    and the head and middle forwarded each version's bytes."""
+    pytest.importorskip("peft")
+    from lightning_weightsync.rollout.daemon import RolloutDaemon
+    from lightning_weightsync.rollout.sinks.module import ModuleSink
+    from lightning_weightsync.trainer.driver import SyncDriver
+    from tests.integration.test_daemon import running, until
+    from tests.support.lora import adapter_state, build_peft
+
+    port = free_port()
+    knobs = {"bucket_size_mb": 1 / 16, "transport__verify": "full", "rollout__progress": "false"}
+    daemons = []
+    for i in range(3):
+        cfg = engine_cfg(port, rollout__identity=f"r{i}", **knobs)
+        daemons.append(RolloutDaemon(cfg, sink=ModuleSink(cfg, module=build_peft(seed=7, lora_seed=8 + i)),
+                                     handle_signals=False))  # fmt: skip
+    cfg = engine_cfg(
+        port, trainer__min_receivers=3, trainer__lora="adapter", transport__fanout="chain",
+        transport__chain_piece_mb=PIECE_MB, **knobs,
+    )  # fmt: skip
+    model, driver = build_peft(), SyncDriver(cfg, rank=0, device=None, prefix=None)
+    sent, forwarded = [], []
+    trainer = ThreadPoolExecutor(1)  # the driver runs its own loop: on a thread of its own, beside the daemons'
+
+    def on_trainer(fn: Callable, *args: object) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(trainer, fn, *args)
+
+    async with running(daemons[0]), running(daemons[1]), running(daemons[2]):
+        await on_trainer(driver.start)
+        try:
+            for version in range(3):
+                assert await on_trainer(driver.sync, model, version), f"version {version} not delivered"
+                await until(lambda v=version: all(len(d.records) == v + 1 for d in daemons))
+                sent.append(driver.last_stats)
+                forwarded.append([d.receiver.last_stats.relayed_bytes for d in daemons])
+                for d in daemons:
+                    assert d.records[-1].ok and d.records[-1].verified == d.records[-1].num_tensors > 0, d.records
+                    held = d.sink.module.state_dict()
+                    assert all(torch.equal(held[n], t) for n, t in model.state_dict().items()), (version, d.records)
+                with torch.no_grad():  # a training step: the adapter moves, the base does not
+                    for param in model.parameters():
+                        if param.requires_grad:
+                            param.add_(0.01 * (version + 1))
+        finally:
+            await on_trainer(driver.close)
+            trainer.shutdown()
+    adapter = stream_nbytes(list(adapter_state(model).items()))
+    assert sent[0].nbytes > 2 * adapter and [s.nbytes for s in sent[1:]] == [adapter] * 2, [s.nbytes for s in sent]
+    assert [s.relayed_bytes for s in sent] == [s.nbytes for s in sent], sent  # one copy on the trainer link
+    assert forwarded == [[s.nbytes, s.nbytes, 0] for s in sent], forwarded
 
 
 async def test_chain_with_a_backend_that_cannot_relay_fails_at_start():

@@ -5,7 +5,8 @@ one receiver applying into its own tensors, in place (`receive_weights(into=...,
 Version 0 goes whole; version 1 changes ~1% of the elements: it lands bitwise, every shard as a delta, and
 both ranks together send under 10% of the version's bytes; verify=full checks the rebuilt ranges. Version
 2: the receiver no longer holds a version (it says -1 in its Ready), so both ranks send whole bytes, and it
-still lands bitwise."""
+still lands bitwise. The same with three receivers chained (transport.fanout=chain): each rank's group feeds
+r0 -> r1 -> r2, the middle one forgets its version, and the head and middle forward both ranks' bytes."""
 
 from __future__ import annotations
 
@@ -45,41 +46,45 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _common(port: int) -> list[str]:
+def _common(port: int, fanout: str) -> list[str]:
+    """Both sides' knobs; a chain (transport.fanout=chain) moves 4 KiB pieces of the 10 KiB buckets."""
     return [f"transport.port={port}", "transport.timeout_s=60", "transport.liveness_s=3",
-            "transport.bucket_size_mb=0.01", "transport.delta=auto", "transport.verify=full"]  # fmt: skip
+            "transport.bucket_size_mb=0.01", "transport.delta=auto", "transport.verify=full",
+            f"transport.fanout={fanout}", "transport.chain_piece_mb=0.00390625"]  # fmt: skip
 
 
-def _sender(rank: int, trainer_port: int, port: int) -> list[tuple[int, int]]:
-    """Sends every version; returns (bytes sent, tensors sent as a delta) per version."""
+def _sender(rank: int, trainer_port: int, port: int, fanout: str, receivers: int) -> list[tuple[int, int, int]]:
+    """Sends every version; returns (bytes sent, tensors sent as a delta, bytes sent along chains) per version."""
     from lightning_weightsync import WeightSender
 
-    cfg = load_config(overrides=[*_common(port if rank == 0 else 0), "trainer.min_receivers=1"])
+    cfg = load_config(overrides=[*_common(port if rank == 0 else 0, fanout), f"trainer.min_receivers={receivers}"])
 
-    async def main() -> list[tuple[int, int]]:
+    async def main() -> list[tuple[int, int, int]]:
         sent = []
         async with WeightSender(cfg) as sender:
             group = ShardedRank(sender, rank)
             for version in VERSIONS:
                 shards = [(n, s) for n, t in _weights(version).items() if (s := row_shard(t, rank, WORLD)) is not None]
                 stats = await group.send(shards, version)
-                sent.append((stats.nbytes, stats.delta_tensors))
+                sent.append((stats.nbytes, stats.delta_tensors, stats.relayed_bytes))
         return sent
 
     with gloo_group(rank, WORLD, trainer_port):
         return asyncio.run(main())
 
 
-def _receiver(port: int) -> list[tuple[int, int, int, list[str]]]:
-    """Per version: (delta shards applied, tensors verified, base it held before, tensors not bitwise)."""
-    cfg = load_config(overrides=[*_common(port), "transport.heartbeat_interval_s=0.2", "rollout.identity=rollout-0"])
+def _receiver(index: int, port: int, fanout: str, forgets: bool) -> list[tuple[int, int, int, list[str], int]]:
+    """Per version: (delta shards applied, tensors verified, base it held before, tensors not bitwise, bytes it
+    forwarded along its chains)."""
+    overrides = [*_common(port, fanout), "transport.heartbeat_interval_s=0.2", f"rollout.identity=rollout-{index}"]
+    cfg = load_config(overrides=overrides)
     mine = {n: torch.zeros_like(t) for n, t in _weights(0).items()}
 
-    async def main() -> list[tuple[int, int, int, list[str]]]:
+    async def main() -> list[tuple[int, int, int, list[str], int]]:
         out = []
         async with WeightReceiver(cfg) as receiver:
             for version in VERSIONS:
-                if version == FORGET_BEFORE:
+                if version == FORGET_BEFORE and forgets:
                     receiver.delta_base = None  # e.g. a restarted rollout: it holds nothing to apply a delta to
                 held = -1 if receiver.delta_base is None else receiver.delta_base
                 async for _ in receiver.receive_weights(into=lambda m: mine[m.name], base=lambda m: mine[m.name]):
@@ -89,31 +94,42 @@ def _receiver(port: int) -> list[tuple[int, int, int, list[str]]]:
                 want = _weights(version)
                 wrong = [n for n, t in want.items() if not torch.equal(mine[n].view(-1).view(torch.uint8),
                                                                         t.view(-1).view(torch.uint8))]  # fmt: skip
-                out.append((stats.delta_tensors, report.verified, held, wrong))
+                out.append((stats.delta_tensors, report.verified, held, wrong, stats.relayed_bytes))
         return out
 
     return asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def _role(role: int, trainer_port: int, port: int) -> Any:
-    return _receiver(port) if role == WORLD else _sender(role, trainer_port, port)
+def _role(role: int, trainer_port: int, port: int, fanout: str, receivers: int) -> Any:
+    if role < WORLD:
+        return _sender(role, trainer_port, port, fanout, receivers)
+    index = role - WORLD
+    return _receiver(index, port, fanout, forgets=index == receivers // 2)  # the chain's middle one, or the lone one
 
 
-def test_sharded_delta_at_one_percent_sends_under_a_tenth_of_the_bytes_bitwise() -> None:
+@pytest.mark.parametrize(("fanout", "receivers"), [("broadcast", 1), ("chain", 3)], ids=["broadcast", "chain-of-3"])
+def test_sharded_delta_at_one_percent_sends_under_a_tenth_of_the_bytes_bitwise(fanout: str, receivers: int) -> None:
     trainer_port, port = free_port(), free_port()
-    *senders, received = run_workers(_role, [(r, trainer_port, port) for r in range(WORLD + 1)], timeout_s=90)
+    args = [(r, trainer_port, port, fanout, receivers) for r in range(WORLD + receivers)]
+    results = run_workers(_role, args, timeout_s=90)
+    senders, every = results[:WORLD], results[WORLD:]
     whole = sum(t.numel() * t.element_size() for t in _weights(0).values())
-    v0, v1, v2 = received
-    for got in received:
-        assert got[3] == [], f"not bitwise: {got}"
-        assert got[1] == len(_weights(0)), f"not every tensor verified: {got}"
-    assert v0[0] == 0 and v1[0] == 2 * len(_weights(0)) and v2[0] == 0, received  # every shard of v1 a delta
-    assert (v1[2], v2[2]) == (0, -1), received
+    for index, received in enumerate(every):
+        v0, v1, v2 = received
+        for got in received:
+            assert got[3] == [], f"not bitwise: {got}"
+            assert got[1] == len(_weights(0)), f"not every tensor verified: {got}"
+        assert v0[0] == 0 and v1[0] == 2 * len(_weights(0)) and v2[0] == 0, received  # every shard of v1 a delta
+        assert (v1[2], v2[2]) == (0, -1 if index == receivers // 2 else 1), (index, received)
     sent = [sum(rank[v][0] for rank in senders) for v in range(len(VERSIONS))]
     deltas = [sum(rank[v][1] for rank in senders) for v in range(len(VERSIONS))]
     assert sent[0] == whole and sent[2] == whole, (sent, whole)  # whole versions: every byte, once
     assert deltas == [0, 2 * len(_weights(0)), 0], deltas
     assert sent[1] < whole / 10, f"a 1% change sent {sent[1]} of {whole} bytes"
+    if fanout == "chain":  # each rank's link carries its bytes once; r0 and r1 forward both ranks', r2 keeps them
+        assert all(rank[v][2] == rank[v][0] for rank in senders for v in range(len(VERSIONS))), senders
+        forwarded = [[got[v][4] for v in range(len(VERSIONS))] for got in every]
+        assert forwarded == [sent, sent, [0] * len(VERSIONS)], (forwarded, sent)
 
 
 # -- one sender's payload chunks, stitched in order or refused (versions/sharded.py ShardDeltas) --------------

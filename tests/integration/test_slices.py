@@ -43,14 +43,18 @@ def _local_shaped(meta: TensorMeta) -> torch.Tensor:
     return torch.empty(meta.local_shape, dtype=meta.dtype)
 
 
-async def _receive(receiver: WeightReceiver, boxes: dict[str, Box] | None) -> tuple[dict[str, torch.Tensor], int, int]:
+async def _receive(
+    receiver: WeightReceiver, boxes: dict[str, Box] | None
+) -> tuple[dict[str, torch.Tensor], int, int, int]:
     """One version: declared boxes land in tensors of the box's shape (what a sender that took the declaration
-    sends), everything else in whole ones; returns what arrived, the bytes taken off the wire, and the buckets
-    that named a held layout (transport.layout_once) instead of listing their entries."""
+    sends), everything else in whole ones; returns what arrived, the bytes taken off the wire, the buckets
+    that named a held layout (transport.layout_once) instead of listing their entries, and the bytes it forwarded
+    along its lane's chain (transport.fanout=chain)."""
     receiver.declare_boxes(boxes)
     got = {n: t.clone() async for n, t in receiver.receive_weights(into=_local_shaped)}
-    assert receiver.last_stats is not None
-    return got, receiver.last_stats.nbytes, receiver.last_stats.layout_buckets
+    stats = receiver.last_stats
+    assert stats is not None
+    return got, stats.nbytes, stats.layout_buckets, stats.relayed_bytes
 
 
 Declared = dict[str, Box] | None | Callable[[int], dict[str, Box] | None]  # fixed, or per version
@@ -64,9 +68,12 @@ async def _run(
     versions: tuple[int, ...] = VERSIONS,
     bucket_size_mb: float = 0.0625,
     after: Callable[[WeightSender], None] | None = None,
+    **knobs: Any,
 ) -> tuple[dict[str, list[Any]], WeightSender]:
-    """Every receiver takes `versions`, declaring its boxes before each (`after(sender)`: once each is sent)."""
-    both = {"backend": backend, "transport__verify": "full", "transport__auth_token": token}
+    """Every receiver takes `versions`, declaring its boxes before each (`after(sender)`: once each is sent);
+    `knobs`: more of both sides' config. Each receiver's versions: (version, what arrived, bytes off the wire, its
+    lane's world size, held-layout buckets, bytes it forwarded)."""
+    both = {"backend": backend, "transport__verify": "full", "transport__auth_token": token, **knobs}
     both["bucket_size_mb"] = bucket_size_mb
     sender = WeightSender(engine_cfg(0, trainer__min_receivers=len(declarations), **both))
     await sender.start()
@@ -80,9 +87,9 @@ async def _run(
             declared = declarations[ident]
             for version in versions:
                 boxes = declared(version) if callable(declared) else declared
-                got, nbytes, layout = await _receive(receivers[ident], boxes)
+                got, nbytes, layout, relayed = await _receive(receivers[ident], boxes)
                 world = receivers[ident]._lane.backend.world_size  # its lane's group: the sender and the lane's members
-                out.append((receivers[ident].version, got, nbytes, world, layout))
+                out.append((receivers[ident].version, got, nbytes, world, layout, relayed))
             return out
 
         async def send() -> None:
@@ -120,7 +127,7 @@ async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane
     results, _ = await _run(declarations, backend, token)  # with a token: the lanes' groups meet via the control
     model = sum(_nbytes(t) for _, t in _weights(1))
     for ident, versions in results.items():
-        for version, got, nbytes, world, layout in versions:
+        for version, got, nbytes, world, layout, _ in versions:
             # the first version is sent whole (the sender checks a declaration on tensors it has sent)
             boxes = declarations[ident] if version > VERSIONS[0] else None
             want = _expected(version, boxes)
@@ -135,6 +142,29 @@ async def test_each_receiver_gets_its_boxes_and_those_with_the_same_share_a_lane
                 assert (nbytes < model) == (declarations[ident] is not None)
             if version == VERSIONS[-1]:  # each lane keeps its own held layout: the second sliced version names it
                 assert layout > 0, (ident, version)
+
+
+async def test_each_lane_of_boxes_chains_its_own_members_bitwise() -> None:
+    """transport.fanout=chain with lanes: version 1 (whole tensors) chains all four receivers in one lane; from
+    version 2 the three that hold the top rows form a lane of their own and chain only each other (head and
+    middle forward their boxes' bytes, the tail keeps them), while the whole-tensor receiver is that lane's lone
+    member, fed by the sender."""
+    top = {"w": ROWS["top"]}
+    declarations: dict[str, Declared] = {"top-a": top, "top-b": top, "top-c": top, "whole": None}
+    results, _ = await _run(declarations, transport__fanout="chain", transport__chain_piece_mb=1 / 256)
+    model, boxed = sum(_nbytes(t) for _, t in _weights(1)), sum(_nbytes(t) for t in _expected(1, top).values())
+    for ident, versions in results.items():
+        for version, got, nbytes, world, _, _ in versions:
+            want = _expected(version, top if ident != "whole" and version > VERSIONS[0] else None)
+            assert sorted(got) == sorted(want), (ident, version)
+            assert all(torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)) for n, t in want.items())
+            if version > VERSIONS[0]:
+                assert world == {"top-a": 4, "top-b": 4, "top-c": 4, "whole": 2}[ident], (ident, world)
+                assert nbytes == (model if ident == "whole" else boxed), (ident, version, nbytes)
+    forwarded = {ident: [v[5] for v in versions] for ident, versions in results.items()}
+    assert forwarded == {
+        "top-a": [model, boxed, boxed], "top-b": [model, boxed, boxed], "top-c": [model, 0, 0], "whole": [0, 0, 0]
+    }, forwarded  # fmt: skip
 
 
 HOSTILE = {
