@@ -215,6 +215,12 @@ def _cpu_per_bucket(cases: dict[str, Any], tiny: dict[str, Any], tiny_one: dict[
     return extra / max(1, tiny["buckets"] - tiny_one["buckets"])
 
 
+def _cpu_per_tensor(cases: dict[str, Any], tiny_one: dict[str, Any], one: dict[str, Any]) -> float:
+    """One side's CPU time a tensor: the tiny stream in one bucket beyond a one-tensor version."""
+    extra = cases[f"tiny@{ONE_BUCKET_MB:g}"]["cpu_s"] - cases[f"one@{ONE_BUCKET_MB:g}"]["cpu_s"]
+    return extra / max(1, tiny_one["tensors"] - one["tensors"])
+
+
 def _backend_row(
     backend: str, sender: dict[str, Any], receiver: dict[str, Any], params: dict[str, Any]
 ) -> dict[str, Any]:
@@ -258,6 +264,10 @@ def _backend_row(
         "cpu_us_per_bucket": {
             "sender": _cpu_per_bucket(cases, tiny, tiny_one) * 1e6,
             "receiver": _cpu_per_bucket(receiver[backend], tiny, tiny_one) * 1e6,
+        },
+        "cpu_us_per_tensor": {
+            "sender": _cpu_per_tensor(cases, tiny_one, one) * 1e6,
+            "receiver": _cpu_per_tensor(receiver[backend], tiny_one, one) * 1e6,
         },
         "per_tensor_us": per_tensor * 1e6,
         "version_ms": one["seconds"] * 1e3,
@@ -355,9 +365,10 @@ def _print(report: dict[str, Any]) -> None:
                 else ""
             )
         )
-        cpu = r["cpu_us_per_bucket"]
+        cpu, per_tensor = r["cpu_us_per_bucket"], r["cpu_us_per_tensor"]
         print(
-            f"   CPU a tiny bucket (every thread): sender {cpu['sender']:.0f} us, receiver {cpu['receiver']:.0f} us"
+            f"   CPU (every thread) a tiny bucket: sender {cpu['sender']:.0f} us, receiver {cpu['receiver']:.0f} us; "
+            f"a tensor: sender {per_tensor['sender']:.1f} us, receiver {per_tensor['receiver']:.1f} us"
         )
         print(
             f"   a tensor {r['per_tensor_us']:.0f} us, a version {r['version_ms']:.1f} ms; copy "

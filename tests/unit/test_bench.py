@@ -104,9 +104,10 @@ def test_bucketcost_measures_each_backend_against_its_own_runs_baseline() -> Non
             assert math.isfinite(row[key]), (row["backend"], key)
         assert row["tiny_buckets"] > small["tiny_tensors"] // 2
         # each side's CPU a bucket is its own process's: measured in both, not one copied to the other
-        cpu = row["cpu_us_per_bucket"]
-        assert set(cpu) == {"sender", "receiver"} and all(math.isfinite(v) for v in cpu.values())
-        assert cpu["sender"] != cpu["receiver"]
+        for key in ("cpu_us_per_bucket", "cpu_us_per_tensor"):
+            cpu = row[key]
+            assert set(cpu) == {"sender", "receiver"} and all(math.isfinite(v) for v in cpu.values()), key
+            assert cpu["sender"] != cpu["receiver"], key
         sizes = row["sizes"]
         assert [s["bucket_mb"] for s in sizes] == list(small["bucket_mbs"])
         assert [s["buckets"] for s in sizes] == sorted((s["buckets"] for s in sizes), reverse=True)
