@@ -26,8 +26,8 @@ was pulled fails the catch-up; and a tensor that no longer holds the trainer's b
 sink changed it, or the new version was already landing) stops the serve (the trainer's checksums, with the
 trainer's transport.verify=full: every tensor; sample: the ones it fingerprinted).
 
-Discovery: the joiner is given the peers' serve addresses (`rollout.catch_up_from`); the trainer advertising
-them is not built.
+Discovery: the joiner is given the peers' serve addresses (`PeerServer.address`, host:port); the trainer
+advertising them is not built.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Held:
 
 
 class PeerServer:
-    """Serves the version this receiver installed to late joiners, on a port of its own (`rollout.serve_port`).
+    """Serves the version this receiver installed to late joiners, on a port of its own.
 
     Args:
         settings: the peer's sender settings: its receiver's transport section with `port` (and `host`) set to
@@ -88,7 +88,7 @@ class PeerServer:
 
     @property
     def address(self) -> str:
-        """The serve address, as a joiner's `rollout.catch_up_from` names it (host:port)."""
+        """The serve address, as a joiner's `catch_up` takes it (host:port)."""
         return f"{self.sender.settings.transport.host}:{self.port}"
 
     @property
@@ -192,10 +192,10 @@ class CaughtUp:
 
 
 def peer_address(address: str) -> tuple[str, int]:
-    """(host, port) of a serve address `host:port` (`rollout.catch_up_from`)."""
+    """(host, port) of a serve address `host:port` (`PeerServer.address`)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"rollout.catch_up_from: {address!r} is not host:port (a peer's rollout.serve_port)")
+        raise ConfigError(f"catch_up: peer {address!r} is not host:port (a peer's PeerServer.address)")
     return host.strip("[]"), int(port)
 
 
