@@ -59,6 +59,8 @@ RELOAD_CHECKS = f"{PKG}/rollout_engines/vllm/reload_checks.py"
 QUANTIZE_SCHEMES = f"{PKG}/quantize/schemes.py"
 QUANTIZE_CONTRACT = f"{PKG}/quantize/contract.py"
 QUANTIZE_UNIT = "tests/unit/test_quantize.py"
+PEER_SERVE = f"{PKG}/versions/peer_serve.py"
+LATE_JOINER = "tests/integration/test_late_joiner.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
 FP8_E2E = "tests/unit/test_vllm_serialized_fp8_real.py"
@@ -983,6 +985,20 @@ PLANTS = [
           "        undone = self._undo(version, touched=sink.touched or failure is None, whole=failure is None)",
           "        undone = self._undo(version, touched=failure is None, whole=failure is None)",
           (FP8_E2E, "-k", "nan"), VLLM),
+    # -- late joiners: a peer serves the version it installed (versions/peer_serve.py)
+    Plant("late joiner: a peer keeps serving while its own next version lands", f"{PKG}/versions/receiver.py",
+          "                self.on_version_start(prepare.version)\n", "                pass\n",
+          (LATE_JOINER, "-k", "stops_serving")),
+    Plant("late joiner: a peer serves tensors that no longer hold the trainer's bytes", PEER_SERVE,
+          "            want = held.checksums.get(name)\n", "            want = None\n",
+          (LATE_JOINER, "-k", "still_hold")),
+    Plant("late joiner: a peer serves without the session's token", PEER_SERVE,
+          "SenderSettings(replace(t, host=t.host if host is None else host, port=port))",
+          "SenderSettings(replace(t, host=t.host if host is None else host, port=port, auth_token=None))",
+          (LATE_JOINER, "-k", "token")),
+    Plant("late joiner: a peer serves its version to one joiner only", f"{PKG}/versions/sender.py",
+          "(version < last if again else version <= last)", "(version <= last)",
+          (LATE_JOINER, "-k", "never_from_the_trainer")),
     # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
     Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
           "    if ue8m0:\n        sf = ceil_to_ue8m0(sf)\n", "", (SGLANG_QUANT_KIT, "-k", "sglangs_per_block_cast"),

@@ -76,6 +76,9 @@ class WeightReceiver(Endpoint):
         self._lane = ReceiverLane(self._control, self.identity, lane_backend)
         self.last_stats: ReceiveStats | None = None
         self.on_bucket: Callable[[BucketMeta], None] | None = None  # progress hook (daemon)
+        # a version starts (its Prepare, before this receiver answers it): a peer serving the tensors it installed
+        # stops now (versions/peer_serve.py), before any byte of the new version can land in them
+        self.on_version_start: Callable[[int], None] | None = None
         self.preallocate = preallocate
         self.preallocated_bytes = 0
         # sharded versions: a receiver of each other sender
@@ -232,6 +235,8 @@ class WeightReceiver(Endpoint):
         t = self.settings.transport
         while True:
             prepare = await self._steps.next_prepare(float(t.heartbeat_interval_s), wait_s)  # 1
+            if self.on_version_start is not None:
+                self.on_version_start(prepare.version)
             boxes = await self._lane.send_boxes(prepare)
             layout = self._lane.layout.digest if self._lane.layout is not None else ""
             contract = await self._contract.send(self._control, self.identity)

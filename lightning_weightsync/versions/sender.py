@@ -185,6 +185,29 @@ class WeightSender(Endpoint):
         """
         options = VersionOptions.given(options, stable_tensors=stable_tensors, tied=tied, sharding=sharding, lora=lora)
         self._check_call(weights, version)
+        return await self._send(weights, version, options)
+
+    async def send_again(
+        self, weights: NamedTensors, *, version: int, options: VersionOptions | None = None
+    ) -> SendStats:
+        """`send_weights` of the version sent last (or a newer one) once more, to the receivers registered now: a
+        peer serving the version it installed to one late joiner after another (versions/peer_serve.py).
+
+        Only receivers that lack `version` should be registered: one that took it from this sender already
+        ignores its Prepare as stale, so it is dropped after transport.ready_timeout_s (and re-registers)."""
+        options = VersionOptions.given(options)
+        self._check_call(weights, version, again=True)
+        return await self._send(weights, version, options)
+
+    async def wait_registered(self, wait_s: float) -> list[str]:
+        """Between versions: read the control plane (registrations, heartbeats, Byes) until a receiver is
+        registered or `wait_s` passed; the identities registered then. What a sender that serves on demand
+        waits in, instead of a version that would give up on too few receivers."""
+        if not self._started:
+            raise WeightSyncError("WeightSender.wait_registered() before start() (or after close())")
+        return await self._steps.wait_registered(wait_s)
+
+    async def _send(self, weights: NamedTensors, version: int, options: VersionOptions) -> SendStats:
         self._last_version = version
         stats = SendStats(version=version)
         start = time.perf_counter()
@@ -196,15 +219,15 @@ class WeightSender(Endpoint):
             self._account(sent, stats)
         return stats
 
-    def _check_call(self, weights: object, version: object) -> None:
-        """What makes `send_weights` fail before anything is sent or pulled."""
+    def _check_call(self, weights: object, version: object, *, again: bool = False) -> None:
+        """What makes `send_weights` (`send_again`: the same version may go once more) fail before anything is
+        sent or pulled."""
         check_call(weights, version)
         if not self._started:
             raise WeightSyncError("WeightSender.send_weights() before start() (or after close())")
-        if self._last_version is not None and version <= self._last_version:  # type: ignore[operator]
-            raise WeightSyncError(
-                f"version {version} <= last sent version {self._last_version}; versions must increase"
-            )
+        last = self._last_version
+        if last is not None and (version < last if again else version <= last):  # type: ignore[operator]
+            raise WeightSyncError(f"version {version} <= last sent version {last}; versions must increase")
 
     async def _send_version(
         self, source: Drainable, version: int, stats: SendStats, given: VersionOptions

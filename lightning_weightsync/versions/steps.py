@@ -258,6 +258,14 @@ class SenderSteps:
             rnd.ready[identity] = peers[identity]
             self.readies[identity] = msg
 
+    async def wait_registered(self, wait_s: float) -> list[str]:
+        """Between versions: read control messages (a registration is taken as it is read) until a receiver is
+        registered or `wait_s` passed; the identities registered then. Nothing read here belongs to a version."""
+        deadline = time.monotonic() + wait_s
+        while not self.control.peers and (left := deadline - time.monotonic()) > 0:
+            await self.control.recv(left)
+        return sorted(self.control.peers)
+
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(
         self,
