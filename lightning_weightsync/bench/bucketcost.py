@@ -221,6 +221,16 @@ def _cpu_per_tensor(cases: dict[str, Any], tiny_one: dict[str, Any], one: dict[s
     return extra / max(1, tiny_one["tensors"] - one["tensors"])
 
 
+def _cpu_figures(
+    sides: dict[str, dict[str, Any]], tiny: dict[str, Any], tiny_one: dict[str, Any], one: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    """CPU, not wall time: what each side's process spends a bucket and a tensor, whoever waits for whom."""
+    return {
+        "cpu_us_per_bucket": {side: _cpu_per_bucket(c, tiny, tiny_one) * 1e6 for side, c in sides.items()},
+        "cpu_us_per_tensor": {side: _cpu_per_tensor(c, tiny_one, one) * 1e6 for side, c in sides.items()},
+    }
+
+
 def _backend_row(
     backend: str, sender: dict[str, Any], receiver: dict[str, Any], params: dict[str, Any]
 ) -> dict[str, Any]:
@@ -260,15 +270,7 @@ def _backend_row(
         "fixed_us_per_bucket_fit": slope * 1e6,
         "fixed_us_per_bucket_tiny": tiny_fixed * 1e6,
         "tiny_buckets": tiny["buckets"],
-        # CPU, not wall time: what the machine spends a bucket on each side, whoever waits for whom
-        "cpu_us_per_bucket": {
-            "sender": _cpu_per_bucket(cases, tiny, tiny_one) * 1e6,
-            "receiver": _cpu_per_bucket(receiver[backend], tiny, tiny_one) * 1e6,
-        },
-        "cpu_us_per_tensor": {
-            "sender": _cpu_per_tensor(cases, tiny_one, one) * 1e6,
-            "receiver": _cpu_per_tensor(receiver[backend], tiny_one, one) * 1e6,
-        },
+        **_cpu_figures({"sender": cases, "receiver": receiver[backend]}, tiny, tiny_one, one),
         "per_tensor_us": per_tensor * 1e6,
         "version_ms": one["seconds"] * 1e3,
         "intercept_ms": intercept * 1e3,
