@@ -136,3 +136,25 @@ async def test_receivers_waiting_on_one_socket_at_once_are_each_woken_by_what_ar
     finally:
         await receiver.close()
         await sender.close()
+
+
+async def test_a_bye_queued_behind_the_probe_that_forgot_its_connection_is_a_clean_leave() -> None:
+    """A receiver that acks, says Bye and exits (a late joiner leaving its peer): the sender's liveness probe can
+    find the connection gone and forget it before it reads the queued Bye. That Bye is a goodbye: not a message
+    dropped from an unregistered connection (which an operator alerts on), and its disconnection not a lost one."""
+    sender = await started_sender()
+    receiver = await registered(sender, "leaving")
+    try:
+        await prepare(sender, receiver, 1)  # it took part in a version: its Bye is sealed for this session
+        await receiver.close()  # Bye, then the connection closes
+        deadline = asyncio.get_running_loop().time() + 10
+        while await sender.connected("leaving"):  # probes only: the Bye stays queued, unread
+            assert asyncio.get_running_loop().time() < deadline, "the closed connection still looks up"
+            await asyncio.sleep(0.05)
+        assert "leaving" not in sender.peers
+        assert await sender.recv(1.0) is None  # reads the Bye
+        assert sender.dropped_messages == 0
+        await asyncio.sleep(BYE_GRACE_S + 0.2)
+        assert sender.poll_connections() == 0  # its disconnection was a clean one
+    finally:
+        await sender.close()

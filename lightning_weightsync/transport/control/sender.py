@@ -377,6 +377,9 @@ class SenderControl:
         route = frames[0]
         try:
             msg, envelope = self._open(route, frames[1:])
+            if isinstance(msg, Bye) and self._forgotten(route):
+                self._byes += 1  # queued behind the probe that found its connection closing: a clean leave
+                return None
             self._admit(route, msg, envelope)
         except ProtocolError as exc:
             self._dropped += 1
@@ -528,6 +531,11 @@ class SenderControl:
         while len(self._refused_at) > MAX_TRACKED_ORIGINS:
             self._refused_at.popitem(last=False)
         return False
+
+    def _forgotten(self, route: bytes) -> bool:
+        """A connection that registered and was forgotten since (`connected` found it gone while its Bye was still
+        queued): its Bye is a goodbye, not a message from a stranger."""
+        return route not in self._routes and route in self._former.values()
 
     def _former_set(self, identity: str, route: bytes) -> str:
         self._former[identity] = route
