@@ -226,7 +226,9 @@ class WeightSender(Endpoint):
         if not self._started:
             raise WeightSyncError("WeightSender.send_weights() before start() (or after close())")
         last = self._last_version
-        if last is not None and (version < last if again else version <= last):  # type: ignore[operator]
+        if last is not None and again and version < last:  # type: ignore[operator]
+            raise WeightSyncError(f"version {version} < last sent version {last}; a version is sent again, never older")
+        if last is not None and not again and version <= last:  # type: ignore[operator]
             raise WeightSyncError(f"version {version} <= last sent version {last}; versions must increase")
 
     async def _send_version(
