@@ -1000,7 +1000,8 @@ PLANTS = [
           "SenderSettings(replace(t, host=t.host if host is None else host, port=port, auth_token=None))",
           (LATE_JOINER, "-k", "token")),
     Plant("late joiner: a peer serves its version to one joiner only", f"{PKG}/versions/sender.py",
-          "        if last is not None and again and version < last:", "        if last is not None and version <= last:",
+          "        if last is not None and again and version < last:",
+          "        if last is not None and version <= last:",
           (LATE_JOINER, "-k", "never_from_the_trainer")),
     # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
     Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
