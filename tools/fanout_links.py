@@ -19,6 +19,8 @@ mean of the steady versions: version 1 builds the groups), `seconds x B / S` (1.
 once over one link), each link's bytes a version (eth0's counters, read by each process inside its own
 namespace at the start and end of each version; headers and acks included), the trainer link's TX (the
 busiest rank's), and whether every receiver holds every version bitwise. MiB = 2**20 bytes, as `--mb`.
+`--kill` rows: a receiver dies mid-version; `--late-joiner` rows: a receiver joins after version 2, caught up by a
+peer (tools/fanout_late_joiner.py).
 
     sudo .venv/bin/python -m tools.fanout_links --mb 16 --rate-mbit 100 --receivers 2 4 8 \
         --trainer-ranks 1 2 --json out/fanout.jsonl
@@ -81,13 +83,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"{SLOW_LINK}'s link at a quarter of --rate-mbit (K >= 2): what one slow receiver costs")
     parser.add_argument("--kill", action="store_true",
                         help=f"rows where {KILLED} dies mid-version 2 (M = 1, K >= 2): seconds to fail and to recover")
+    parser.add_argument("--late-joiner", action="store_true",
+                        help="rows where a receiver joins after version 2, caught up by a peer (M = 1, K >= 2; "
+                        "tools/fanout_late_joiner.py): its time to catch up, the trainer's versions before and after")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON object a row to this file")
     args = parser.parse_args(argv)
     if args.versions <= STEADY_AFTER:
         parser.error(f"--versions {args.versions}: version 1 builds the groups and is not measured; use >= 2")
     if args.tensor_mb > args.mb:
         parser.error(f"--tensor-mb {args.tensor_mb} is larger than --mb {args.mb}: lower --tensor-mb")
+    if args.late_joiner:
+        late_joiner_checks(parser, args)
     return args
+
+
+def late_joiner_checks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--late-joiner` rows are one trainer rank, a tree or a chain of K >= 2, and nothing else varied."""
+    if args.kill or args.slow_link:
+        parser.error("--late-joiner with --kill or --slow-link: one kind of row a run; drop one of them")
+    if args.trainer_ranks != [1]:
+        parser.error(f"--late-joiner rows have one trainer rank: drop --trainer-ranks {args.trainer_ranks}")
+    if not any(k >= 2 for k in args.receivers):
+        parser.error(f"--late-joiner needs a peer beside the joiner's: --receivers {args.receivers}, give one >= 2")
+    if args.topologies == ["star"]:
+        parser.error("--late-joiner joins a lane of several receivers: --topologies tree and/or chain, not star")
 
 
 def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -450,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.kill:
         return main_killed(args)
+    if args.late_joiner:
+        from tools.fanout_late_joiner import main_late_joiner  # it builds on this module
+
+        return main_late_joiner(args)
     rows: list[dict[str, Any]] = []
     failed = False
     with netlab() as lab:
