@@ -39,12 +39,23 @@ def test_arguments_take_lists_of_receivers_and_trainer_ranks() -> None:
         (["--versions", "1"], "--versions"),
         (["--mb", "2", "--tensor-mb", "4"], "--tensor-mb"),
         (["--topologies", "ring"], "--topologies"),
+        (["--late-joiner", "--kill"], "--kill"),
+        (["--late-joiner", "--slow-link"], "--slow-link"),
+        (["--late-joiner", "--trainer-ranks", "1", "2"], "--trainer-ranks"),
+        (["--late-joiner", "--receivers", "1"], "--receivers"),
+        (["--late-joiner", "--topologies", "star"], "--topologies"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_knob(argv: list[str], names: str, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert names in capsys.readouterr().err
+
+
+def test_late_joiner_rows_take_the_other_rows_arguments() -> None:
+    args = parse_args(["--late-joiner", "--receivers", "1", "4", "8", "--topologies", "tree", "chain"])
+    assert args.late_joiner and not args.kill and args.receivers == [1, 4, 8]  # K = 1 is skipped, not refused
+    assert parse_args([]).late_joiner is False
 
 
 def test_counter_delta_is_what_moved_and_refuses_a_reset_counter() -> None:
