@@ -16,8 +16,11 @@ joiner first takes (its registration read, the group formed again with K + 1) an
 version before it.
 
 Markers between the processes are files in the row's own folder (every namespace shares the filesystem):
-`held-<v>` (the peer holds v; its text is the serve address) and `caught-up` (the joiner holds the version and
-its receiver registered with the trainer: the trainer's next version may start).
+`held-<v>` (the peer holds v; its text is the serve address), `sent-2` (the trainer's version 2 is complete on
+every receiver: its pause starts), `peer-counting` (the peer read its link counters: the joiner may start) and
+`caught-up` (the joiner holds the version and its receiver registered with the trainer: the trainer's next version
+may start). So the catch-up lies wholly inside the trainer's pause and the peer's counted window, and the version
+before it ran without it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ JOIN_AFTER = 2  # the joiner arrives once the trainer's version 2 is installed (
 PEER_PORT = 29790  # the peer's serve port, inside its own namespace
 CATCH_UP_WAIT_S = 120.0  # the most the trainer pauses for the joiner, and the joiner waits for the peer
 POLL_S = 0.02
+SENT = f"sent-{JOIN_AFTER}"  # the trainer's version JOIN_AFTER is complete on every receiver: its pause starts
+COUNTING = "peer-counting"  # the peer read its link counters: the catch-up may start
 CAUGHT_UP = "caught-up"
 LATE_KEYS = (*ROW_KEYS, "peer", "late_joiner", "caught_up_version", "catch_up_seconds",
              "catch_up_x_rate_over_slice", "catch_up_bytes", "trainer_pause_seconds", "seconds_joined",
@@ -112,6 +117,7 @@ def late_sender(master: str, topology: str, receivers: int, mb: float, tensor_mb
             for version in range(1, versions + 1):
                 if version == JOIN_AFTER + 1:
                     before, started = link_bytes(), time.perf_counter()
+                    (Path(marks) / SENT).write_text("")
                     await wait_for(Path(marks) / CAUGHT_UP, "trainer")
                     pause = {"link": "t0", "phase": "catch_up", "seconds": time.perf_counter() - started}
                     write_line(out, {**pause, **counter_delta(before, link_bytes())})
@@ -128,7 +134,8 @@ def late_sender(master: str, topology: str, receivers: int, mb: float, tensor_mb
 def late_receiver(index: int, master: str, ip: str, mb: float, tensor_mb: float, versions: int, marks: str,
                   out: str) -> None:  # fmt: skip
     """Receiver `index`; `PEER` also serves every version it installs (`PeerServer` at `ip:PEER_PORT`) and reads
-    its link bytes from the end of version `JOIN_AFTER` until the joiner caught up (what the serve cost it)."""
+    its link bytes from the trainer's end of version `JOIN_AFTER` until the joiner caught up (what the serve cost
+    it)."""
     import asyncio
 
     import torch
@@ -142,7 +149,9 @@ def late_receiver(index: int, master: str, ip: str, mb: float, tensor_mb: float,
     dest = {name: torch.empty_like(t) for name, t in stream(0, mb, tensor_mb).items()}
 
     async def count_serve(server: PeerServer) -> None:
+        await wait_for(Path(marks) / SENT, "peer")  # the tree's version done: nothing of it still leaves this link
         before = link_bytes()
+        (Path(marks) / COUNTING).write_text("")
         await wait_for(Path(marks) / CAUGHT_UP, "peer")
         line = {"link": link, "phase": "serve", "served": len(server.served), "failed": server.failed}
         write_line(out, {**line, **counter_delta(before, link_bytes())})
@@ -173,8 +182,9 @@ def late_receiver(index: int, master: str, ip: str, mb: float, tensor_mb: float,
 
 
 def late_joiner(master: str, mb: float, tensor_mb: float, versions: int, marks: str, out: str) -> None:
-    """The joiner: waits (started) until the peer holds version `JOIN_AFTER`, catches up from it, then registers
-    with the trainer (`caught-up` written once it did) and takes every later version."""
+    """The joiner: waits (started) until the peer holds version `JOIN_AFTER` and the trainer's version is done,
+    catches up from the peer, then registers with the trainer (`caught-up` written once it did) and takes every
+    later version."""
     import asyncio
 
     import torch
@@ -188,6 +198,7 @@ def late_joiner(master: str, mb: float, tensor_mb: float, versions: int, marks: 
 
     async def main() -> None:
         address = await wait_for(Path(marks) / f"held-{JOIN_AFTER}", "joiner")
+        await wait_for(Path(marks) / COUNTING, "joiner")  # after the trainer's version: its pause holds the catch-up
         before, started = link_bytes(), time.perf_counter()
         caught = await catch_up(ReceiverSettings.of(cfg), [address], lambda meta: dest[meta.name], identity=JOINER,
                                 wait_s=CATCH_UP_WAIT_S)  # fmt: skip
