@@ -18,8 +18,8 @@ The daemon drives one interface, `Sink` (begin, destination, accept, commit, abo
 dump on exit), whatever the sink, through the receive loop every rollout shares (`consume.py`).
 Late joining (`peers.py`, `rollout.serve_*`, `rollout.catch_up_*`): before it first registers, the daemon may
 take the current version from a peer into its sink; and it may serve each version its sink committed to the
-rollouts that join later. vLLM is not a daemon sink: vLLM workers receive by themselves through our weight-transfer engine
-(`rollout_engines/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
+rollouts that join later. vLLM is not a daemon sink: vLLM workers receive by themselves through our
+weight-transfer engine (`rollout_engines/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
 log line live in `observability.py`.
 """
 
