@@ -21,7 +21,6 @@ from tests.unit.test_sinks import assert_same, version_weights
 
 pytestmark = pytest.mark.timeout(180)
 
-FULL = "transport.verify=full"  # the trainer fingerprints every tensor: the serve checks every one it pulls
 SERVING = re.compile(r"serving the installed version to late joiners at (\S+:\d+)")
 
 
@@ -42,10 +41,14 @@ def stop(proc: object) -> int:
     return code
 
 
+@pytest.mark.parametrize("verify", ["full", "sample"])
 async def test_a_daemon_catches_up_from_a_serving_daemon_then_both_take_the_trainers_next_version(
-    tmp_path: Path,
+    tmp_path: Path, verify: str
 ) -> None:
+    """`verify`: the trainer's and the rollouts' transport.verify: with full the serve checks every tensor it
+    pulls against the trainer's fingerprint, with sample those the trainer fingerprinted (and says so)."""
     port, dump, out, stats = free_port(), tmp_path / "a.safetensors", tmp_path / "b", tmp_path / "b.jsonl"
+    FULL = f"transport.verify={verify}"
     serving = (FULL, f"rollout.sink.factory={TINY}:build_tiny", "rollout.serve_port=0", "rollout.identity=a")
     async with WeightSender(load_config(overrides=[*transport(port, 30), FULL])) as sender:
         with rollout(tmp_path, port, *serving, name="a", args=("--dump-on-exit", str(dump))) as a:
@@ -68,6 +71,8 @@ async def test_a_daemon_catches_up_from_a_serving_daemon_then_both_take_the_trai
     assert_same(load_file(str(out / "step_2.safetensors")), version_weights(2))
     assert_same(load_file(str(dump)), version_weights(2))
     assert "Traceback" not in log_of(a) + log_of(b)
+    partial = re.search(r"serving version 1 with (\d+) of its (\d+) tensors checked", log_of(a))
+    assert (partial is None) == (verify == "full"), log_of(a)
 
 
 @pytest.mark.parametrize(
