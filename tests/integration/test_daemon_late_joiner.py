@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from tests.unit.test_sinks import assert_same, version_weights
 pytestmark = pytest.mark.timeout(180)
 
 SERVING = re.compile(r"serving the installed version to late joiners at (\S+:\d+)")
+METRICS_ON = ("rollout.metrics_port=0",)
+METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 
 
 def log_of(proc: object) -> str:
@@ -33,6 +36,18 @@ def serve_address(proc: object) -> str:
     found = SERVING.search(log_of(proc))
     assert found is not None
     return found.group(1)
+
+
+def counters(proc: object) -> dict[str, float]:
+    """The late-joining counters a daemon's /metrics says now."""
+    found = METRICS.search(log_of(proc))
+    assert found is not None, log_of(proc)
+    with urllib.request.urlopen(found.group(1), timeout=10) as reply:
+        text = reply.read().decode()
+    names = ("peer_served", "peer_released", "caught_up")
+    return {
+        n: float(m.group(1)) for n in names if (m := re.search(rf"^weightsync_rollout_{n}_total (\S+)$", text, re.M))
+    }
 
 
 def stop(proc: object) -> int:
@@ -48,14 +63,14 @@ async def test_a_daemon_catches_up_from_a_serving_daemon_then_both_take_the_trai
     """`verify`: the trainer's and the rollouts' transport.verify: with full the serve checks every tensor it
     pulls against the trainer's fingerprint, with sample those the trainer fingerprinted (and says so)."""
     port, dump, out, stats = free_port(), tmp_path / "a.safetensors", tmp_path / "b", tmp_path / "b.jsonl"
-    FULL = f"transport.verify={verify}"
-    serving = (FULL, f"rollout.sink.factory={TINY}:build_tiny", "rollout.serve_port=0", "rollout.identity=a")
-    async with WeightSender(load_config(overrides=[*transport(port, 30), FULL])) as sender:
+    both = (f"transport.verify={verify}", *METRICS_ON)
+    serving = (*both, f"rollout.sink.factory={TINY}:build_tiny", "rollout.serve_port=0", "rollout.identity=a")
+    async with WeightSender(load_config(overrides=[*transport(port, 30), both[0]])) as sender:
         with rollout(tmp_path, port, *serving, name="a", args=("--dump-on-exit", str(dump))) as a:
             stats1 = await sender.send_weights(version_weights(1).items(), version=1)
             assert stats1.receivers == 1 and sender.registered == ["a"]
             peer = await asyncio.to_thread(serve_address, a)
-            joiner = (FULL, "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.identity=b")
+            joiner = (*both, "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.identity=b")
             catch_up = f"rollout.catch_up_from=[{peer}]"
             with rollout(tmp_path, port, *joiner, catch_up, name="b", args=("--stats-jsonl", str(stats))) as b:
                 await asyncio.to_thread(wait_for, lambda: "rollout daemon ready" in log_of(b), 60, "b's start", b)
@@ -63,6 +78,9 @@ async def test_a_daemon_catches_up_from_a_serving_daemon_then_both_take_the_trai
                 sender.settings = replace(sender.settings, min_receivers=2)  # b registers once it caught up
                 stats2 = await sender.send_weights(version_weights(2).items(), version=2)
                 assert stats2.receivers == 2 and sender.registered == ["a", "b"]
+                joined = await asyncio.to_thread(counters, b)
+                assert joined == {"peer_served": 0, "peer_released": 0, "caught_up": 1}, joined
+                assert (await asyncio.to_thread(counters, a))["peer_served"] == 1
                 assert await asyncio.to_thread(stop, b) == 0, log_of(b)
             assert await asyncio.to_thread(stop, a) == 0, log_of(a)
     assert re.search(rf"caught up with version 1 from the peer at {re.escape(peer)} in [0-9.]+ s", log_of(b)), log_of(b)
