@@ -16,7 +16,15 @@ import pytest
 from safetensors.torch import load_file
 
 from lightning_weightsync import WeightSender, cli, load_config
-from tests.integration.test_cli import TINY, assert_one_line_error, read_stats, rollout, transport, wait_for
+from tests.integration.test_cli import (
+    TINY,
+    assert_one_line_error,
+    read_stats,
+    rollout,
+    run_cli,
+    transport,
+    wait_for,
+)
 from tests.support.mp import free_port
 from tests.unit.test_sinks import assert_same, version_weights
 
@@ -71,8 +79,8 @@ async def test_a_daemon_catches_up_from_a_serving_daemon_then_both_take_the_trai
             assert stats1.receivers == 1 and sender.registered == ["a"]
             peer = await asyncio.to_thread(serve_address, a)
             joiner = (*both, "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.identity=b")
-            catch_up = f"rollout.catch_up_from=[{peer}]"
-            with rollout(tmp_path, port, *joiner, catch_up, name="b", args=("--stats-jsonl", str(stats))) as b:
+            catch_up = (f"rollout.catch_up_from=[{peer}]", "rollout.catch_up_wait_s=10")
+            with rollout(tmp_path, port, *joiner, *catch_up, name="b", args=("--stats-jsonl", str(stats))) as b:
                 await asyncio.to_thread(wait_for, lambda: "rollout daemon ready" in log_of(b), 60, "b's start", b)
                 assert_same(load_file(str(out / "step_1.safetensors")), version_weights(1))  # what a holds, bitwise
                 sender.settings = replace(sender.settings, min_receivers=2)  # b registers once it caught up
@@ -109,10 +117,9 @@ def test_bad_late_joining_knobs_fail_at_start_up_naming_the_key(
     assert_one_line_error(rc, capsys.readouterr().err, pattern)
 
 
-def test_serving_from_a_sink_that_keeps_no_tensors_fails_at_start_up(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_serving_from_a_sink_that_keeps_no_tensors_fails_at_start_up(tmp_path: Path) -> None:
     sink = ["rollout.sink.type=safetensors", f"rollout.sink.dir={tmp_path}", "rollout.progress=false"]
-    rc = cli.main(["rollout", "rollout.serve_port=0", *sink])
+    result = run_cli("rollout", "rollout.serve_port=0", *sink, timeout_s=30)  # a real daemon process
     pattern = r"rollout\.serve_port=0: the safetensors sink keeps no tensors to serve .*rollout\.serve_port=-1"
-    assert_one_line_error(rc, capsys.readouterr().err, pattern)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(rf"lightning-weightsync: error: {pattern}", result.stderr), result.stderr
