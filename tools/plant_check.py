@@ -61,6 +61,7 @@ QUANTIZE_CONTRACT = f"{PKG}/quantize/contract.py"
 QUANTIZE_UNIT = "tests/unit/test_quantize.py"
 PEER_SERVE = f"{PKG}/versions/peer_serve.py"
 LATE_JOINER = "tests/integration/test_late_joiner.py"
+LATE_DAEMON = "tests/integration/test_daemon_late_joiner.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
 FP8_E2E = "tests/unit/test_vllm_serialized_fp8_real.py"
@@ -1003,6 +1004,21 @@ PLANTS = [
           "        if last is not None and again and version < last:",
           "        if last is not None and version <= last:",
           (LATE_JOINER, "-k", "never_from_the_trainer")),
+    # -- late joining configured: the rollout daemon serves (rollout.serve_port) and catches up (catch_up_from)
+    Plant("late joiner daemon: the committed version not held for serving", f"{PKG}/rollout/daemon.py",
+          "            self.peers.hold(rec.version, self.receiver.last_verify)\n", "            pass\n",
+          (LATE_DAEMON, "-k", "catches and full")),
+    Plant("late joiner daemon: the module sink keeps nothing to serve", f"{PKG}/rollout/sinks/module.py",
+          "        self._installed = dict(self._received) if self.lora is None else None\n",
+          "        self._installed = None\n", (LATE_DAEMON, "-k", "catches and full")),
+    Plant("late joiner daemon: the serve's counter not counted", f"{PKG}/rollout/peers.py",
+          "        served = sum(s.receivers for s in server.served) if server is not None else 0\n",
+          "        served = 0\n", (LATE_DAEMON, "-k", "catches and full")),
+    Plant("late joiner daemon: a bad rollout.catch_up_from not refused at load", f"{PKG}/config/validate.py",
+          "        if host_port(address) is None:\n", "        if False:\n", (LATE_DAEMON, "-k", "bad_late")),
+    Plant("late joiner daemon: serving from a sink that keeps no tensors not refused", f"{PKG}/rollout/peers.py",
+          "        if rollout.serve_port >= 0 and not sink.holds_tensors:\n", "        if False:\n",
+          (LATE_DAEMON, "-k", "keeps_no_tensors")),
     # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
     Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
           "    if ue8m0:\n        sf = ceil_to_ue8m0(sf)\n", "", (SGLANG_QUANT_KIT, "-k", "sglangs_per_block_cast"),

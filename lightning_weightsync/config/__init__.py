@@ -46,7 +46,7 @@ from .schema import (
 )
 from .settings import ReceiverSettings, SenderSettings, UserConfig, settings
 from .sinks import SINK_SECTIONS, SinkConfig, SinkType, sink_section, unread_sink_knobs
-from .validate import GENERIC_S, MAX_COUNT, SECONDS_BOUNDS, check_token, validate_config
+from .validate import GENERIC_S, MAX_COUNT, SECONDS_BOUNDS, check_token, host_port, validate_config
 
 __all__ = [
     "AUTH_TOKEN_ENV",
@@ -92,6 +92,7 @@ __all__ = [
     "check_token",
     "default_config",
     "direct_min_bytes",
+    "host_port",
     "load_config",
     "mib_to_bytes",
     "settings",

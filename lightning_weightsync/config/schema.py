@@ -302,6 +302,17 @@ class RolloutConfig:
     """Device tensors are assembled on when the sink gives no destination."""
     progress: bool = True
     """Show a progress bar on a terminal."""
+    serve_port: int = -1
+    """Serve the version this daemon installed to late joiners (`versions/peer_serve.py`) on this TCP port:
+    -1 = off; 0 = any free port (logged); needs a sink that keeps its tensors (module)."""
+    serve_host: str | None = None
+    """Address the serve binds and joiners connect to (this rollout's address as its peers see it); null =
+    transport.host (right only where the rollout runs on the trainer's host)."""
+    catch_up_from: list[str] = field(default_factory=list)
+    """Serve addresses (host:port) of peers this daemon takes the current version from, in order, before it
+    first registers with the trainer; [] = none (the trainer's next version is its first)."""
+    catch_up_wait_s: float = 30.0
+    """How long the catch-up waits for each peer in catch_up_from to start serving a version."""
 
 
 @dataclass

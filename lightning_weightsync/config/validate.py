@@ -120,6 +120,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.every_n_steps={tr.every_n_steps} must be >= 1")
     if tr.min_receivers < 0:
         raise ConfigError(f"trainer.min_receivers={tr.min_receivers} must be >= 0")
+    _check_peer_knobs(ro)
     check_sink_sections(ro.sink)
     _check_identity(ro.identity)
     _check_token_knobs(t)
@@ -134,6 +135,32 @@ def _check_engine_section(name: str, section: Any) -> None:
     for url in section.urls:
         if not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"{name}.urls: {url!r} is not an http(s) URL; use a server's base URL: http://host:8000")
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of `host:port` (an IPv6 host in brackets: `[::1]:29700`); None when it is not one."""
+    host, _, port = str(address).rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _check_peer_knobs(ro: Any) -> None:
+    """Peer serving (`rollout.serve_*`) and catching up (`rollout.catch_up_*`): ports in range, addresses whole."""
+    if not -1 <= ro.serve_port <= 65535:
+        raise ConfigError(
+            f"rollout.serve_port={ro.serve_port} is out of range; -1 = off, 0 = any free port, or a TCP port in "
+            "[1, 65535]"
+        )
+    if ro.serve_host is not None and not ro.serve_host:
+        raise ConfigError("rollout.serve_host is empty; set this rollout's address as its peers see it, or null")
+    for address in ro.catch_up_from:
+        if host_port(address) is None:
+            raise ConfigError(
+                f"rollout.catch_up_from: {address!r} is not host:port with a port in [1, 65535]; list the serve "
+                "addresses of peers (their rollout.serve_host:rollout.serve_port), e.g. ['10.0.0.7:29700']"
+            )
+    _positive("rollout.catch_up_wait_s", ro.catch_up_wait_s)
 
 
 def _check_identity(identity: str | None) -> None:

@@ -94,15 +94,18 @@ async def consume_version(
     *,
     call: Call = call_inline,
     wait_s: float | None = None,
+    claim_base: bool = True,
 ) -> VersionRecord:
     """Receive the next version into `sink` and ack it; returns its record (raises on failure).
 
-    `wait_s` bounds the wait for the version to start (None: `transport.timeout_s`).
+    `wait_s` bounds the wait for the version to start (None: `transport.timeout_s`). `claim_base` False: claim no
+    delta base, so the version comes whole (the sink holds a version it did not take from this sender).
     """
     v = _Version(receiver, sink)
     # a sink that holds its tensors (module) takes deltas onto the version it holds; others get whole tensors
-    receiver.delta_base = sink.delta_version if sink.holds_tensors else None
-    base = sink.held if sink.holds_tensors else None
+    deltas = sink.holds_tensors and claim_base
+    receiver.delta_base = sink.delta_version if deltas else None
+    base = sink.held if deltas else None
     stream = receiver.receive_weights(into=v.destination, auto_ack=False, wait_s=wait_s, base=base)
     try:
         await _receive_into(stream, v, call)

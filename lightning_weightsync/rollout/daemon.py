@@ -16,8 +16,10 @@ Anything else (a bug) propagates.
 
 The daemon drives one interface, `Sink` (begin, destination, accept, commit, abort; `snapshot` for a
 dump on exit), whatever the sink, through the receive loop every rollout shares (`consume.py`).
-vLLM is not a daemon sink: vLLM workers receive by themselves through our weight-transfer engine
-(`rollout_engines/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
+Late joining (`peers.py`, `rollout.serve_*`, `rollout.catch_up_*`): before it first registers, the daemon may
+take the current version from a peer into its sink; and it may serve each version its sink committed to the
+rollouts that join later. vLLM is not a daemon sink: vLLM workers receive by themselves through our
+weight-transfer engine (`rollout_engines/vllm/`), on the same loop. Metrics, `/healthz`, the progress bar and the
 log line live in `observability.py`.
 """
 
@@ -43,6 +45,7 @@ from ..versions.receiver import WeightReceiver
 from .consume import consume_version
 from .held import held_weights_report
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
+from .peers import Peers
 from .sinks.base import Sink, SinkState
 from .sinks.build import build_sink
 
@@ -92,6 +95,8 @@ class RolloutDaemon:
         self._trainer: tuple[bool, float] = (False, 0.0)  # (connected, for how long), see `_watch_trainer`
         self._watcher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the daemon's: /weights reads the sink on it
+        self.peers: Peers | None = None  # late joining: its serve and catch-up (`peers.py`)
+        self._whole_next = False  # caught up from a peer: the trainer's next version comes whole (no delta base)
 
     # --- control --------------------------------------------------------------------------------
     def stop(self, reason: str | None = None) -> None:
@@ -129,7 +134,10 @@ class RolloutDaemon:
         quiet = sink.in_flight is None or sink.apply is ApplyMode.atomic
         complete = sink.state is SinkState.COMPLETE and quiet
         snapshot = sink.snapshot() if complete else None
-        return held_weights_report(sink.version, complete, receiver.last_verify, snapshot)
+        report = receiver.last_verify
+        if report is None and self.peers is not None and self.peers.caught_up is not None:
+            report = self.peers.caught_up.verify  # no version from the trainer yet: the one caught up with
+        return held_weights_report(sink.version, complete, report, snapshot)
 
     async def _watch_trainer(self) -> None:
         """Whether a trainer is there, kept for `/healthz` and the metrics, and said in the log: one WARNING
@@ -201,15 +209,27 @@ class RolloutDaemon:
         t = self.config.transport
         receiver = self.receiver = WeightReceiver(ReceiverSettings.of(self.config))
         receiver.on_bucket = lambda meta: self._progress.bucket(receiver.version, meta.nbytes)
-        await receiver.start()
+        await self._join(receiver)
+        await receiver.start()  # registers with the trainer
         self._watcher = asyncio.ensure_future(self._watch_trainer())
         logger.info(
             "rollout daemon ready: receiving from %s:%s (backend %s) into the %s sink (apply=%s)",
             t.host, t.port, t.backend, ro.sink.type, ro.apply,
         )  # fmt: skip
 
+    async def _join(self, receiver: WeightReceiver) -> None:
+        """Late joining (`peers.py`): serve what the sink installs, and catch up from peers before registering."""
+        assert self.sink is not None
+        peers = self.peers = Peers(self.config.rollout, receiver.settings, self.sink)
+        self.metrics.peers.read = peers.counts
+        await peers.serve(receiver)
+        self._whole_next = await peers.catch_up(receiver.identity, self._call) is not None
+
     async def _shutdown(self) -> None:
         self._progress.stop()
+        if self.peers is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.peers.close(), 10)
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -266,6 +286,7 @@ class RolloutDaemon:
         self._progress.stop()
         try:
             rec = work.result()
+            self._installed(rec)
         except WeightSyncError as exc:
             rec = self._failure_record(exc)
             if isinstance(exc, VerifyError):
@@ -275,6 +296,12 @@ class RolloutDaemon:
                 return  # stopped between versions: nothing to report
             rec = VersionRecord(version=in_flight, ok=False, error=self._stop_reason, outcome="stopped")
         self._report(rec)
+
+    def _installed(self, rec: VersionRecord) -> None:
+        """The sink committed `rec.version`: serve it to late joiners (`rollout.serve_port`)."""
+        self._whole_next = False
+        if self.peers is not None and self.receiver is not None and rec.version is not None:
+            self.peers.hold(rec.version, self.receiver.last_verify)
 
     def _failure_record(self, exc: WeightSyncError) -> VersionRecord:
         version = self.receiver.version if self.receiver is not None else None
@@ -310,7 +337,7 @@ class RolloutDaemon:
         assert sink is not None and receiver is not None  # set up by _setup() before the loop
         self.metrics.in_flight.set(0)
         try:
-            return await consume_version(receiver, sink, call=self._call)
+            return await consume_version(receiver, sink, call=self._call, claim_base=not self._whole_next)
         finally:
             self.metrics.in_flight.set(0)
 

@@ -15,11 +15,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..errors import ConfigError
 from ..versions.stats import human_bytes
@@ -64,6 +65,41 @@ def log_version(rec: VersionRecord, sink_state: SinkState, sink_version: int | N
             "version %s not applied (%s): %s; sink %s on version %s",
             rec.version, rec.outcome, rec.error, sink_state.value, sink_version,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeerCounts:
+    """Late joining, counted where it happens (`rollout/peers.py`): joiners this rollout served its installed
+    version to, serves cut short by its own next version, versions it caught up with from a peer."""
+
+    served: int = 0
+    released: int = 0
+    caught_up: int = 0
+
+
+class _PeerCollector:
+    """`PeerCounts` as Prometheus counters, read when scraped (every series exists from the start, at 0)."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], PeerCounts] = PeerCounts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self.read()
+        yield CounterMetricFamily(
+            "weightsync_rollout_peer_served",
+            "Late joiners this rollout served its installed version to (rollout.serve_port)",
+            value=counts.served,
+        )
+        yield CounterMetricFamily(
+            "weightsync_rollout_peer_released",
+            "Serves to late joiners cut short because this rollout's own next version started",
+            value=counts.released,
+        )
+        yield CounterMetricFamily(
+            "weightsync_rollout_caught_up",
+            "Versions this rollout caught up with from a peer before it registered (rollout.catch_up_from)",
+            value=counts.caught_up,
+        )
 
 
 class Metrics:
@@ -126,6 +162,8 @@ class Metrics:
             "Seconds without a connected trainer (0 while one is): a wrong address or token, or no trainer",
             registry=self.registry,
         )
+        self.peers = _PeerCollector()  # the daemon points `peers.read` at its late-joining counts
+        self.registry.register(self.peers)
 
     def trainer_link(self, connected: bool, for_s: float) -> None:
         self.trainer_connected.set(1 if connected else 0)

@@ -35,12 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import DeltaMode, ReceiverSettings, SenderSettings, VerifyMode
+from ..config import DeltaMode, ReceiverSettings, SenderSettings, VerifyMode, host_port
 from ..errors import ConfigError, VerifyError, WeightSyncError, explain
 from ..protocol.fingerprint import checksum_hex, fingerprint
 from .options import VersionOptions
@@ -48,6 +48,7 @@ from .pipeline import Into
 from .receiver import WeightReceiver
 from .sender import WeightSender
 from .stats import ReceiveStats, SendStats
+from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)
 
@@ -184,41 +185,54 @@ def serve_settings(settings: ReceiverSettings, port: int, host: str | None = Non
 
 @dataclass(frozen=True)
 class CaughtUp:
-    """What a late joiner took from a peer: the version, from where, and its receive's stats."""
+    """What a late joiner took from a peer: the version, from where, its receive's stats and what it checked
+    (every tensor, against the peer's fingerprints)."""
 
     version: int
     peer: str
     stats: ReceiveStats | None
+    verify: VerifyReport | None = None
+
+
+Take = Callable[[WeightReceiver, float], Awaitable[object]]
+"""How a joiner takes the version a peer serves: `await take(receiver, wait_s)` receives it from the receiver
+at the peer (waiting at most `wait_s` for it to start) and acks it (the rollout daemon: into its sink)."""
 
 
 def peer_address(address: str) -> tuple[str, int]:
     """(host, port) of a serve address `host:port` (`PeerServer.address`)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    parsed = host_port(address)
+    if parsed is None:
         raise ConfigError(f"catch_up: peer {address!r} is not host:port (a peer's PeerServer.address)")
-    return host.strip("[]"), int(port)
+    return parsed
 
 
 async def catch_up(
-    settings: ReceiverSettings, peers: Sequence[str], into: Into, *, identity: str, wait_s: float
+    settings: ReceiverSettings,
+    peers: Sequence[str],
+    into: Into | None,
+    *,
+    identity: str,
+    wait_s: float,
+    take: Take | None = None,
 ) -> CaughtUp | None:
     """The current version from the first of `peers` (serve addresses, host:port) that serves it whole, into the
-    joiner's destinations (`into`, as `receive_weights` takes it), every tensor checked against the peer's
-    fingerprint. None when no peer served one within `wait_s` each: then the joiner's destinations may hold a
-    part of a version and nothing is claimed; it takes the trainer's next version whole, as any new receiver."""
+    joiner's destinations (`into`, as `receive_weights` takes it; or however `take` takes it), every tensor
+    checked against the peer's fingerprint. None when no peer served one within `wait_s` each: then the joiner's
+    destinations may hold a part of a version and nothing is claimed; it takes the trainer's next version whole,
+    as any new receiver."""
     for address in peers:
         host, port = peer_address(address)
         t = replace(settings.transport, host=host, port=port, verify=VerifyMode.full, delta=DeltaMode.off)
         receiver = WeightReceiver(replace(settings, transport=t), identity=identity)
         try:
             await receiver.start()
-            async for _ in receiver.receive_weights(into=into, wait_s=wait_s):
-                pass
+            await (take or _into(into))(receiver, wait_s)
             report, version = receiver.last_verify, receiver.last_complete_version
             if version is None or report is None or not report.complete:
                 raise VerifyError(f"the catch-up from {address} was not checked whole: {report}")
             logger.info("caught up with version %d from the peer at %s", version, address)
-            return CaughtUp(version, address, receiver.last_stats)
+            return CaughtUp(version, address, receiver.last_stats, report)
         except WeightSyncError as exc:
             logger.warning("no catch-up from the peer at %s: %s", address, explain(exc))
         finally:
@@ -226,4 +240,12 @@ async def catch_up(
     return None
 
 
-__all__ = ["POLL_S", "CaughtUp", "Held", "PeerServer", "catch_up", "peer_address", "serve_settings"]
+def _into(into: Into | None) -> Take:
+    async def take(receiver: WeightReceiver, wait_s: float) -> None:
+        async for _ in receiver.receive_weights(into=into, wait_s=wait_s):
+            pass
+
+    return take
+
+
+__all__ = ["POLL_S", "CaughtUp", "Held", "PeerServer", "Take", "catch_up", "peer_address", "serve_settings"]

@@ -72,6 +72,12 @@ class VersionSink(ABC):
         """The tensor of `meta.name` of version `delta_version` this sink holds (None: not that one)."""
         return None
 
+    def installed(self) -> Mapping[str, torch.Tensor] | None:
+        """The tensors of the version committed last, as the sink holds them (not copies), under the names the
+        trainer sent: what a rollout serves to late joiners (`rollout.serve_port`). None where it keeps none (it
+        wrote them to disk, handed them on) or keeps them otherwise than sent (a LoRA version)."""
+        return None
+
     @abstractmethod
     def begin(
         self, version: int, tied: Mapping[str, Sequence[str]] | None = None, lora: LoraSpec | None = None

@@ -84,6 +84,7 @@ class ModuleSink(Sink):
         self._storage_of: dict[str, str] = _storage_groups(self._live)
         self._shadows: dict[int, torch.Tensor] = {}  # id(live tensor) -> staging tensor (atomic)
         self._received: dict[str, torch.Tensor] = {}
+        self._installed: dict[str, torch.Tensor] | None = None  # the committed version's live tensors, by sent name
         self._touched_live = False
         self._lora = LoraLoader(own.lora, self.module, self._live)
 
@@ -122,6 +123,11 @@ class ModuleSink(Sink):
             return None
         return live
 
+    def installed(self) -> dict[str, torch.Tensor] | None:
+        """The live tensors the last committed version wrote, by the names it sent (None: a LoRA version, whose
+        names and bytes are not the module's, or none committed yet)."""
+        return self._installed
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Clones of what the module holds now, taken under `self.lock`.
 
@@ -136,6 +142,7 @@ class ModuleSink(Sink):
     # --- Sink -----------------------------------------------------------------------------------
     def _begin(self, version: int) -> None:
         self._received = {}
+        self._installed = None  # written from now on (streaming), or at commit
         self._touched_live = False
         self._lora.begin(self.lora)
 
@@ -205,6 +212,7 @@ class ModuleSink(Sink):
             with torch.no_grad():
                 self._restore_ties()
                 self._merge(merges)
+        self._installed = dict(self._received) if self.lora is None else None
         self._received = {}
 
     def _merge(self, merges: list[tuple[str, str, str]]) -> None:
