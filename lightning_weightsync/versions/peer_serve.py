@@ -82,6 +82,7 @@ class PeerServer:
         self.served: list[SendStats] = []  # every serve that completed (its receivers: the joiners it reached)
         self.released = 0  # serves cut short because the peer's own next version started
         self.failed: list[str] = []  # why each other serve failed
+        self._served_to: set[str] = set()  # joiners a serve of the held version reached (they hold it)
 
     @property
     def port(self) -> int:
@@ -110,6 +111,7 @@ class PeerServer:
         """Serve `version` from now on: `tensors` are the ones installed (they must not change until `release`),
         `checksums` the trainer's fingerprints of them (`WeightReceiver.last_verify.checksums`)."""
         self._held = Held(version, tuple(tensors.items()), dict(checksums))
+        self._served_to.clear()  # a new version: every joiner registered lacks it
 
     def release(self, version: int | None = None) -> None:
         """The held tensors are about to change (`version`: the peer's next one starts): stop serving now. Never
@@ -131,7 +133,9 @@ class PeerServer:
     async def _run(self) -> None:
         """Serve the held version to whoever registered, one serve at a time, until closed."""
         while True:
-            joiners = await self.sender.wait_registered(POLL_S)
+            # a joiner served this version holds it: it leaves (its Bye may still be unread), and is not served again
+            # (one restarted under the same identity takes the next version, from the trainer or a later hold)
+            joiners = await self.sender.wait_registered(POLL_S, frozenset(self._served_to))
             held = self._held  # read after the wait: a release during it must not be served past
             if held is None or not joiners:
                 if held is None:
@@ -139,24 +143,28 @@ class PeerServer:
                 continue
             self._serving = asyncio.create_task(self._serve(held), name=f"peer-serve-{held.version}")
             await asyncio.wait({self._serving})
-            self._settle(self._serving, held)
+            if self._settle(self._serving, held) and self._held is held:
+                self._served_to.update(joiners)
 
     async def _serve(self, held: Held) -> SendStats:
         options = VersionOptions(stable_tensors=True)  # the held tensors stay put while they are served
         return await self.sender.send_again(self._checked(held), version=held.version, options=options)
 
-    def _settle(self, serve: asyncio.Task[SendStats], held: Held) -> None:
+    def _settle(self, serve: asyncio.Task[SendStats], held: Held) -> bool:
+        """Account for a serve that ended; True when it completed."""
         if serve.cancelled():
             logger.info("peer serve of version %d stopped: the peer's next version started", held.version)
-        elif (exc := serve.exception()) is not None:
+            return False
+        if (exc := serve.exception()) is not None:
             self.failed.append(explain(exc))
             if isinstance(exc, VerifyError) and self._held is held:
                 self._held = None  # its tensors are no longer the version: nothing to serve until the next hold
             logger.warning("peer serve of version %d failed: %s", held.version, explain(exc))
-        else:
-            stats = serve.result()
-            self.served.append(stats)
-            logger.info("peer served version %d to %d joiners in %.3f s", held.version, stats.receivers, stats.seconds)
+            return False
+        stats = serve.result()
+        self.served.append(stats)
+        logger.info("peer served version %d to %d joiners in %.3f s", held.version, stats.receivers, stats.seconds)
+        return True
 
     def _checked(self, held: Held) -> Iterator[tuple[str, torch.Tensor]]:
         """The held tensors as the serve pulls them, each still the trainer's bytes of the version, and none

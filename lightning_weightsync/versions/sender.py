@@ -199,13 +199,13 @@ class WeightSender(Endpoint):
         self._check_call(weights, version, again=True)
         return await self._send(weights, version, options)
 
-    async def wait_registered(self, wait_s: float) -> list[str]:
-        """Between versions: read the control plane (registrations, heartbeats, Byes) until a receiver is
-        registered or `wait_s` passed; the identities registered then. What a sender that serves on demand
-        waits in, instead of a version that would give up on too few receivers."""
+    async def wait_registered(self, wait_s: float, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Between versions: read the control plane (registrations, heartbeats, Byes) until a receiver not in
+        `exclude` is registered or `wait_s` passed; the identities registered then, but those. What a sender that
+        serves on demand waits in, instead of a version that would give up on too few receivers."""
         if not self._started:
             raise WeightSyncError("WeightSender.wait_registered() before start() (or after close())")
-        return await self._steps.wait_registered(wait_s)
+        return await self._steps.wait_registered(wait_s, exclude)
 
     async def _send(self, weights: NamedTensors, version: int, options: VersionOptions) -> SendStats:
         self._last_version = version

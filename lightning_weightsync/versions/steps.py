@@ -258,13 +258,14 @@ class SenderSteps:
             rnd.ready[identity] = peers[identity]
             self.readies[identity] = msg
 
-    async def wait_registered(self, wait_s: float) -> list[str]:
-        """Between versions: read control messages (a registration is taken as it is read) until a receiver is
-        registered or `wait_s` passed; the identities registered then. Nothing read here belongs to a version."""
+    async def wait_registered(self, wait_s: float, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Between versions: read control messages (a registration is taken as it is read, and a Bye) until a
+        receiver not in `exclude` is registered or `wait_s` passed; the identities registered then, but those.
+        Nothing read here belongs to a version."""
         deadline = time.monotonic() + wait_s
-        while not self.control.peers and (left := deadline - time.monotonic()) > 0:
+        while not (self.control.peers.keys() - exclude) and (left := deadline - time.monotonic()) > 0:
             await self.control.recv(left)
-        return sorted(self.control.peers)
+        return sorted(self.control.peers.keys() - exclude)
 
     # 3 ---------------------------------------------------------------------------------------
     async def send_plans(

@@ -21,7 +21,7 @@ from lightning_weightsync import WeightReceiver, WeightSender
 from lightning_weightsync.config import ReceiverSettings
 from lightning_weightsync.errors import WeightSyncError
 from lightning_weightsync.protocol.chunks import TensorMeta
-from lightning_weightsync.versions.peer_serve import CaughtUp, PeerServer, catch_up, serve_settings
+from lightning_weightsync.versions.peer_serve import POLL_S, CaughtUp, PeerServer, catch_up, serve_settings
 from tests.support.transfer import assert_bitwise, engine_cfg, stream, with_timeout
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,6 +137,9 @@ async def test_late_joiners_catch_up_from_a_peer_never_from_the_trainer_then_tak
             same(joiner.held, v1)
         await eventually(lambda: len(server.served) == 2)  # the serve settles once the joiner's ack is in
         assert [s.receivers for s in server.served] == [1, 1]
+        # a joiner served and gone is not served again: no serve starts for it while its Bye is still unread
+        await asyncio.sleep(20 * POLL_S)
+        assert not server.serving and server.sender.registered == [] and len(server.served) == 2
         assert stats1.receivers == 2 and sender.registered == ["a", "b"]  # the trainer never heard of them
 
         # the joiners' own receivers register with the trainer and take its next version, whole
