@@ -313,6 +313,10 @@ class RolloutConfig:
     first registers with the trainer; [] = none (the trainer's next version is its first)."""
     catch_up_wait_s: float = 30.0
     """How long the catch-up waits for each peer in catch_up_from to start serving a version."""
+    recover_from_peers: bool = True
+    """With catch_up_from set: a version that failed here for a cause outside this rollout (the sender aborted it,
+    its transport failed) is taken from those peers at once, before the trainer's next version
+    (`rollout/recover.py`); false = off (the trainer's next version is the next one this rollout holds)."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ from .consume import consume_version
 from .held import held_weights_report
 from .observability import HealthServer, Metrics, Progress, VersionRecord, log_version
 from .peers import Peers
+from .recover import Recovery
 from .sinks.base import Sink, SinkState
 from .sinks.build import build_sink
 
@@ -223,6 +224,7 @@ class RolloutDaemon:
         peers = self.peers = Peers(self.config.rollout, receiver.settings, self.sink)
         self.metrics.peers.read = peers.counts
         await peers.serve(receiver)
+        receiver.on_version_start = peers.version_starts
         self._whole_next = await peers.catch_up(receiver.identity, self._call) is not None
 
     async def _shutdown(self) -> None:
@@ -291,6 +293,9 @@ class RolloutDaemon:
             rec = self._failure_record(exc)
             if isinstance(exc, VerifyError):
                 self.metrics.verify_failures.inc()
+            self._report(rec)
+            self._recover(exc, rec.version)
+            return
         except asyncio.CancelledError:
             if in_flight is None:
                 return  # stopped between versions: nothing to report
@@ -302,6 +307,36 @@ class RolloutDaemon:
         self._whole_next = False
         if self.peers is not None and self.receiver is not None and rec.version is not None:
             self.peers.hold(rec.version, self.receiver.last_verify)
+
+    def _recover(self, exc: WeightSyncError, version: int | None) -> None:
+        """The failed `version` from a peer that installed it (`recover.py`), beside the next receive, which comes
+        whole: the sink may hold the peer's copy by then, a version the trainer did not send to this rollout."""
+        if self.peers is None or self.receiver is None:
+            return
+        recovery = self.peers.recover(exc, version, self.receiver.identity, self._call)
+        if recovery is not None and recovery.task is not None:
+            self._whole_next = True
+            recovery.task.add_done_callback(lambda _: self._recovered(recovery))
+
+    def _recovered(self, recovery: Recovery) -> None:
+        """A recovery ended: one it installed is recorded (outcome `recovered`) and served on, unless the trainer's
+        next version has started meanwhile (the held tensors are about to change)."""
+        task = recovery.task
+        caught = task.result() if task is not None and not task.cancelled() and task.exception() is None else None
+        if caught is None:
+            return
+        stats = caught.stats
+        nbytes = int(stats.nbytes) if stats is not None else 0
+        rec = VersionRecord(
+            version=caught.version, ok=True, nbytes=nbytes, num_tensors=int(stats.num_tensors) if stats else 0,
+            num_buckets=int(stats.num_buckets) if stats else 0, seconds=recovery.seconds,
+            bytes_per_second=nbytes / recovery.seconds if recovery.seconds > 0 else 0.0,
+            verified=int(stats.verified) if stats else 0, outcome="recovered",
+        )  # fmt: skip
+        logger.info("recovered version %d from the peer at %s in %.3f s", caught.version, caught.peer, recovery.seconds)
+        self._report(rec)
+        if recovery.guard.abandoned is None and self.peers is not None:
+            self.peers.hold(caught.version, caught.verify)
 
     def _failure_record(self, exc: WeightSyncError) -> VersionRecord:
         version = self.receiver.version if self.receiver is not None else None

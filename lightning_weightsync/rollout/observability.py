@@ -28,7 +28,8 @@ from .sinks.base import SinkState
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = ("applied", "failed", "aborted", "timeout", "stopped")  # stopped: the daemon stopped mid-version
+# stopped: the daemon stopped mid-version; recovered: a version that failed here, then taken from a peer
+OUTCOMES = ("applied", "failed", "aborted", "timeout", "stopped", "recovered")
 
 
 @dataclass

@@ -8,6 +8,8 @@
                version then comes whole (no delta base is claimed on a version the trainer did not send)
     a version  committed by the sink: hold its installed tensors (`Sink.installed`, no copies) with the
                fingerprints the receiver checked them against, so the serve checks every tensor it pulls
+    a failure  the trainer's version failed here for a cause outside this rollout: the same version from the peers
+               of catch_up_from, beside the next receive, abandoned at the trainer's next Prepare (`recover.py`)
     shutdown   close the server
 
 What the serve can check against the trainer is what the rollout checked on arrival: with the trainer's
@@ -29,6 +31,7 @@ from ..versions.receiver import WeightReceiver
 from ..versions.verify import VerifyReport
 from .consume import Call, consume_version
 from .observability import PeerCounts
+from .recover import Recovery, recoverable
 from .sinks.base import Sink
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class Peers:
         self.rollout, self.settings, self.sink = rollout, settings, sink
         self.server: PeerServer | None = None
         self.caught_up: CaughtUp | None = None
+        self.recovery: Recovery | None = None  # the last failed version's recovery (`recover.py`)
         self._partial_said = False
         if rollout.serve_port >= 0 and not sink.holds_tensors:
             raise ConfigError(
@@ -71,7 +75,6 @@ class Peers:
                 "(0: any), set rollout.serve_host to this rollout's own address, or -1 (off)"
             ) from None
         self.server = server
-        receiver.on_version_start = server.release
         logger.info("serving the installed version to late joiners at %s (rollout.serve_port)", server.address)
 
     async def catch_up(self, identity: str, call: Call) -> CaughtUp | None:
@@ -98,6 +101,31 @@ class Peers:
         self.hold(caught.version, caught.verify)
         return caught
 
+    def version_starts(self, version: int) -> None:
+        """The trainer's `version` starts (its Prepare, answered right after): what is held is about to change and
+        a recovery of an older version is over. Never waits."""
+        if self.server is not None:
+            self.server.release(version)
+        if self.recovery is not None:
+            self.recovery.abandon(f"the trainer's version {version} started")
+
+    def recover(self, exc: BaseException, version: int | None, identity: str, call: Call) -> Recovery | None:
+        """Start recovering `version`, which failed here with `exc`, from the peers of `rollout.catch_up_from`;
+        None where it is not to be (`rollout.recover_from_peers`, no peers, not a failure a peer mends, not newer
+        than what the sink holds)."""
+        ro, held = self.rollout, self.sink.version
+        if not (ro.recover_from_peers and ro.catch_up_from) or version is None or not recoverable(exc):
+            return None
+        if held is not None and version <= held:
+            return None
+        if self.recovery is not None:
+            self.recovery.abandon(f"version {version} failed after it")
+        peers, wait_s = list(ro.catch_up_from), float(ro.catch_up_wait_s)
+        self.recovery = Recovery(self.settings, self.sink, version, peers, wait_s)
+        self.recovery.start(identity, call)
+        logger.info("version %d failed here (%s): recovering it from the peers %s", version, explain(exc), peers)
+        return self.recovery
+
     def hold(self, version: int, report: VerifyReport | None) -> None:
         """Serve `version`, which the sink just committed, checked against `report`'s fingerprints."""
         tensors = self.sink.installed() if self.server is not None else None
@@ -116,6 +144,8 @@ class Peers:
         self.server.hold(version, tensors, checksums)
 
     async def close(self) -> None:
+        if self.recovery is not None:
+            await self.recovery.close()
         if self.server is not None:
             await self.server.close()
 
