@@ -62,6 +62,7 @@ QUANTIZE_UNIT = "tests/unit/test_quantize.py"
 PEER_SERVE = f"{PKG}/versions/peer_serve.py"
 LATE_JOINER = "tests/integration/test_late_joiner.py"
 LATE_DAEMON = "tests/integration/test_daemon_late_joiner.py"
+RECOVER = "tests/integration/test_daemon_recover.py"
 QUANT_CONTRACT_LEARN = f"{PKG}/rollout_engines/vllm/quant_contract.py"
 QUANT_CONTRACT_KIT = "tests/unit/test_vllm_quant_contract_real.py"
 FP8_E2E = "tests/unit/test_vllm_serialized_fp8_real.py"
@@ -1023,6 +1024,19 @@ PLANTS = [
     Plant("late joiner daemon: serving from a sink that keeps no tensors not refused", f"{PKG}/rollout/peers.py",
           "        if rollout.serve_port >= 0 and not sink.holds_tensors:\n", "        if False:\n",
           (LATE_DAEMON, "-k", "keeps_no_tensors")),
+    # -- a version that failed at a rollout, recovered from a peer (rollout/recover.py, rollout.recover_from_peers)
+    Plant("peer recovery: a version aborted by the sender not recovered", f"{PKG}/rollout/recover.py",
+          "    return isinstance(exc, (PeerError, WeightSyncTimeout))", "    return False",
+          (RECOVER, "-k", "chain")),
+    Plant("peer recovery: a version other than the failed one installed from a peer", f"{PKG}/rollout/recover.py",
+          "        if version != self.version or (held is not None and version <= held):\n",
+          "        if False:\n", (RECOVER, "-k", "abandoned")),
+    Plant("peer recovery: not abandoned when the trainer's next version starts", f"{PKG}/rollout/peers.py",
+          "            self.recovery.abandon(f\"the trainer's version {version} started\")\n", "            pass\n",
+          (RECOVER, "-k", "abandoned")),
+    Plant("peer serve: a joiner's Bye unread while nothing is held", PEER_SERVE,
+          "                    await self.sender.wait_registered(POLL_S, frozenset(joiners) | self._served_to)\n",
+          "                    await asyncio.sleep(POLL_S)\n", (RECOVER, "-k", "abandoned")),
     # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
     Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
           "    if ue8m0:\n        sf = ceil_to_ue8m0(sf)\n", "", (SGLANG_QUANT_KIT, "-k", "sglangs_per_block_cast"),
