@@ -53,30 +53,30 @@ def dying_rollout(tmp_path: Path, port: int, *overrides: str) -> Iterator[subpro
 async def test_a_chain_member_killed_mid_version_the_tail_recovers_it_from_the_head(tmp_path: Path) -> None:
     port, dump, out, stats = free_port(), tmp_path / "a.safetensors", tmp_path / "c", tmp_path / "c.jsonl"
     tiny = f"rollout.sink.factory={TINY}:build_tiny"
+    peer = f"127.0.0.1:{free_port()}"  # a's serve address, so c starts with a and b (catching up version 1 from a)
+    head = (*CHAIN, tiny, f"rollout.serve_port={peer.split(':')[1]}", "rollout.identity=a")
+    tail = (*CHAIN, "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.identity=c",
+            f"rollout.catch_up_from=[{peer}]", "rollout.catch_up_wait_s=30")  # fmt: skip
     async with WeightSender(load_config_chain(port)) as sender:
         sender.settings = replace(sender.settings, min_receivers=2)
-        head = (*CHAIN, tiny, "rollout.serve_port=0", "rollout.identity=a")
         with rollout(tmp_path, port, *head, name="a", args=("--dump-on-exit", str(dump))) as a, dying_rollout(
             tmp_path, port, *CHAIN, tiny, "rollout.identity=b"
-        ) as b:  # fmt: skip
+        ) as b, rollout(tmp_path, port, *tail, name="c", args=("--stats-jsonl", str(stats))) as c:  # fmt: skip
             stats1 = await sender.send_weights(version_weights(1).items(), version=1)
             assert stats1.receivers == 2 and stats1.num_buckets == 2, stats1  # b dies at the second of two
-            peer = await asyncio.to_thread(serve_address, a)
-            tail = (*CHAIN, "rollout.sink.type=safetensors", f"rollout.sink.dir={out}", "rollout.identity=c",
-                    f"rollout.catch_up_from=[{peer}]", "rollout.catch_up_wait_s=20")  # fmt: skip
-            with rollout(tmp_path, port, *tail, name="c", args=("--stats-jsonl", str(stats))) as c:
-                await asyncio.to_thread(wait_for, lambda: "rollout daemon ready" in log_of(c), 60, "c's start", c)
-                sender.settings = replace(sender.settings, min_receivers=3)
-                with pytest.raises(PeerError) as failed:  # the chain a -> b -> c is cut at b
-                    await sender.send_weights(version_weights(2).items(), version=2)
-                assert "'b'" in str(failed.value), failed.value  # the dead one named
-                await asyncio.to_thread(b.wait, 30)
-                await asyncio.to_thread(wait_for, lambda: RECOVERED.search(log_of(c)) is not None, 60, "recovery", c)
-                assert_same(load_file(str(out / "step_2.safetensors")), version_weights(2))  # from the head, bitwise
-                sender.settings = replace(sender.settings, min_receivers=2)
-                stats3 = await sender.send_weights(version_weights(3).items(), version=3)  # re-linked: a -> c
-                assert stats3.receivers == 2 and sender.registered == ["a", "c"], (stats3, sender.registered)
-                assert await asyncio.to_thread(stop, c) == 0, log_of(c)
+            assert await asyncio.to_thread(serve_address, a) == peer
+            await asyncio.to_thread(wait_for, lambda: "rollout daemon ready" in log_of(c), 60, "c's start", c)
+            sender.settings = replace(sender.settings, min_receivers=3)
+            with pytest.raises(PeerError) as failed:  # the chain a -> b -> c is cut at b
+                await sender.send_weights(version_weights(2).items(), version=2)
+            assert "'b'" in str(failed.value), failed.value  # the dead one named
+            await asyncio.to_thread(b.wait, 30)
+            await asyncio.to_thread(wait_for, lambda: RECOVERED.search(log_of(c)) is not None, 60, "recovery", c)
+            assert_same(load_file(str(out / "step_2.safetensors")), version_weights(2))  # from the head, bitwise
+            sender.settings = replace(sender.settings, min_receivers=2)
+            stats3 = await sender.send_weights(version_weights(3).items(), version=3)  # re-linked: a -> c
+            assert stats3.receivers == 2 and sender.registered == ["a", "c"], (stats3, sender.registered)
+            assert await asyncio.to_thread(stop, c) == 0, log_of(c)
             assert await asyncio.to_thread(stop, a) == 0, log_of(a)
     found = RECOVERED.search(log_of(c))
     assert found is not None and found.group(1) == peer, log_of(c)
