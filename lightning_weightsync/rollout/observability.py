@@ -57,8 +57,8 @@ class VersionRecord:
 def log_version(rec: VersionRecord, sink_state: SinkState, sink_version: int | None) -> None:
     if rec.ok:
         logger.info(
-            "version %d %s: %s in %.3f s (%s/s), %d tensors (%d chunked), %d buckets",
-            rec.version, rec.outcome, human_bytes(rec.nbytes), rec.seconds, human_bytes(rec.bytes_per_second), rec.num_tensors,
+            "version %d applied: %s in %.3f s (%s/s), %d tensors (%d chunked), %d buckets",
+            rec.version, human_bytes(rec.nbytes), rec.seconds, human_bytes(rec.bytes_per_second), rec.num_tensors,
             rec.num_chunked_tensors, rec.num_buckets,
         )  # fmt: skip
     else:
