@@ -1034,9 +1034,6 @@ PLANTS = [
     Plant("peer recovery: not abandoned when the trainer's next version starts", f"{PKG}/rollout/peers.py",
           "            self.recovery.abandon(f\"the trainer's version {version} started\")\n", "            pass\n",
           (RECOVER, "-k", "abandoned")),
-    Plant("peer serve: a joiner's Bye unread while nothing is held", PEER_SERVE,
-          "                    await self.sender.wait_registered(POLL_S, frozenset(joiners) | self._served_to)\n",
-          "                    await asyncio.sleep(POLL_S)\n", (RECOVER, "-k", "abandoned")),
     # -- the contract an SGLang rank declares, and its boxes: .venv-sglang/bin/python -m tools.plant_check sglang
     Plant("sglang quant: the UE8M0 scheme's scales not rounded to powers of two", QUANTIZE_SCHEMES,
           "    if ue8m0:\n        sf = ceil_to_ue8m0(sf)\n", "", (SGLANG_QUANT_KIT, "-k", "sglangs_per_block_cast"),

@@ -138,8 +138,8 @@ class PeerServer:
             joiners = await self.sender.wait_registered(POLL_S, frozenset(self._served_to))
             held = self._held  # read after the wait: a release during it must not be served past
             if held is None or not joiners:
-                if held is None:  # nothing to serve: keep reading the control plane (a waiting joiner's Bye)
-                    await self.sender.wait_registered(POLL_S, frozenset(joiners) | self._served_to)
+                if held is None:
+                    await asyncio.sleep(POLL_S)
                 continue
             self._serving = asyncio.create_task(self._serve(held), name=f"peer-serve-{held.version}")
             await asyncio.wait({self._serving})
