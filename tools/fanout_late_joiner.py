@@ -38,6 +38,7 @@ from tools.fanout_links import (
     STEADY_AFTER,
     add_nodes,
     counter_delta,
+    emit_row,
     link_table,
     make_row,
     receiver_overrides,
@@ -337,11 +338,7 @@ def main_late_joiner(args: argparse.Namespace) -> int:
                     print(f"{topology} K={receivers} late joiner: failed: {exc}", flush=True)
                     continue
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.json is not None:
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    with args.json.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                emit_row(row, args.json)
     print("\n".join(late_table(rows)))
     return 1 if failed else 0
 

@@ -461,6 +461,15 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def emit_row(row: dict[str, Any], json_path: Path | None) -> None:
+    """One row as it is measured: printed, and appended to `--json` (one object a line) where given."""
+    print(json.dumps(row), flush=True)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        with json_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     reason = skip_reason()
@@ -487,11 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{topology} K={receivers} M={ranks}: failed: {exc}", flush=True)
                         continue
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if args.json is not None:
-                        args.json.parent.mkdir(parents=True, exist_ok=True)
-                        with args.json.open("a") as f:
-                            f.write(json.dumps(row) + "\n")
+                    emit_row(row, args.json)
     print(f"\nevery link {args.rate_mbit} Mbit/s each way, S = {args.mb} MiB a receiver (tensors of "
           f"{args.tensor_mb} MiB), buckets {BUCKET_MB} MiB, chain pieces (and model chunk) {CHAIN_PIECE_MB} MiB, "
           f"versions {STEADY_AFTER + 1}..{args.versions}")  # fmt: skip
@@ -512,11 +517,7 @@ def main_killed(args: argparse.Namespace) -> int:
                     failed = True
                     print(f"{topology} K={receivers} killed: failed: {exc}", flush=True)
                     continue
-                print(json.dumps(row), flush=True)
-                if args.json is not None:
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    with args.json.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                emit_row(row, args.json)
     return 1 if failed else 0
 
 
